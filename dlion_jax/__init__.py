@@ -1,0 +1,30 @@
+"""dlion_jax: Distributed Lion and Lion Cub as optax transformations.
+
+Workers exchange bit-packed sign votes over ``jax.lax`` collectives instead of
+all-reducing fp32 gradients (Liu et al., NeurIPS 2024; Ishikawa et al., ICML
+2025).
+"""
+
+from dlion_jax import accounting
+from dlion_jax import exchange
+from dlion_jax import packing
+from dlion_jax.accounting import allreduce_bits
+from dlion_jax.accounting import collective_bytes
+from dlion_jax.accounting import wire_bits
+from dlion_jax.lion import DistributedLionState
+from dlion_jax.lion import distributed_lion
+from dlion_jax.lion import scale_by_distributed_lion
+
+__version__ = "0.1.0"
+
+__all__ = (
+    "DistributedLionState",
+    "accounting",
+    "allreduce_bits",
+    "collective_bytes",
+    "distributed_lion",
+    "exchange",
+    "packing",
+    "scale_by_distributed_lion",
+    "wire_bits",
+)

@@ -1,0 +1,49 @@
+"""Input checks shared by the transforms: each error names the argument, the
+value it got and how to fix it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+
+def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
+  """Raises a ValueError naming the option, the bad value and valid ones."""
+  if not isinstance(value, str) or value not in valid:
+    raise ValueError(
+        f"Unknown {name}={value!r}. Valid values are: "
+        f"{', '.join(repr(v) for v in valid)}.")
+
+
+def check_float_leaves(tree: Any, what: str) -> None:
+  """Raises a TypeError naming the first leaf that is not floating point."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
+      name = jax.tree_util.keystr(path) or "<root>"
+      kind = dtype if dtype is not None else type(leaf).__name__
+      raise TypeError(
+          f"{what} leaf {name} has dtype {kind}; distributed Lion only "
+          "updates floating-point leaves. Keep integer/bool state out of the "
+          "optimized pytree, or exclude it with optax.masked / "
+          "optax.partition.")
+
+
+def check_same_structure(updates: Any, mu: Any) -> None:
+  """Raises a ValueError when gradients and the momentum differ in shape."""
+  u_def, m_def = jax.tree.structure(updates), jax.tree.structure(mu)
+  if u_def != m_def:
+    raise ValueError(
+        "The gradient pytree does not match the optimizer state's momentum: "
+        f"updates have structure {u_def}, state.mu has {m_def}. Call "
+        "`init` on the same parameters whose gradients you pass to `update`.")
+  for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates),
+                          jax.tree.leaves(mu)):
+    if jnp.shape(g) != jnp.shape(m):
+      raise ValueError(
+          f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
+          f"{jnp.shape(g)} but its momentum has shape {jnp.shape(m)}. Call "
+          "`init` on the same parameters whose gradients you pass to "
+          "`update`.")
