@@ -1,0 +1,90 @@
+"""An independent numpy reference of Distributed Lion (Liu et al., Alg. 1).
+
+Written from the paper, not from the library: plain loops over workers and
+numpy arithmetic in the leaf dtype (ml_dtypes for bf16).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _as(x, dtype):
+  return np.asarray(x, dtype=dtype)
+
+
+def mul_add(a, x, y, dtype):
+  """a * x + y in ``dtype`` with a single rounding for float32.
+
+  XLA on CPU contracts ``a * x + y`` into one fused multiply-add; a float32
+  product is exact in float64, so rounding the float64 sum once reproduces
+  it. Narrower types (bf16) are computed per operation, as XLA does.
+  """
+  a, x, y = _as(a, dtype), x.astype(dtype), y.astype(dtype)
+  if np.dtype(dtype) == np.float32:
+    return (a.astype(np.float64) * x + y.astype(np.float64)).astype(dtype)
+  return a * x + y
+
+
+def worker_vote(c: np.ndarray, vote: str) -> np.ndarray:
+  """d_i: +1/-1 (binary, c <= 0 and NaN vote -1) or sign(c) (ternary)."""
+  if vote == "binary":
+    return np.where(c > 0, 1, -1).astype(np.int64)
+  return np.where(c > 0, 1, np.where(c < 0, -1, 0)).astype(np.int64)
+
+
+def aggregate(votes: list[np.ndarray], aggregation: str, dtype) -> np.ndarray:
+  total = np.sum(votes, axis=0)
+  if aggregation == "mavo":
+    return np.sign(total).astype(dtype)
+  n = len(votes)
+  return (total.astype(np.float32) / np.float32(n)).astype(dtype)
+
+
+class DistributedLionReference:
+  """N workers' momenta and shared params, stepped with numpy.
+
+  Args:
+    params: dict name -> array (the replicated parameters).
+    num_workers: N.
+    mu_dtype: numpy dtype of the momenta, or None for the params' dtype.
+  """
+
+  def __init__(self, params, num_workers, *, b1=0.9, b2=0.99, mu_dtype=None,
+               learning_rate=1e-2, weight_decay=1e-3, aggregation="mavo",
+               vote="binary"):
+    self.params = {k: np.array(v) for k, v in params.items()}
+    self.n = num_workers
+    self.b1, self.b2 = b1, b2
+    self.lr, self.wd = learning_rate, weight_decay
+    self.aggregation, self.vote = aggregation, vote
+    self.mu = [{k: np.zeros(v.shape, mu_dtype or v.dtype)
+                for k, v in params.items()} for _ in range(num_workers)]
+    self.mu_dtype = mu_dtype
+
+  def direction(self, grads):
+    """D for one step, given grads[i][name] of every worker; updates mu."""
+    out = {}
+    for k in self.params:
+      cs = []
+      for i in range(self.n):
+        g, m = grads[i][k], self.mu[i][k]
+        dt = np.result_type(g.dtype, m.dtype)
+        cs.append(mul_add(1.0 - self.b1, g, _as(self.b1, dt) * m.astype(dt),
+                          dt))
+        new_m = mul_add(1.0 - self.b2, g, _as(self.b2, dt) * m.astype(dt), dt)
+        self.mu[i][k] = new_m.astype(self.mu_dtype or new_m.dtype)
+      if self.n == 1:
+        out[k] = np.sign(cs[0])
+      else:
+        out[k] = aggregate([worker_vote(c, self.vote) for c in cs],
+                           self.aggregation, cs[0].dtype)
+    return out
+
+  def step(self, grads):
+    """x <- x - lr * (D + wd * x), in the params' dtype."""
+    direction = self.direction(grads)
+    for k, p in self.params.items():
+      u = mul_add(self.wd, p, direction[k], p.dtype)
+      self.params[k] = mul_add(-self.lr, u, p, p.dtype)
+    return direction
