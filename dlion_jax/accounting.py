@@ -118,14 +118,20 @@ _OPS = {
     "all-reduce": "all-reduce",
     "all-reduce-start": "all-reduce",
     "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
     "all-to-all": "all-to-all",
     "reduce-scatter": "reduce-scatter",
     "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
 }
+# Async starts (GPU) whose result is the tuple (operands, results, ...): only
+# the second element is what the collective produces.
+_OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
 _INSTR = re.compile(
     r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-    r"(?P<op>all-reduce-start|all-reduce|all-gather|all-to-all|"
-    r"reduce-scatter|collective-permute)\(")
+    r"(?P<op>all-reduce-start|all-reduce|all-gather-start|all-gather|"
+    r"all-to-all|reduce-scatter|collective-permute-start|"
+    r"collective-permute)\(")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
@@ -141,6 +147,33 @@ def _shape_bytes(shape: str) -> int:
     bits = _DTYPE_BITS.get(m["dtype"]) or int(m["dtype"][1:])
     total += math.prod(dims) * bits // 8
   return total
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """Top-level elements of a tuple shape ``(a, (b, c))``; ``[shape]`` else."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, char in enumerate(shape):
+    if char == "(":
+      depth += 1
+    elif char == ")":
+      depth -= 1
+    if (char == "," and depth == 1) or depth == 0:
+      parts.append(shape[start:i])
+      start = i + 1
+    if depth == 0:
+      break
+  return parts
+
+
+def _result_shape(op: str, shape: str) -> str:
+  """The part of an instruction's shape that the collective produces."""
+  parts = _tuple_elements(shape)
+  if op in _OPERAND_RESULT_PAIRS and len(parts) >= 2:
+    return parts[1]
+  return shape
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,13 +214,14 @@ def collectives(hlo_text: str) -> list[Collective]:
     if not m:
       continue
     op = _OPS[m["op"]]
+    shape = _result_shape(m["op"], m["shape"])
     g = _GROUPS_LIST.search(line)
     if g:
       n = len([d for d in g["first"].split(",") if d])
     else:
       iota = _GROUPS_IOTA.search(line)
       n = int(iota["size"]) if iota else default_n
-    size = _shape_bytes(m["shape"])
+    size = _shape_bytes(shape)
     found.append(Collective(op, size, n, _sent(op, size, n)))
   return found
 

@@ -1,0 +1,69 @@
+"""Benchmark entry points: ``python -m dlion_jax.bench.<name>``.
+
+* :mod:`dlion_jax.bench.wire`: bits each worker sends per parameter per step,
+  read off compiled HLO, against :func:`dlion_jax.wire_bits`.
+* :mod:`dlion_jax.bench.step`: wall time of one optimizer step on simulated
+  CPU devices, Distributed Lion against ``optax.lion``.
+
+Results and the commands that produced them are in ``docs/benchmarks.md``.
+This module holds the few helpers both share.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Iterable, Sequence
+
+import jax
+
+
+def use_cpu_devices(num_devices: int) -> None:
+  """Asks for ``num_devices`` simulated CPU devices before jax starts.
+
+  Must run before the first call that initializes a backend (e.g.
+  ``jax.devices()``); it overrides ``--xla_force_host_platform_device_count``.
+
+  Raises:
+    RuntimeError: the backend is already up with fewer devices.
+  """
+  try:
+    jax.config.update("jax_num_cpu_devices", num_devices)
+  except RuntimeError:
+    pass  # Backend already initialized: check what it has below.
+  if jax.device_count() < num_devices:
+    raise RuntimeError(
+        f"Need {num_devices} devices, jax sees {jax.device_count()}. Run in a "
+        "fresh process, or set XLA_FLAGS=--xla_force_host_platform_device_"
+        f"count={num_devices} before importing jax.")
+
+
+def progress(items: Iterable, total: int, desc: str):
+  """``tqdm`` progress over ``items`` when tqdm is installed, else prints."""
+  try:
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    return _plain_progress(items, total, desc)
+  return tqdm(items, total=total, desc=desc, file=sys.stderr)
+
+
+def _plain_progress(items, total, desc):
+  step = max(1, total // 10)
+  for i, item in enumerate(items):
+    if i % step == 0:
+      print(f"{desc}: {i}/{total}", file=sys.stderr, flush=True)
+    yield item
+  print(f"{desc}: {total}/{total}", file=sys.stderr, flush=True)
+
+
+def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
+  """A GitHub markdown table; cells are formatted with ``str``."""
+  lines = ["| " + " | ".join(headers) + " |",
+           "|" + "|".join("---" for _ in headers) + "|"]
+  lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
+  return "\n".join(lines)
+
+
+def machine_line() -> str:
+  """One line naming the jax version, backend and device count."""
+  return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"{jax.device_count()} devices ({jax.devices()[0].device_kind})")

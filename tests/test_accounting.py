@@ -1,0 +1,311 @@
+"""Wire accounting: analytic bits, HLO parsing, and the two against each other.
+
+Compile-only: nothing here runs a collective, so the file stays fast.
+"""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import accounting
+from dlion_jax import exchange
+from dlion_jax import packing
+from dlion_jax import parallel
+
+AXIS = "data"
+COMMS = accounting.COMMS
+# Odd leaf sizes, about 1e5 parameters: no strategy's packing unit divides d.
+SHAPES = {"w": (101, 997), "b": (997,), "s": (7,)}
+D = sum(math.prod(s) for s in SHAPES.values())
+CONFIGS = [(a, v) for a in accounting.AGGREGATIONS for v in accounting.VOTES]
+
+
+# --- helpers ---------------------------------------------------------------
+
+
+def _first(tree):
+  return jax.tree.map(lambda x: x[0], tree)
+
+
+def compile_update(num_workers, *, aggregation, vote, comm):
+  """Compiled shard_map of one distributed Lion update (never run)."""
+  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  tx = dl.scale_by_distributed_lion(axis_name=AXIS, aggregation=aggregation,
+                                    vote=vote, comm=comm)
+
+  def local(grads, mu):
+    state = dl.DistributedLionState(jnp.zeros([], jnp.int32), _first(mu))
+    return tx.update(_first(grads), state)[0]
+
+  # A size-1 axis has no vote, so nothing marks D as replicated.
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(AXIS), P(AXIS)),
+                             out_specs=P(), check_vma=num_workers > 1))
+  arg = {k: jax.ShapeDtypeStruct((num_workers,) + s, jnp.float32)
+         for k, s in SHAPES.items()}
+  return fn.lower(arg, arg).compile()
+
+
+def compile_on_mesh(fn, mesh, in_spec, *shapes, out_specs=P(AXIS)):
+  """Compiled ``shard_map(fn)`` on abstract float32 inputs of ``shapes``."""
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=in_spec, out_specs=out_specs,
+                         check_vma=False)
+  args = [jax.ShapeDtypeStruct(s, jnp.float32) for s in shapes]
+  return jax.jit(mapped).lower(*args).compile()
+
+
+def _word_bytes(radix):
+  return jnp.dtype(packing.word_dtype(radix)).itemsize
+
+
+def _packed_bytes(num_digits, radix):
+  """Bytes of ``num_digits`` digits packed by :func:`packing.pack_digits`."""
+  return math.ceil(num_digits / packing.digits_per_word(radix)) * _word_bytes(
+      radix)
+
+
+def expected_sent_bytes(n, d, *, aggregation, vote, comm):
+  """Bytes a worker sends for d parameters, padding included, derived from
+  the packing layout (not from accounting.wire_bits)."""
+  comm = exchange.resolve_comm(comm, n, aggregation=aggregation, vote=vote)
+  up = accounting.vote_radix(vote)
+  if comm == "alltoall":
+    down = accounting.alltoall_down_radix(n, aggregation=aggregation,
+                                          vote=vote)
+    unit = n * math.lcm(packing.digits_per_word(up),
+                        packing.digits_per_word(down))
+    padded = math.ceil(d / unit) * unit
+    return (n - 1) / n * (_packed_bytes(padded, up) +
+                          _packed_bytes(padded, down))
+  if comm == "allgather":
+    return (n - 1) * _packed_bytes(d, up)
+  if comm == "psum":
+    return 2 * (n - 1) / n * _packed_bytes(d, accounting.psum_radix(n, vote))
+  itemsize = jnp.dtype(accounting.int_container(n)).itemsize
+  return 2 * (n - 1) / n * d * itemsize
+
+
+# --- HLO-measured bits against wire_bits ------------------------------------
+
+
+@pytest.mark.parametrize("comm", COMMS + ("auto",))
+@pytest.mark.parametrize("n", [2, 3, 5, 8])
+def test_hlo_bits_match_wire_bits(n, comm):
+  for aggregation, vote in CONFIGS:
+    kw = dict(aggregation=aggregation, vote=vote, comm=comm)
+    compiled = compile_update(n, **kw)
+    sent = accounting.collective_bytes(compiled)
+    # Exact, padding included.
+    assert sent == pytest.approx(expected_sent_bytes(n, D, **kw),
+                                 rel=1e-12), kw
+    # Per parameter: the analytic figure, up to padding (< 320 digits of ~1e5).
+    bits = sent * 8 / D
+    analytic = dl.wire_bits(n, **kw)
+    assert analytic - 1e-9 <= bits <= analytic * (1 + 320 / D), (kw, bits)
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_hlo_ops_per_strategy(comm):
+  ops = {"alltoall": ["all-to-all", "all-gather"],
+         "allgather": ["all-gather"],
+         "psum": ["all-reduce"],
+         "psum_int8": ["all-reduce"]}[comm]
+  compiled = compile_update(5, aggregation="mavo", vote="binary", comm=comm)
+  found = accounting.collectives(compiled.as_text())
+  assert [c.op for c in found] == ops
+  assert all(c.group_size == 5 for c in found)
+
+
+def test_single_worker_sends_nothing():
+  compiled = compile_update(1, aggregation="mavo", vote="binary",
+                            comm="alltoall")
+  assert accounting.collectives(compiled.as_text()) == []
+  assert accounting.collective_bytes(compiled) == 0
+  assert dl.wire_bits(1) == 0.0
+
+
+def test_fp32_pmean_matches_allreduce_bits():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  compiled = compile_on_mesh(lambda g: lax.pmean(g, AXIS), mesh, P(AXIS),
+                             (8 * 1000,))
+  bits = accounting.collective_bytes(compiled) * 8 / 1000
+  assert bits == pytest.approx(dl.allreduce_bits(8)) == pytest.approx(56.0)
+  assert dl.allreduce_bits(8, jnp.bfloat16) == 28.0
+
+
+# --- wire_bits: values, auto, errors ----------------------------------------
+
+
+def test_wire_bits_known_values():
+  assert dl.wire_bits(8) == pytest.approx(2.275)
+  assert dl.wire_bits(8, comm="psum_int8") == 14.0
+  assert dl.wire_bits(8, comm="allgather") == 7.0
+  assert dl.wire_bits(8, comm="psum") == pytest.approx(2 * 7 / 8 * 3.2)
+  assert dl.wire_bits(8, aggregation="avg") == pytest.approx(7 / 8 * 4.2)
+  assert dl.wire_bits(2) == 1.0         # allgather of 1 bit beats alltoall
+  assert dl.wire_bits(200, comm="psum_int8") == pytest.approx(
+      2 * 199 / 200 * 16)               # int8 cannot sum 200 votes
+
+
+@pytest.mark.parametrize("aggregation,vote", CONFIGS)
+def test_auto_is_min_over_strategies(aggregation, vote):
+  for n in range(1, 70):
+    each = {c: dl.wire_bits(n, aggregation=aggregation, vote=vote, comm=c)
+            for c in COMMS}
+    auto = dl.wire_bits(n, aggregation=aggregation, vote=vote)
+    assert auto == min(each.values()), n
+    picked = exchange.resolve_comm("auto", n, aggregation=aggregation,
+                                   vote=vote)
+    assert each[picked] == pytest.approx(auto, abs=1e-9), (n, picked)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(num_workers=0), "num_workers"),
+    (dict(num_workers=-3), "num_workers"),
+    (dict(num_workers=2.0), "num_workers"),
+    (dict(num_workers="8"), "num_workers"),
+    (dict(num_workers=8, aggregation="mean"), "aggregation"),
+    (dict(num_workers=8, vote="sign"), "vote"),
+    (dict(num_workers=8, comm="ring"), "comm"),
+    (dict(num_workers=8, comm=None), "comm"),
+])
+def test_wire_bits_errors(kwargs, match):
+  n = kwargs.pop("num_workers")
+  with pytest.raises(ValueError, match=match):
+    dl.wire_bits(n, **kwargs)
+
+
+# --- collectives(): parsing compiled modules --------------------------------
+
+
+def _one(text, op):
+  found = [c for c in accounting.collectives(text) if c.op == op]
+  assert len(found) == 1, accounting.collectives(text)
+  return found[0]
+
+
+def test_parses_all_reduce():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  text = compile_on_mesh(lambda x: lax.psum(x, AXIS), mesh, P(AXIS),
+                         (8 * 64,)).as_text()
+  c = _one(text, "all-reduce")
+  assert (c.result_bytes, c.group_size) == (256, 8)
+  assert c.sent_bytes == 2 * 7 / 8 * 256
+
+
+def test_parses_tuple_all_reduce():
+  mesh = parallel.data_mesh(4, axis_name=AXIS)
+  fn = lambda x, y: lax.psum((x, y.astype(jnp.int32)), AXIS)
+  text = compile_on_mesh(fn, mesh, (P(AXIS), P(AXIS)), (4 * 64,), (4 * 3,),
+                         out_specs=(P(AXIS), P(AXIS))).as_text()
+  found = [c for c in accounting.collectives(text) if c.op == "all-reduce"]
+  assert sum(c.result_bytes for c in found) == 64 * 4 + 3 * 4
+  assert accounting.collective_bytes(text) == 2 * 3 / 4 * (64 * 4 + 3 * 4)
+
+
+def test_parses_all_gather():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  text = compile_on_mesh(lambda x: lax.all_gather(x, AXIS, tiled=True), mesh,
+                         P(AXIS), (8 * 10,)).as_text()
+  c = _one(text, "all-gather")
+  assert (c.result_bytes, c.group_size, c.sent_bytes) == (320, 8, 280)
+
+
+def test_parses_all_to_all():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  fn = lambda x: lax.all_to_all(x.reshape(8, 16), AXIS, 0, 0).ravel()
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 128,)).as_text()
+  c = _one(text, "all-to-all")       # XLA:CPU prints a tuple of 8 [1,16]
+  assert (c.result_bytes, c.group_size, c.sent_bytes) == (512, 8, 448)
+
+
+def test_parses_reduce_scatter():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  fn = lambda x: lax.psum_scatter(x, AXIS, tiled=True)
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  c = _one(text, "reduce-scatter")
+  # The result is 1/N of the 256-byte input, of which (N-1)/N is sent.
+  assert (c.result_bytes, c.group_size, c.sent_bytes) == (32, 8, 224)
+
+
+def test_parses_subgroups_of_a_2d_mesh():
+  mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("a", "b"))
+  fn = lambda x: (lax.psum(x, "a"), lax.all_gather(x, "b", tiled=True))
+  text = compile_on_mesh(fn, mesh, P(("a", "b")), (8 * 16,),
+                         out_specs=(P(("a", "b")),) * 2).as_text()
+  assert _one(text, "all-reduce").group_size == 2
+  gather = _one(text, "all-gather")
+  assert (gather.group_size, gather.result_bytes) == (4, 256)
+
+
+def test_collective_bytes_takes_compiled_or_text():
+  compiled = compile_update(8, aggregation="mavo", vote="binary",
+                            comm="psum_int8")
+  assert accounting.collective_bytes(compiled) == (
+      accounting.collective_bytes(compiled.as_text())) == 2 * 7 / 8 * D
+
+
+# --- collectives(): handwritten HLO lines ------------------------------------
+
+_HEADER = "HloModule m, num_partitions=8\n"
+
+
+@pytest.mark.parametrize("line,op,result_bytes,group_size", [
+    # Iota replica groups: [groups, size] <= [devices], possibly transposed.
+    ("%ar = f32[1024]{0} all-reduce(%p), channel_id=1, "
+     "replica_groups=[1,8]<=[8], use_global_device_ids=true, to_apply=%add",
+     "all-reduce", 4096, 8),
+    ("%ag = u8[4,100]{1,0} all-gather(%p), channel_id=2, "
+     "replica_groups=[2,4]<=[4,2]T(1,0), dimensions={0}",
+     "all-gather", 400, 4),
+    # Empty groups: every device of the module.
+    ("ROOT %ar.1 = s8[77]{0} all-reduce(%p), replica_groups={}, "
+     "to_apply=%add", "all-reduce", 77, 8),
+    # Tuple results, with XLA's /*index=k*/ comments.
+    ("%a2a = (u8[1,8]{1,0}, u8[1,8]{1,0}, u8[1,8]{1,0}, u8[1,8]{1,0}, "
+     "u8[1,8]{1,0}, /*index=5*/u8[1,8]{1,0}, u8[1,8]{1,0}, u8[1,8]{1,0}) "
+     "all-to-all(%a, %b, %c, %d, %e, /*index=5*/%f, %g, %h), channel_id=3, "
+     "replica_groups={{0,1,2,3,4,5,6,7}}", "all-to-all", 64, 8),
+    ("%ar2 = (f32[64]{0}, bf16[3]{0}, u32[5]{0}) all-reduce(%x, %y, %z), "
+     "replica_groups={{0,1},{2,3},{4,5},{6,7}}, to_apply=%add",
+     "all-reduce", 256 + 6 + 20, 2),
+    ("%rs = f32[8]{0} reduce-scatter(f32[64]{0} %p), channel_id=4, "
+     "replica_groups=[1,8]<=[8], dimensions={0}, to_apply=%add",
+     "reduce-scatter", 32, 8),
+    # Async (GPU) forms: the start carries (operand, result) for all-gather.
+    ("%ars = u32[100]{0} all-reduce-start(u32[100]{0} %p), "
+     "replica_groups=[1,8]<=[8], to_apply=%add", "all-reduce", 400, 8),
+    ("%ags = (u8[10]{0}, u8[80]{0}) all-gather-start(u8[10]{0} %p), "
+     "replica_groups=[1,8]<=[8], dimensions={0}", "all-gather", 80, 8),
+    ("%ags2 = ((u8[10]{0}, f32[2]{0}), (u8[80]{0}, f32[16]{0})) "
+     "all-gather-start(%p, %q), replica_groups=[1,8]<=[8], dimensions={0}",
+     "all-gather", 80 + 64, 8),
+    ("%cps = (f32[16]{0}, f32[16]{0}, u32[], u32[]) "
+     "collective-permute-start(%p), source_target_pairs={{0,1},{1,0}}",
+     "collective-permute", 64, 8),
+])
+def test_parses_handwritten_lines(line, op, result_bytes, group_size):
+  (c,) = accounting.collectives(_HEADER + "  " + line + "\n")
+  assert (c.op, c.result_bytes, c.group_size) == (op, result_bytes,
+                                                  group_size)
+  n = group_size
+  factor = {"all-reduce": 2 * (n - 1) / n, "reduce-scatter": n - 1,
+            "collective-permute": 1}.get(op, (n - 1) / n)
+  assert c.sent_bytes == pytest.approx(factor * result_bytes)
+
+
+def test_ignores_non_collectives_and_done_ops():
+  text = _HEADER + "\n".join([
+      '  %f = f32[8]{0} fusion(%p), kind=kLoop, metadata={op_name="psum"}',
+      "  %ard = u32[100]{0} all-reduce-done(u32[100]{0} %ars)",
+      "  %agd = u8[80]{0} all-gather-done((u8[10]{0}, u8[80]{0}) %ags)",
+      "  %c = f32[8]{0} copy(%all-gather.1)",
+  ])
+  assert accounting.collectives(text) == []
+  assert accounting.collective_bytes(text) == 0
