@@ -8,6 +8,7 @@ all-reducing fp32 gradients (Liu et al., NeurIPS 2024; Ishikawa et al., ICML
 from dlion_jax import accounting
 from dlion_jax import exchange
 from dlion_jax import packing
+from dlion_jax import parallel
 from dlion_jax.accounting import allreduce_bits
 from dlion_jax.accounting import collective_bytes
 from dlion_jax.accounting import wire_bits
@@ -25,6 +26,7 @@ __all__ = (
     "distributed_lion",
     "exchange",
     "packing",
+    "parallel",
     "scale_by_distributed_lion",
     "wire_bits",
 )

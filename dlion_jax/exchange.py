@@ -31,6 +31,7 @@ from typing import Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from dlion_jax import accounting
@@ -199,7 +200,12 @@ def exchange_votes(codes: jax.Array, *, axis_name: AxisName, num_workers: int,
 def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str, dtype):
   if aggregation == "mavo":
     return jnp.sign(vote_sum).astype(dtype)
-  return (vote_sum.astype(jnp.float32) / num_workers).astype(dtype)
+  # s / N read from a table of correctly rounded quotients: XLA would turn a
+  # division by the constant N into a multiplication by 1/N and fuse it with
+  # the consumers in a strategy-dependent order, breaking bit-identity.
+  quotients = (np.arange(-num_workers, num_workers + 1, dtype=np.float32)
+               / np.float32(num_workers))
+  return jnp.asarray(quotients, dtype)[vote_sum + num_workers]
 
 
 def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,

@@ -13,17 +13,32 @@ def _as(x, dtype):
   return np.asarray(x, dtype=dtype)
 
 
-def mul_add(a, x, y, dtype):
-  """a * x + y in ``dtype`` with a single rounding for float32.
+def mul_add(a, x, y):
+  """``a * x + y`` as XLA on CPU evaluates it, for a Python scalar ``a``.
 
-  XLA on CPU contracts ``a * x + y`` into one fused multiply-add; a float32
-  product is exact in float64, so rounding the float64 sum once reproduces
-  it. Narrower types (bf16) are computed per operation, as XLA does.
+  JAX rounds ``a`` to ``x``'s dtype (weak typing) and computes in the result
+  dtype of ``x`` and ``y``. When that is float32 and ``x`` is natively
+  float32, XLA contracts the product and the sum into one fused multiply-add:
+  a float32 product is exact in float64, so one rounding of the float64 sum
+  reproduces it. Otherwise (bf16 operands, which XLA widens without rounding
+  the product back) the product and the sum round separately.
   """
-  a, x, y = _as(a, dtype), x.astype(dtype), y.astype(dtype)
-  if np.dtype(dtype) == np.float32:
-    return (a.astype(np.float64) * x + y.astype(np.float64)).astype(dtype)
-  return a * x + y
+  dt = np.result_type(x.dtype, y.dtype)
+  a = _as(a, x.dtype).astype(dt)
+  if dt == np.float32 and x.dtype == np.float32:
+    return (a.astype(np.float64) * x + y.astype(np.float64)).astype(dt)
+  return a * x.astype(dt) + y.astype(dt)
+
+
+def lin_comb(a, x, b, y):
+  """``a * x + b * y`` as XLA on CPU evaluates it (see :func:`mul_add`).
+
+  XLA fuses the first product whose operand is natively float32.
+  """
+  dt = np.result_type(x.dtype, y.dtype)
+  if x.dtype != dt and y.dtype == dt:
+    a, x, b, y = b, y, a, x
+  return mul_add(a, x, (_as(b, y.dtype).astype(dt) * y.astype(dt)))
 
 
 def worker_vote(c: np.ndarray, vote: str) -> np.ndarray:
@@ -69,10 +84,8 @@ class DistributedLionReference:
       cs = []
       for i in range(self.n):
         g, m = grads[i][k], self.mu[i][k]
-        dt = np.result_type(g.dtype, m.dtype)
-        cs.append(mul_add(1.0 - self.b1, g, _as(self.b1, dt) * m.astype(dt),
-                          dt))
-        new_m = mul_add(1.0 - self.b2, g, _as(self.b2, dt) * m.astype(dt), dt)
+        cs.append(lin_comb(1.0 - self.b1, g, self.b1, m))
+        new_m = lin_comb(1.0 - self.b2, g, self.b2, m)
         self.mu[i][k] = new_m.astype(self.mu_dtype or new_m.dtype)
       if self.n == 1:
         out[k] = np.sign(cs[0])
@@ -85,6 +98,6 @@ class DistributedLionReference:
     """x <- x - lr * (D + wd * x), in the params' dtype."""
     direction = self.direction(grads)
     for k, p in self.params.items():
-      u = mul_add(self.wd, p, direction[k], p.dtype)
-      self.params[k] = mul_add(-self.lr, u, p, p.dtype)
+      u = mul_add(self.wd, p, direction[k])
+      self.params[k] = mul_add(-self.lr, u, p).astype(p.dtype)
     return direction

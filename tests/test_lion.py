@@ -1,0 +1,171 @@
+"""Distributed Lion against the numpy reference, on simulated devices."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from harness import AXIS
+from harness import random_tree
+from harness import run_on_mesh
+from reference import DistributedLionReference
+
+SHAPES = {"odd": (37,), "mat": (3, 5), "one": (1,), "zero": (11,),
+          "big": (257,)}
+COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
+LR, WD = 1e-2, 1e-3
+
+
+def make_grads(rng, num_workers, steps, dtype=np.float32):
+  grads = []
+  for _ in range(steps):
+    g = random_tree(rng, SHAPES, dtype, num_workers)
+    g["zero"][:] = 0          # a leaf whose gradient is exactly zero
+    grads.append(g)
+  return grads
+
+
+def run_reference(params, grads, num_workers, **kwargs):
+  ref = DistributedLionReference(params, num_workers, learning_rate=LR,
+                                 weight_decay=WD, **kwargs)
+  for g in grads:
+    ref.step([{k: v[i] for k, v in g.items()} for i in range(num_workers)])
+  return ref
+
+
+def assert_matches_reference(out, ref, num_workers):
+  for name, (params, state, _) in out.items():
+    mu = state[0].mu
+    for k in SHAPES:
+      for i in range(num_workers):
+        np.testing.assert_array_equal(params[k][i], ref.params[k],
+                                      err_msg=f"{name} params[{k}] worker {i}")
+        np.testing.assert_array_equal(mu[k][i], ref.mu[i][k],
+                                      err_msg=f"{name} mu[{k}] worker {i}")
+
+
+@pytest.mark.parametrize("num_workers", [2, 3, 5, 8])
+@pytest.mark.parametrize("aggregation,vote",
+                         list(itertools.product(("mavo", "avg"),
+                                                ("binary", "ternary"))))
+def test_every_comm_matches_reference(num_workers, aggregation, vote):
+  rng = np.random.default_rng(num_workers)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, num_workers, steps=6)
+  txs = {c: dl.distributed_lion(LR, weight_decay=WD, axis_name=AXIS,
+                                aggregation=aggregation, vote=vote, comm=c)
+         for c in COMMS}
+  out = run_on_mesh(txs, params, grads, num_workers)
+  ref = run_reference(params, grads, num_workers, aggregation=aggregation,
+                      vote=vote)
+  assert_matches_reference(out, ref, num_workers)
+  # Per-worker momenta are each worker's own.
+  mu = out["auto"][1][0].mu["odd"]
+  assert not np.array_equal(mu[0], mu[1])
+
+
+@pytest.mark.parametrize("vote,expected", [("binary", -1.0), ("ternary", 0.0)])
+def test_zero_gradient_leaf_binary_and_ternary_differ(vote, expected):
+  """c == 0 everywhere: binary votes -1 on every worker, ternary abstains."""
+  rng = np.random.default_rng(0)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, 3, steps=2)
+  txs = {c: dl.scale_by_distributed_lion(axis_name=AXIS, vote=vote, comm=c)
+         for c in COMMS}
+  out = run_on_mesh(txs, params, grads, 3)
+  for name, (_, _, updates) in out.items():
+    for u in updates:
+      np.testing.assert_array_equal(u["zero"], np.full((3, 11), expected),
+                                    err_msg=name)
+
+
+def test_even_workers_tie_gives_zero():
+  grads = [{"w": np.array([[1.0, 1.0, -1.0], [-1.0, 1.0, -1.0]], np.float32)}]
+  params = {"w": np.zeros(3, np.float32)}
+  txs = {c: dl.scale_by_distributed_lion(axis_name=AXIS, comm=c)
+         for c in COMMS}
+  for name, (_, _, updates) in run_on_mesh(txs, params, grads, 2).items():
+    np.testing.assert_array_equal(updates[0]["w"][0], [0.0, 1.0, -1.0],
+                                  err_msg=name)
+
+
+BF16 = ml_dtypes.bfloat16
+
+
+@pytest.mark.parametrize("num_workers", [3, 8])
+@pytest.mark.parametrize("param_dtype,mu_dtype", [
+    (BF16, None), (np.float32, BF16), (BF16, np.float32)])
+def test_low_precision_and_mu_dtype(num_workers, param_dtype, mu_dtype):
+  rng = np.random.default_rng(7)
+  params = random_tree(rng, SHAPES, param_dtype)
+  grads = make_grads(rng, num_workers, steps=4, dtype=param_dtype)
+  txs = {c: dl.distributed_lion(LR, weight_decay=WD, mu_dtype=mu_dtype,
+                                axis_name=AXIS, aggregation=agg, comm=c)
+         for c in ("alltoall", "psum") for agg in ("avg",)}
+  out = run_on_mesh(txs, params, grads, num_workers)
+  ref = run_reference(params, grads, num_workers, aggregation="avg",
+                      mu_dtype=mu_dtype)
+  assert_matches_reference(out, ref, num_workers)
+  expected_mu = np.dtype(mu_dtype or param_dtype)
+  assert out["psum"][1][0].mu["odd"].dtype == expected_mu
+  assert out["psum"][0]["odd"].dtype == np.dtype(param_dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("mu_dtype", [None, BF16])
+def test_no_axis_is_optax_lion_bit_for_bit(dtype, mu_dtype):
+  rng = np.random.default_rng(1)
+  params = jax.tree.map(jnp.asarray, random_tree(rng, SHAPES, dtype))
+  ours = dl.distributed_lion(LR, mu_dtype=mu_dtype)
+  theirs = optax.lion(LR, mu_dtype=mu_dtype)
+  s_ours, s_theirs = ours.init(params), theirs.init(params)
+  p_ours = p_theirs = params
+  step = lambda tx: jax.jit(lambda g, s, p: tx.update(g, s, p))
+  for _ in range(5):
+    g = jax.tree.map(jnp.asarray, random_tree(rng, SHAPES, dtype))
+    g["zero"] = jnp.zeros_like(g["zero"])
+    u1, s_ours = step(ours)(g, s_ours, p_ours)
+    u2, s_theirs = step(theirs)(g, s_theirs, p_theirs)
+    p_ours = optax.apply_updates(p_ours, u1)
+    p_theirs = optax.apply_updates(p_theirs, u2)
+    jax.tree.map(np.testing.assert_array_equal, (u1, p_ours),
+                 (u2, p_theirs))
+  jax.tree.map(np.testing.assert_array_equal, s_ours[0].mu, s_theirs[0].mu)
+
+
+def test_axis_of_size_one_is_optax_lion_without_collectives():
+  rng = np.random.default_rng(2)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, 1, steps=3)
+  out = run_on_mesh({"ours": dl.distributed_lion(LR, weight_decay=WD,
+                                                 axis_name=AXIS),
+                     "optax": optax.lion(LR, weight_decay=WD)},
+                    params, grads, 1)
+  jax.tree.map(np.testing.assert_array_equal, out["ours"][0],
+               out["optax"][0])
+  jax.tree.map(np.testing.assert_array_equal, out["ours"][1][0].mu,
+               out["optax"][1][0].mu)
+
+  mesh = dl.parallel.data_mesh(1)
+  tx = dl.scale_by_distributed_lion(axis_name=AXIS)
+  fn = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
+                             in_specs=jax.P(AXIS), out_specs=jax.P(AXIS)))
+  assert dl.accounting.collectives(
+      fn.lower(jnp.ones((1, 64))).compile().as_text()) == []
+
+
+def test_signum_is_b1_equal_b2():
+  """Majority-vote Signum: with b1 == b2 the sent c_t is the new momentum."""
+  rng = np.random.default_rng(3)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, 3, steps=3)
+  tx = dl.scale_by_distributed_lion(0.9, 0.9, axis_name=AXIS)
+  _, state, updates = run_on_mesh({"s": tx}, params, grads, 3)["s"]
+  votes = np.where(state.mu["odd"] > 0, 1, -1)      # sign of each momentum
+  np.testing.assert_array_equal(updates[-1]["odd"][0],
+                                np.sign(votes.sum(0)))

@@ -1,0 +1,96 @@
+"""Bit, trit and counter packing against numpy."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import settings
+from hypothesis import strategies as st
+
+from dlion_jax import packing
+
+RADIXES = [2, 3, 4, 5, 7, 9, 16, 17, 255, 256, 257, 1025]
+
+
+@pytest.mark.parametrize("radix", RADIXES)
+@pytest.mark.parametrize("length", [0, 1, 7, 41, 1001])
+def test_round_trip_any_length(radix, length):
+  rng = np.random.default_rng(radix * 1000 + length)
+  digits = rng.integers(0, radix, size=length)
+  words = packing.pack_digits(jnp.asarray(digits, packing.digit_dtype(radix)),
+                              radix)
+  per = packing.digits_per_word(radix)
+  assert words.dtype == packing.word_dtype(radix)
+  assert words.shape == (-(-length // per),)
+  back = packing.unpack_digits(words, radix, length)
+  np.testing.assert_array_equal(np.asarray(back), digits)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.booleans(), max_size=200))
+def test_pack_bits_matches_numpy_packbits(bits):
+  bits = np.array(bits, dtype=bool)
+  ours = np.asarray(packing.pack_bits(jnp.asarray(bits)))
+  np.testing.assert_array_equal(ours, np.packbits(bits, bitorder="little"))
+  np.testing.assert_array_equal(
+      np.asarray(packing.unpack_bits(jnp.asarray(ours), len(bits))), bits)
+
+
+def test_densities():
+  assert packing.bits_per_digit(2) == 1.0
+  assert packing.bits_per_digit(3) == 1.6          # 5 trits in a byte
+  assert packing.digits_per_word(3) == 5
+  assert packing.word_dtype(3) == jnp.uint8
+  assert packing.bits_per_digit(9) == 3.2          # 10 nonary digits a word
+  assert packing.word_dtype(9) == jnp.uint32
+  for radix in RADIXES:
+    # Never worse than ceil(log2(radix))-bit fields in a uint32 word.
+    field_bits = int(np.ceil(np.log2(radix)))
+    assert packing.bits_per_digit(radix) <= 32 / (32 // field_bits)
+    assert radix ** packing.digits_per_word(radix) <= 2 ** (
+        8 * jnp.dtype(packing.word_dtype(radix)).itemsize)
+
+
+@pytest.mark.parametrize("num_workers,levels", [(2, 2), (3, 2), (7, 3),
+                                                (8, 2), (8, 3), (64, 3)])
+def test_word_sums_do_not_carry(num_workers, levels):
+  """Adding packed words (what psum does) adds every digit exactly."""
+  radix = (levels - 1) * num_workers + 1
+  rng = np.random.default_rng(num_workers)
+  codes = rng.integers(0, levels, size=(num_workers, 333))
+  # Adversarial: make some positions all maximal.
+  codes[:, :17] = levels - 1
+  words = packing.pack_digits(jnp.asarray(codes, packing.digit_dtype(radix)),
+                              radix)
+  total = jnp.sum(words, axis=0, dtype=words.dtype)
+  np.testing.assert_array_equal(
+      np.asarray(packing.unpack_digits(total, radix, 333)), codes.sum(0))
+
+
+@pytest.mark.parametrize("radix", [2, 3])
+@pytest.mark.parametrize("num_workers", [1, 2, 5, 8])
+def test_sum_packed_counts_votes(radix, num_workers):
+  rng = np.random.default_rng(radix + num_workers)
+  codes = rng.integers(0, radix, size=(num_workers, 123))
+  words = packing.pack_digits(jnp.asarray(codes, jnp.uint8), radix)
+  counts = packing.sum_packed(words, radix, 123)
+  np.testing.assert_array_equal(np.asarray(counts), codes.sum(0))
+
+
+def test_pads_leading_dims_independently():
+  digits = jnp.asarray(np.arange(2 * 13).reshape(2, 13) % 3, jnp.uint8)
+  words = packing.pack_digits(digits, 3)
+  assert words.shape == (2, 3)
+  np.testing.assert_array_equal(
+      np.asarray(packing.unpack_digits(words, 3, 13)), np.asarray(digits))
+
+
+@pytest.mark.parametrize("radix", [0, 1, -3, 2.0, 2**32 + 1])
+def test_bad_radix_is_named(radix):
+  with pytest.raises(ValueError, match="radix"):
+    packing.word_dtype(radix)
+
+
+def test_unpack_rejects_wrong_word_dtype():
+  with pytest.raises(TypeError, match="uint32"):
+    packing.unpack_digits(jnp.zeros(3, jnp.uint8), 9)
