@@ -62,8 +62,11 @@ def scale_by_distributed_lion(
 
   ``update`` must be called where ``axis_name`` is bound: inside
   :func:`jax.shard_map` or :func:`jax.pmap` (see :mod:`dlion_jax.parallel`).
-  Under :class:`optax.MultiSteps` the exchange runs only on the step that
-  applies the accumulated gradient.
+  Under :class:`optax.MultiSteps` the result is that of voting on the
+  accumulated gradient, but XLA lowers MultiSteps' ``lax.cond`` to a select,
+  so the exchange runs (and is discarded) on every micro-step: accumulate
+  gradients in the train step before calling ``update`` when the wire cost
+  of micro-steps matters.
 
   Args:
     b1: rate combining the momentum and the current gradient.

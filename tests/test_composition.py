@@ -1,0 +1,132 @@
+"""Distributed Lion inside optax's combinators."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from harness import AXIS
+from harness import random_tree
+from harness import run_on_mesh
+from reference import DistributedLionReference
+
+SHAPES = {"w": (13, 3), "b": (3,)}
+N = 3
+
+
+def grads_for(rng, steps):
+  return [random_tree(rng, SHAPES, num_workers=N) for _ in range(steps)]
+
+
+def test_schedule_through_inject_hyperparams_matches_plain_schedule():
+  rng = np.random.default_rng(0)
+  params, grads = random_tree(rng, SHAPES), grads_for(rng, 4)
+  schedule = optax.linear_schedule(1e-2, 1e-3, transition_steps=4)
+  injected = optax.inject_hyperparams(dl.distributed_lion)(
+      learning_rate=schedule, b1=0.8, axis_name=AXIS, comm="alltoall")
+  plain = dl.distributed_lion(schedule, b1=0.8, axis_name=AXIS,
+                              comm="alltoall")
+  out = run_on_mesh({"injected": injected, "plain": plain}, params, grads, N)
+  jax.tree.map(np.testing.assert_array_equal, out["injected"][0],
+               out["plain"][0])
+  hyper = out["injected"][1].hyperparams
+  # Numbers became traced hyperparameters; strings stayed static options.
+  assert set(hyper) == {"learning_rate", "b1", "b2", "weight_decay"}
+  np.testing.assert_allclose(hyper["learning_rate"][0],
+                             schedule(3), rtol=1e-6)   # lr of the last step
+
+
+def test_injected_b1_is_a_runtime_value():
+  """Changing an injected hyperparameter needs no recompilation."""
+  tx = optax.inject_hyperparams(dl.scale_by_distributed_lion)(
+      b1=0.9, axis_name=AXIS)
+  params = {"w": jnp.zeros(4)}
+  g = {"w": jnp.array([[1.0, -1.0, 2.0, -2.0]] * N)}
+  def run(b1):
+    def f(g):
+      state = tx.init(params)
+      state.hyperparams["b1"] = jnp.asarray(b1)
+      return tx.update(g, state)[1].inner_state.mu["w"]
+    return jax.vmap(f, axis_name=AXIS)(g)
+  # mu doesn't depend on b1, but its presence as a leaf proves it is traced.
+  np.testing.assert_array_equal(run(0.5), run(0.9))
+  assert isinstance(tx.init(params).hyperparams["b1"], jax.Array)
+
+
+def test_masked_leaves_skip_the_vote():
+  rng = np.random.default_rng(1)
+  params, grads = random_tree(rng, SHAPES), grads_for(rng, 3)
+  tx = optax.masked(dl.distributed_lion(1e-2, axis_name=AXIS),
+                    {"w": True, "b": False})
+  out = run_on_mesh({"m": tx}, params, grads, N)["m"]
+  ref = DistributedLionReference({"w": params["w"]}, N, learning_rate=1e-2)
+  for g in grads:
+    ref.step([{"w": g["w"][i]} for i in range(N)])
+  for i in range(N):
+    np.testing.assert_array_equal(out[0]["w"][i], ref.params["w"])
+  # optax.masked passes masked-out updates through untouched: local grads.
+  expected_b = params["b"] + sum(g["b"] for g in grads)
+  np.testing.assert_allclose(out[0]["b"], expected_b, rtol=1e-6)
+
+
+def test_apply_if_finite_skips_consistently_and_passes_finite_steps():
+  rng = np.random.default_rng(2)
+  params, grads = random_tree(rng, SHAPES), grads_for(rng, 3)
+  grads[1]["w"][:, 0, 0] = np.nan          # every worker sees a NaN
+  inner = dl.distributed_lion(1e-2, axis_name=AXIS)
+  out = run_on_mesh({"safe": optax.apply_if_finite(inner, 3)}, params, grads,
+                    N)["safe"]
+  ref = DistributedLionReference(params, N, learning_rate=1e-2)
+  for t, g in enumerate(grads):
+    if t != 1:
+      ref.step([{k: v[i] for k, v in g.items()} for i in range(N)])
+  for k in SHAPES:
+    # The wrapper's select changes XLA's fusion, hence 1 ulp of slack.
+    np.testing.assert_array_max_ulp(out[0][k][0], ref.params[k], maxulp=1)
+    assert all(np.array_equal(out[0][k][0], out[0][k][i]) for i in range(N))
+  np.testing.assert_array_equal(out[1].total_notfinite, [1] * N)
+
+
+def test_multisteps_votes_only_on_the_applying_step():
+  rng = np.random.default_rng(3)
+  params, grads = random_tree(rng, SHAPES), grads_for(rng, 4)
+  tx = optax.MultiSteps(dl.distributed_lion(1e-2, axis_name=AXIS),
+                        every_k_schedule=2)
+  out = run_on_mesh({"ms": tx}, params, grads, N)["ms"]
+  ref = DistributedLionReference(params, N, learning_rate=1e-2)
+  for g0, g1 in zip(grads[::2], grads[1::2]):
+    # MultiSteps averages the micro-batch gradients as a running mean.
+    mean = {k: g0[k] + (g1[k] - g0[k]) / np.float32(2) for k in SHAPES}
+    ref.step([{k: v[i] for k, v in mean.items()} for i in range(N)])
+  for k in SHAPES:
+    np.testing.assert_allclose(out[0][k][0], ref.params[k], rtol=1e-6)
+    np.testing.assert_array_equal(out[0][k][0], out[0][k][-1])
+
+  # XLA lowers MultiSteps' lax.cond to a select, so the exchange runs (and is
+  # discarded) on every micro-step: same collectives as a plain update.
+  def compiled_collectives(t):
+    mesh = dl.parallel.data_mesh(N)
+    update = lambda g, s: t.update(jax.tree.map(lambda x: x[0], g), s,
+                                   params)[0]
+    fn = jax.jit(jax.shard_map(update, mesh=mesh,
+                               in_specs=(jax.P(AXIS), jax.P()),
+                               out_specs=jax.P(), check_vma=False))
+    text = fn.lower(grads[0], t.init(params)).compile().as_text()
+    return [(c.op, c.result_bytes) for c in dl.accounting.collectives(text)]
+  plain = compiled_collectives(dl.distributed_lion(1e-2, axis_name=AXIS))
+  assert plain and compiled_collectives(tx) == plain
+
+
+@pytest.mark.parametrize("comm", ["alltoall", "psum"])
+def test_chain_with_clipping_and_schedule(comm):
+  rng = np.random.default_rng(4)
+  params, grads = random_tree(rng, SHAPES), grads_for(rng, 2)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(optax.cosine_decay_schedule(1e-2, 10),
+                                       axis_name=AXIS, comm=comm))
+  p, _, _ = run_on_mesh({"c": tx}, params, grads, N)["c"]
+  for k in SHAPES:       # clipping rescales, never flips, the signs
+    assert all(np.array_equal(p[k][0], p[k][i]) for i in range(N))
+    assert np.all(np.isfinite(p[k]))
