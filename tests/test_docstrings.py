@@ -1,0 +1,16 @@
+"""The examples in the core modules' docstrings run and print what they say."""
+
+import doctest
+
+import pytest
+
+from dlion_jax import accounting
+from dlion_jax import lion
+from dlion_jax import packing
+from dlion_jax import parallel
+
+
+@pytest.mark.parametrize("module", [accounting, lion, packing, parallel], ids=lambda m: m.__name__)
+def test_docstring_examples(module):
+  result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
+  assert result.attempted > 0 and result.failed == 0

@@ -1,0 +1,135 @@
+"""The data-parallel helpers: shard_map and pmap steps, per-worker state."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from dlion_jax import parallel
+
+N = 4
+DIM = 37
+
+
+def loss_fn(params, batch):
+  pred = batch["x"] @ params["w"] + params["b"]
+  return jnp.mean((pred - batch["y"]) ** 2)
+
+
+def make_problem(seed=0, global_batch=32):
+  rng = np.random.default_rng(seed)
+  w_true = rng.normal(size=(DIM,)).astype(np.float32)
+  x = rng.normal(size=(global_batch, DIM)).astype(np.float32)
+  batches = [{"x": x, "y": x @ w_true}] * 6   # a fixed batch: loss must fall
+  params = {"w": np.zeros(DIM, np.float32), "b": np.zeros((), np.float32)}
+  return params, batches
+
+
+def train_shard_map(tx, params, batches, *, check_vma, num_workers=N):
+  mesh = parallel.data_mesh(num_workers)
+  params = parallel.replicate(params, mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  step = parallel.make_train_step(loss_fn, tx, mesh, check_vma=check_vma)
+  losses = []
+  for batch in batches:
+    params, state, loss = step(params, state,
+                               parallel.shard_batch(batch, mesh))
+    losses.append(float(loss))         # blocks: no queued collectives
+  return params, state, losses, step
+
+
+def train_pmap(tx, params, batches, num_workers=N):
+  step = parallel.make_pmap_train_step(loss_fn, tx,
+                                       devices=jax.devices()[:num_workers])
+  params = parallel.replicate_for_pmap(params, num_workers)
+  state = parallel.init_pmap_states(tx, params_single(params), num_workers)
+  losses = []
+  for batch in batches:
+    local = jax.tree.map(
+        lambda x: x.reshape((num_workers, -1) + x.shape[1:]), batch)
+    params, state, loss = step(params, state, local)
+    losses.append(float(loss[0]))
+  return params, state, losses
+
+
+def params_single(stacked):
+  return jax.tree.map(lambda x: x[0], stacked)
+
+
+@pytest.fixture(scope="module")
+def tx():
+  return dl.distributed_lion(3e-2, axis_name="data")
+
+
+def test_shard_map_step_trains_and_keeps_own_momenta(tx):
+  params, batches = make_problem()
+  params, state, losses, _ = train_shard_map(tx, params, batches,
+                                             check_vma=True)
+  assert losses[-1] < losses[0]
+  mu = np.asarray(state[0].mu["w"])
+  assert mu.shape == (N, DIM)                    # one momentum per worker
+  assert not np.array_equal(mu[0], mu[1])
+  assert params["w"].sharding.is_fully_replicated
+  assert state[0].mu["w"].sharding.spec == jax.P("data")
+
+
+def test_check_vma_on_off_and_pmap_agree(tx):
+  params, batches = make_problem(1)
+  on = train_shard_map(tx, params, batches, check_vma=True)
+  off = train_shard_map(tx, params, batches, check_vma=False)
+  pm = train_pmap(tx, params, batches)
+  jax.tree.map(np.testing.assert_array_equal, on[0], off[0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b[0]), on[0],
+               pm[0])
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
+               on[1][0].mu, pm[1][0].mu)
+  np.testing.assert_allclose(on[2], pm[2], rtol=1e-6)
+  for leaf in jax.tree.leaves(pm[0]):            # pmap replicas agree
+    assert all(np.array_equal(leaf[0], leaf[i]) for i in range(N))
+
+
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_step_sends_votes_not_gradients(tx, check_vma):
+  """The only collectives are the vote exchange and the scalar loss mean."""
+  params, batches = make_problem(2)
+  *_, step = train_shard_map(tx, params, batches[:1], check_vma=check_vma)
+  mesh = parallel.data_mesh(N)
+  p = parallel.replicate(params, mesh)
+  s = parallel.init_worker_states(tx, p, mesh)
+  text = step.lower(p, s, parallel.shard_batch(batches[0], mesh)).compile(
+  ).as_text()
+  sent = dl.collective_bytes(text)
+  votes = dl.wire_bits(N) * (DIM + 1) / 8
+  padding = 8 * N                   # a few padded words at most
+  loss_mean = 2 * (N - 1) / N * 4   # one f32 all-reduce
+  assert votes <= sent <= votes + padding + loss_mean
+  fp32_allreduce = dl.allreduce_bits(N) * (DIM + 1) / 8
+  assert sent < fp32_allreduce / 4
+
+
+def test_odd_worker_count(tx):
+  params, batches = make_problem(3, global_batch=30)
+  params, state, losses, _ = train_shard_map(tx, params, batches,
+                                             check_vma=True, num_workers=3)
+  assert losses[-1] < losses[0]
+
+
+def test_single_worker_mesh_is_plain_lion():
+  params, batches = make_problem(4, global_batch=8)
+  ours = dl.distributed_lion(3e-2, axis_name="data")
+  theirs = optax.lion(3e-2)
+  a = train_shard_map(ours, params, batches, check_vma=True, num_workers=1)
+  b = train_shard_map(theirs, params, batches, check_vma=True, num_workers=1)
+  jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+
+
+def test_helper_errors_name_the_problem():
+  with pytest.raises(ValueError, match="num_workers=99"):
+    parallel.data_mesh(99)
+  mesh = parallel.data_mesh(N)
+  with pytest.raises(ValueError, match=r"\['x'\].*divisible by the 4 workers"):
+    parallel.shard_batch({"x": np.zeros((6, 2))}, mesh)
+  with pytest.raises(ValueError, match="axis_name='batch'"):
+    parallel.make_train_step(loss_fn, optax.sgd(1.0), mesh, axis_name="batch")
