@@ -19,16 +19,26 @@ Repetitions are interleaved (every variant once per round) and every step is
 blocked on before the next starts (DESIGN.md section 5). Prints medians and
 ratios as a markdown table.
 
+``--profile`` also traces a few steps of D-Lion (auto, MaVo) and the two
+``optax.lion`` variants with :func:`jax.profiler.trace` and lists the HLO
+instructions that take the most thread time.
+
 Usage::
 
-  python -m dlion_jax.bench.step [--workers 8] [--reps 15] [--out FILE.md]
+  python -m dlion_jax.bench.step [--workers 8] [--reps 15] [--profile]
+      [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
 import math
+import os
+import re
 import statistics
+import tempfile
 import time
 from typing import Callable
 
@@ -117,14 +127,17 @@ class Runner:
   """One variant's compiled step and its current params and states."""
 
   def __init__(self, tx, mesh, *, pmean_grads: bool, params, grads):
-    n = mesh.shape[AXIS]
     self.step = make_step(tx, mesh, pmean_grads=pmean_grads)
     self.params = parallel.replicate(params, mesh)
     self.states = parallel.init_worker_states(tx, self.params, mesh,
                                               axis_name=AXIS)
     self.grads = grads
     self.times = []
-    del n
+
+  def hlo_text(self) -> str:
+    """The compiled step's HLO (compiles once more)."""
+    return self.step.lower(self.params, self.states,
+                           self.grads).compile().as_text()
 
   def __call__(self) -> float:
     """Runs one step, blocked on; returns its wall time in seconds."""
@@ -185,28 +198,108 @@ def _comm_bits(name: str, n: int) -> str:
   return f"{bits:.3g} ({picked})" if comm == "auto" else f"{bits:.3g}"
 
 
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+) = (?P<shape>\(.*?\)|\S+) "
+    r"(?:.*op_name=\"(?P<op>[^\"]*)\")?")
+_ARRAY = re.compile(r"\w+\[[\d,]*\]")
+
+
+def _short_shape(shape: str) -> str:
+  """``f32[8,3]{1,0}`` -> ``f32[8,3]``; a tuple -> ``(first xcount)``."""
+  arrays = _ARRAY.findall(shape)
+  if shape.startswith("(") and arrays:
+    return f"({arrays[0]} x{len(arrays)})"
+  return arrays[0] if arrays else shape
+
+
+def _instructions(hlo_text: str) -> dict[str, str]:
+  """HLO instruction name -> ``shape op_name`` in the entry computation."""
+  entry = hlo_text[hlo_text.index("\nENTRY"):]
+  out = {}
+  for line in entry.splitlines():
+    m = _INSTRUCTION.match(line)
+    if m:
+      op = (m["op"] or "").split("shard_map/")[-1]
+      out[m["name"]] = f"{_short_shape(m['shape'])} {op}".strip()
+  return out
+
+
+def thread_time(runner: Runner, steps: int) -> tuple[dict[str, float], float]:
+  """Per-instruction thread time (ms per step, summed over the devices).
+
+  Returns:
+    ``({instruction: ms}, wall ms per step)`` from a :func:`jax.profiler`
+    trace of ``steps`` steps.
+  """
+  names = _instructions(runner.hlo_text())
+  total = collections.defaultdict(float)
+  with tempfile.TemporaryDirectory() as logdir:
+    jax.profiler.start_trace(logdir)
+    wall = sum(runner() for _ in range(steps))
+    jax.profiler.stop_trace()
+    (path,) = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"),
+                        recursive=True)
+    data = jax.profiler.ProfileData.from_file(path)
+  for plane in data.planes:
+    for line in plane.lines:
+      for event in line.events:
+        if event.name in names:
+          total[f"`{event.name}` {names[event.name]}"] += event.duration_ns
+  per_step = {k: v / 1e6 / steps for k, v in total.items()}
+  return per_step, wall * 1e3 / steps
+
+
+def profile_table(runners: dict[str, Runner], steps: int = 5,
+                  top: int = 8) -> str:
+  """Top HLO instructions by thread time, for D-Lion and the baselines."""
+  parts = []
+  for name in ("dlion mavo auto", BASELINE, FLOOR):
+    per_op, wall = thread_time(runners[name], steps)
+    busy = sum(per_op.values())
+    rows = [[op, f"{ms:.1f}", f"{100 * ms / busy:.0f}%"]
+            for op, ms in sorted(per_op.items(), key=lambda kv: -kv[1])[:top]]
+    parts += [
+        f"**{name}**: {wall:.1f} ms/step wall under the profiler, "
+        f"{busy:.1f} thread-ms/step in HLO instructions (8 device threads "
+        "share the cores, so thread time includes time preempted).",
+        "",
+        bench.markdown_table(["instruction (shape, op)", "thread ms/step",
+                              "share"], rows),
+        ""]
+  return "\n".join(parts)
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--reps", type=int, default=15)
+  parser.add_argument("--profile", action="store_true",
+                      help="also trace D-Lion and optax.lion steps")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
   bench.use_cpu_devices(args.workers)
+  load = os.getloadavg()[0]
   start = time.perf_counter()
   runners = build(args.workers)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
-  text = "\n".join([
+  timed = time.perf_counter()
+  lines = [
       f"Machine: {bench.machine_line()}; {args.workers} workers. "
       f"Parameters: {num_params():,} in {len(jax.tree.leaves(random_tree(0)))}"
       f" leaves. {args.reps} interleaved repetitions after 2 warm-up steps.",
       "",
       table(runners, args.workers),
       "",
+      f"- Load average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} "
+      f"after timing, on {os.cpu_count()} cores.",
       f"- Compile + warm-up {compiled - start:.1f} s, timing "
-      f"{time.perf_counter() - compiled:.1f} s, total "
-      f"{time.perf_counter() - start:.1f} s.",
-  ])
+      f"{timed - compiled:.1f} s.",
+  ]
+  if args.profile:
+    lines += ["", "### Profile", "", profile_table(runners)]
+  lines.append(f"- Total {time.perf_counter() - start:.1f} s.")
+  text = "\n".join(lines)
   print(text)
   if args.out:
     with open(args.out, "w", encoding="utf-8") as f:
