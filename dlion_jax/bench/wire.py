@@ -197,10 +197,11 @@ def target_lines(dlion: list[Measurement]) -> list[str]:
           if m.num_workers == 8 and m.comm == "auto"}
   if not auto:
     return []
+  int8 = lambda agg, vote: dl.wire_bits(8, aggregation=agg, vote=vote,
+                                       comm="psum_int8")
   return [f"N=8 {agg} {vote} auto ({m.picked}): {m.measured:.3f} bits/param "
           f"(analytic {m.analytic:.3f}; fp32 all-reduce "
-          f"{dl.allreduce_bits(8):.0f}, psum_int8 "
-          f"{dl.wire_bits(8, aggregation=agg, vote=vote, comm='psum_int8'):.0f})"
+          f"{dl.allreduce_bits(8):.0f}, psum_int8 {int8(agg, vote):.0f})"
           for (agg, vote), m in auto.items()]
 
 
