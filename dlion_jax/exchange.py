@@ -112,18 +112,35 @@ def _all_gather(x, axis_name, **kwargs):
   return lax.all_gather(x, axis_name, to=to, **kwargs)
 
 
-def exchange_alltoall(codes, *, axis_name, num_workers, vote, aggregation):
+def message_radix(comm: str, num_workers: int, vote: str) -> int | None:
+  """Radix in which a strategy packs the votes it sends (None: int votes)."""
+  if comm == "psum":
+    return accounting.psum_radix(num_workers, vote)
+  if comm == "psum_int8":
+    return None
+  return accounting.vote_radix(vote)
+
+
+def _message_multiple(comm: str, num_workers: int, *, aggregation: str,
+                      vote: str) -> int:
+  """The message's word count must be a multiple of this."""
+  if comm != "alltoall":
+    return 1
+  up_digits = packing.digits_per_word(accounting.vote_radix(vote))
+  down_digits = packing.digits_per_word(accounting.alltoall_down_radix(
+      num_workers, aggregation=aggregation, vote=vote))
+  # N shards of whole words whose digits also fill whole down words.
+  return num_workers * packing.lcm(up_digits, down_digits) // up_digits
+
+
+def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results."""
   n = num_workers
   up_radix = accounting.vote_radix(vote)
   down_radix = accounting.alltoall_down_radix(n, aggregation=aggregation,
                                               vote=vote)
-  unit = n * packing.lcm(packing.digits_per_word(up_radix),
-                         packing.digits_per_word(down_radix))
-  length = codes.shape[0]
-  codes = packing.pad_to_multiple(codes, unit)
-  up = packing.pack_digits(codes, up_radix).reshape(n, -1)
+  up = message.reshape(n, -1)     # padded by _message_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
   code_sum = packing.sum_packed(mine, up_radix)
   if aggregation == "avg":
@@ -135,23 +152,21 @@ def exchange_alltoall(codes, *, axis_name, num_workers, vote, aggregation):
   words = packing.pack_digits(down.astype(packing.digit_dtype(down_radix)),
                               down_radix)
   words = _all_gather(words, axis_name, tiled=True)
-  result = packing.unpack_digits(words, down_radix, length).astype(jnp.int32)
+  result = packing.unpack_digits(words, down_radix).astype(jnp.int32)
   if aggregation == "avg":
     return _signed_sum(result, n, vote)
   return 2 * result - 1 if down_radix == 2 else result - 1
 
 
-def exchange_allgather(codes, *, axis_name, num_workers, vote, aggregation):
+def exchange_allgather(message, *, axis_name, num_workers, vote, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
-  radix = accounting.vote_radix(vote)
-  words = packing.pack_digits(codes, radix)
-  everyone = _all_gather(words, axis_name)
-  code_sum = packing.sum_packed(everyone, radix, codes.shape[0])
+  everyone = _all_gather(message, axis_name)
+  code_sum = packing.sum_packed(everyone, accounting.vote_radix(vote))
   return _signed_sum(code_sum, num_workers, vote)
 
 
-def exchange_psum(codes, *, axis_name, num_workers, vote, aggregation):
+def exchange_psum(message, *, axis_name, num_workers, vote, aggregation):
   """Packed counters summed by an integer psum (Lion Cub's p-bit all-reduce).
 
   Each code is a digit of radix ``(levels - 1) * N + 1``, so the sum of N
@@ -159,21 +174,17 @@ def exchange_psum(codes, *, axis_name, num_workers, vote, aggregation):
   """
   del aggregation
   radix = accounting.psum_radix(num_workers, vote)
-  words = packing.pack_digits(codes.astype(packing.digit_dtype(radix)), radix)
-  total = lax.psum(words, axis_name)
-  code_sum = packing.unpack_digits(total, radix, codes.shape[0])
+  code_sum = packing.unpack_digits(lax.psum(message, axis_name), radix)
   return _signed_sum(code_sum, num_workers, vote)
 
 
-def exchange_psum_int8(codes, *, axis_name, num_workers, vote, aggregation):
+def exchange_psum_int8(message, *, axis_name, num_workers, vote, aggregation):
   """The paper's implementation: psum an int8 container of the +-1 votes.
 
   The container widens to int16/int32 when N exceeds what int8 can sum.
   """
-  del aggregation
-  dtype = accounting.int_container(num_workers)
-  votes = _signed_sum(codes, 1, vote).astype(dtype)
-  return lax.psum(votes, axis_name).astype(jnp.int32)
+  del num_workers, vote, aggregation
+  return lax.psum(message, axis_name).astype(jnp.int32)
 
 
 _EXCHANGES = {
@@ -184,17 +195,51 @@ _EXCHANGES = {
 }
 
 
-def exchange_votes(codes: jax.Array, *, axis_name: AxisName, num_workers: int,
-                   vote: str, aggregation: str, comm: str) -> jax.Array:
-  """Runs one strategy on a flat vector of vote codes.
+def _encode_leaf(c: jax.Array, comm: str, num_workers: int, vote: str):
+  """One leaf's part of the message: packed codes, or ints for psum_int8."""
+  codes = vote_codes(c.ravel(), vote)
+  radix = message_radix(comm, num_workers, vote)
+  if radix is None:
+    dtype = accounting.int_container(num_workers)
+    return _signed_sum(codes, 1, vote).astype(dtype)
+  return packing.pack_digits(codes.astype(packing.digit_dtype(radix)), radix)
+
+
+def exchange_votes(pre_sign: list[jax.Array], *, axis_name: AxisName,
+                   num_workers: int, vote: str, aggregation: str,
+                   comm: str) -> list[jax.Array]:
+  """Votes on a list of arrays through one strategy, in one message.
+
+  Each leaf is packed on its own (padded to whole words) and the packed
+  words are concatenated: packing before concatenating keeps the packing
+  vectorised and the copy small.
 
   Returns:
-    int32 vector, same on every worker: the vote sum ``s`` in ``[-N, N]``, or
-    ``sign(s)`` (majority vote through ``alltoall``).
+    One int32 array per input, same on every worker: the vote sum ``s`` in
+    ``[-N, N]``, or ``sign(s)`` (majority vote through ``alltoall``).
   """
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote)
-  return _EXCHANGES[comm](codes, axis_name=axis_name, num_workers=num_workers,
-                          vote=vote, aggregation=aggregation)
+  parts = [_encode_leaf(c, comm, num_workers, vote) for c in pre_sign]
+  # Written in place into a zero (padded) buffer rather than concatenated:
+  # XLA:CPU fuses a concatenate with the packing into one slow loop.
+  length = sum(p.shape[0] for p in parts)
+  multiple = _message_multiple(comm, num_workers, aggregation=aggregation,
+                               vote=vote)
+  message = jnp.zeros(-(-length // multiple) * multiple, parts[0].dtype)
+  offset = 0
+  for part in parts:
+    message = lax.dynamic_update_slice(message, part, (offset,))
+    offset += part.shape[0]
+  result = _EXCHANGES[comm](message, axis_name=axis_name,
+                            num_workers=num_workers, vote=vote,
+                            aggregation=aggregation)
+  radix = message_radix(comm, num_workers, vote)
+  per_word = 1 if radix is None else packing.digits_per_word(radix)
+  out, offset = [], 0
+  for c in pre_sign:
+    out.append(result[offset:offset + c.size].reshape(c.shape))
+    offset += -(-c.size // per_word) * per_word
+  return out
 
 
 def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str, dtype):
@@ -216,17 +261,11 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
   back: ``sign(s)`` (``mavo``) or ``s / N`` (``avg``) in each leaf's dtype.
   """
   leaves, treedef = jax.tree.flatten(pre_sign)
-  if not leaves:
-    return pre_sign
-  codes = jnp.concatenate([vote_codes(x.ravel(), vote) for x in leaves])
-  if codes.shape[0] == 0:
+  if sum(x.size for x in leaves) == 0:
     return jax.tree.map(jnp.zeros_like, pre_sign)
-  vote_sum = exchange_votes(codes, axis_name=axis_name,
-                            num_workers=num_workers, vote=vote,
-                            aggregation=aggregation, comm=comm)
-  out, offset = [], 0
-  for x in leaves:
-    part = vote_sum[offset:offset + x.size].reshape(x.shape)
-    out.append(_finalize(part, num_workers, aggregation, x.dtype))
-    offset += x.size
-  return jax.tree.unflatten(treedef, out)
+  vote_sums = exchange_votes(leaves, axis_name=axis_name,
+                             num_workers=num_workers, vote=vote,
+                             aggregation=aggregation, comm=comm)
+  return jax.tree.unflatten(treedef, [
+      _finalize(s, num_workers, aggregation, x.dtype)
+      for s, x in zip(vote_sums, leaves)])

@@ -102,11 +102,6 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def _place_values(radix: int, dtype) -> np.ndarray:
-  m = _digits_in(radix, dtype)
-  return np.array([radix**j for j in range(m)], dtype=np.dtype(dtype))
-
-
 def pack_digits(digits: jax.Array, radix: int) -> jax.Array:
   """Packs digits in ``[0, radix)`` along the last axis into words.
 
@@ -129,14 +124,18 @@ def pack_digits(digits: jax.Array, radix: int) -> jax.Array:
   m = digits_per_word(radix)
   x = pad_to_multiple(digits, m).astype(dtype)
   x = x.reshape(x.shape[:-1] + (-1, m))
+  # Unrolled over the m digit positions with scalar constants, so XLA emits
+  # shifts or multiplies it can vectorise. Fields never overlap: the sum is
+  # the bitwise or, and it cannot overflow.
   if _is_power_of_two(radix):
     width = radix.bit_length() - 1
-    shifts = jnp.arange(m, dtype=dtype) * width
-    fields = jnp.left_shift(x, shifts)
+    fields = [x[..., j] << (width * j) for j in range(m)]
   else:
-    fields = x * _place_values(radix, dtype)
-  # Fields never overlap, so the sum is the bitwise or; it cannot overflow.
-  return jnp.sum(fields, axis=-1, dtype=dtype)
+    fields = [x[..., j] * dtype(radix**j) for j in range(m)]
+  words = fields[0]
+  for field in fields[1:]:
+    words = words + field
+  return words
 
 
 def unpack_digits(words: jax.Array, radix: int,
@@ -158,14 +157,15 @@ def unpack_digits(words: jax.Array, radix: int,
         f"radix {radix} packs into {jnp.dtype(dtype).name} words, got "
         f"{words.dtype.name} words.")
   m = digits_per_word(radix)
-  w = words[..., None]
+  # Scalar constant divisors: XLA turns them into shifts or multiply-shifts;
+  # an array of place values would leave real integer divisions.
   if _is_power_of_two(radix):
     width = radix.bit_length() - 1
-    shifts = jnp.arange(m, dtype=dtype) * width
-    digits = jnp.right_shift(w, shifts) & jnp.asarray(radix - 1, dtype)
+    digits = [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
   else:
-    digits = (w // _place_values(radix, dtype)) % jnp.asarray(radix, dtype)
-  digits = digits.reshape(words.shape[:-1] + (-1,)).astype(digit_dtype(radix))
+    digits = [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
+  digits = jnp.stack(digits, axis=-1).astype(digit_dtype(radix))
+  digits = digits.reshape(words.shape[:-1] + (-1,))
   return digits if length is None else digits[..., :length]
 
 

@@ -23,7 +23,8 @@ AXIS = "data"
 COMMS = accounting.COMMS
 # Odd leaf sizes, about 1e5 parameters: no strategy's packing unit divides d.
 SHAPES = {"w": (101, 997), "b": (997,), "s": (7,)}
-D = sum(math.prod(s) for s in SHAPES.values())
+SIZES = [math.prod(s) for s in SHAPES.values()]
+D = sum(SIZES)
 CONFIGS = [(a, v) for a in accounting.AGGREGATIONS for v in accounting.VOTES]
 
 
@@ -70,25 +71,27 @@ def _packed_bytes(num_digits, radix):
       radix)
 
 
-def expected_sent_bytes(n, d, *, aggregation, vote, comm):
-  """Bytes a worker sends for d parameters, padding included, derived from
-  the packing layout (not from accounting.wire_bits)."""
+def expected_sent_bytes(n, sizes, *, aggregation, vote, comm):
+  """Bytes a worker sends for leaves of ``sizes``, padding included, derived
+  from the packing layout (each leaf packed into whole words, then the words
+  concatenated), not from accounting.wire_bits."""
   comm = exchange.resolve_comm(comm, n, aggregation=aggregation, vote=vote)
   up = accounting.vote_radix(vote)
-  if comm == "alltoall":
-    down = accounting.alltoall_down_radix(n, aggregation=aggregation,
-                                          vote=vote)
-    unit = n * math.lcm(packing.digits_per_word(up),
-                        packing.digits_per_word(down))
-    padded = math.ceil(d / unit) * unit
-    return (n - 1) / n * (_packed_bytes(padded, up) +
-                          _packed_bytes(padded, down))
-  if comm == "allgather":
-    return (n - 1) * _packed_bytes(d, up)
+  if comm == "psum_int8":
+    itemsize = jnp.dtype(accounting.int_container(n)).itemsize
+    return 2 * (n - 1) / n * sum(sizes) * itemsize
+  radix = accounting.psum_radix(n, vote) if comm == "psum" else up
+  words = sum(math.ceil(d / packing.digits_per_word(radix)) for d in sizes)
   if comm == "psum":
-    return 2 * (n - 1) / n * _packed_bytes(d, accounting.psum_radix(n, vote))
-  itemsize = jnp.dtype(accounting.int_container(n)).itemsize
-  return 2 * (n - 1) / n * d * itemsize
+    return 2 * (n - 1) / n * words * _word_bytes(radix)
+  if comm == "allgather":
+    return (n - 1) * words * _word_bytes(up)
+  down = accounting.alltoall_down_radix(n, aggregation=aggregation, vote=vote)
+  up_digits = packing.digits_per_word(up)
+  unit = n * math.lcm(up_digits, packing.digits_per_word(down)) // up_digits
+  words = math.ceil(words / unit) * unit
+  return (n - 1) / n * (words * _word_bytes(up)
+                        + _packed_bytes(words * up_digits, down))
 
 
 # --- HLO-measured bits against wire_bits ------------------------------------
@@ -102,7 +105,7 @@ def test_hlo_bits_match_wire_bits(n, comm):
     compiled = compile_update(n, **kw)
     sent = accounting.collective_bytes(compiled)
     # Exact, padding included.
-    assert sent == pytest.approx(expected_sent_bytes(n, D, **kw),
+    assert sent == pytest.approx(expected_sent_bytes(n, SIZES, **kw),
                                  rel=1e-12), kw
     # Per parameter: the analytic figure, up to padding (< 320 digits of ~1e5).
     bits = sent * 8 / D
