@@ -84,7 +84,8 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
   check_choice("aggregation", aggregation, AGGREGATIONS)
   check_choice("vote", vote, VOTES)
   check_choice("comm", comm, COMMS + ("auto",))
-  if not isinstance(num_workers, int) or num_workers < 1:
+  if (not isinstance(num_workers, int) or isinstance(num_workers, bool)
+      or num_workers < 1):
     raise ValueError(
         f"num_workers must be a positive int, got num_workers={num_workers!r}.")
   n = num_workers

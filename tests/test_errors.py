@@ -83,8 +83,9 @@ def test_field_widths_widen_with_the_worker_count():
 
 
 def test_wire_bits_rejects_bad_worker_counts():
-  with pytest.raises(ValueError, match="num_workers=0"):
-    dl.wire_bits(0)
+  for bad in (0, -2, True, 4.0):
+    with pytest.raises(ValueError, match=f"num_workers={bad!r}"):
+      dl.wire_bits(bad)
   with pytest.raises(ValueError, match="Unknown comm='x'"):
     dl.wire_bits(4, comm="x")
 
