@@ -55,6 +55,15 @@ def _plain_progress(items, total, desc):
   print(f"{desc}: {total}/{total}", file=sys.stderr, flush=True)
 
 
+def emit(text: str, out: str | None) -> str:
+  """Prints a report and, when ``out`` is given, writes it there too."""
+  print(text)
+  if out:
+    with open(out, "w", encoding="utf-8") as f:
+      f.write(text + "\n")
+  return text
+
+
 def markdown_table(headers: Sequence[str], rows: Sequence[Sequence]) -> str:
   """A GitHub markdown table; cells are formatted with ``str``."""
   lines = ["| " + " | ".join(headers) + " |",

@@ -299,12 +299,7 @@ def main(argv=None) -> str:
   if args.profile:
     lines += ["", "### Profile", "", profile_table(runners)]
   lines.append(f"- Total {time.perf_counter() - start:.1f} s.")
-  text = "\n".join(lines)
-  print(text)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-  return text
+  return bench.emit("\n".join(lines), args.out)
 
 
 if __name__ == "__main__":

@@ -241,12 +241,8 @@ def main(argv=None) -> str:
   bench.use_cpu_devices(max(sizes))
   start = time.perf_counter()
   dlion, baselines = run(sizes)
-  text = report(dlion, baselines, time.perf_counter() - start)
-  print(text)
-  if args.out:
-    with open(args.out, "w", encoding="utf-8") as f:
-      f.write(text + "\n")
-  return text
+  return bench.emit(report(dlion, baselines, time.perf_counter() - start),
+                    args.out)
 
 
 if __name__ == "__main__":
