@@ -4,6 +4,8 @@
   read off compiled HLO, against :func:`dlion_jax.wire_bits`.
 * :mod:`dlion_jax.bench.step`: wall time of one optimizer step on simulated
   CPU devices, Distributed Lion against ``optax.lion``.
+* :mod:`dlion_jax.bench.kernels`: compute of packing and voting for N workers
+  vmapped on one device (GPU kernel timings where a GPU is present).
 
 Results and the commands that produced them are in ``docs/benchmarks.md``.
 This module holds the few helpers both share.
