@@ -21,8 +21,9 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
 * ``auto``: the one with the fewest wire bits for the axis size
   (:func:`dlion_jax.accounting.wire_bits`).
 
-The whole pytree goes through one flat buffer, so a step issues a fixed number
-of collectives however many leaves the model has.
+The whole pytree goes through one message: each leaf is packed into whole
+words and the words are laid end to end, so a step issues a fixed number of
+collectives however many leaves the model has.
 """
 
 from __future__ import annotations
@@ -257,8 +258,8 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
                       vote: str, aggregation: str, comm: str):
   """Votes on every leaf of ``pre_sign`` and returns the aggregated update.
 
-  All leaves are flattened into one buffer of codes, exchanged once, and split
-  back: ``sign(s)`` (``mavo``) or ``s / N`` (``avg``) in each leaf's dtype.
+  All leaves are packed into one message, exchanged once, and split back:
+  ``sign(s)`` (``mavo``) or ``s / N`` (``avg``) in each leaf's dtype.
   """
   leaves, treedef = jax.tree.flatten(pre_sign)
   if sum(x.size for x in leaves) == 0:
