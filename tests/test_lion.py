@@ -16,7 +16,7 @@ from harness import run_on_mesh
 from reference import DistributedLionReference
 
 SHAPES = {"odd": (37,), "mat": (3, 5), "one": (1,), "zero": (11,),
-          "big": (257,)}
+          "big": (257,), "scalar": (), "empty": (0, 4)}
 COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
 LR, WD = 1e-2, 1e-3
 
