@@ -1,0 +1,1 @@
+"""Training examples: Flax models, data and the train CLI (extra: [examples])."""
