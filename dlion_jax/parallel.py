@@ -38,6 +38,28 @@ from jax.sharding import PartitionSpec as P
 LossFn = Callable[[Any, Any], jax.Array]
 
 
+def use_cpu_devices(num_devices: int) -> None:
+  """Asks for ``num_devices`` simulated CPU devices on this process.
+
+  Must run before the first call that initializes a backend (e.g.
+  ``jax.devices()``); it overrides ``--xla_force_host_platform_device_count``.
+  Harmless on a machine with accelerators, whose devices are used instead.
+
+  Raises:
+    RuntimeError: the backend is already up with fewer devices.
+  """
+  try:
+    jax.config.update("jax_num_cpu_devices", num_devices)
+  except RuntimeError:
+    pass  # Backend already initialized: check what it has below.
+  if jax.local_device_count() < num_devices:
+    raise RuntimeError(
+        f"Need {num_devices} devices, jax sees {jax.local_device_count()}. "
+        "Run in a fresh process, or set XLA_FLAGS="
+        f"--xla_force_host_platform_device_count={num_devices} before "
+        "importing jax.")
+
+
 def data_mesh(num_workers: int | None = None, *, axis_name: str = "data",
               devices=None) -> Mesh:
   """A 1-D mesh of the first ``num_workers`` devices (all by default)."""
@@ -95,9 +117,37 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
       params)
 
 
+def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
+  """Averages the gradients over ``axis_name``: what global optimizers need.
+
+  ``optax.chain(pmean_gradients("data"), optax.lion(...))`` is the usual
+  data-parallel Lion that all-reduces fp32 gradients, the baseline that
+  :func:`dlion_jax.distributed_lion` replaces.
+  """
+
+  def update_fn(updates, state, params=None):
+    del params
+    return lax.pmean(updates, axis_name), state
+
+  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+
+
+def global_array(value: Any, sharding: NamedSharding) -> Any:
+  """Places host values (the same on every process) with ``sharding``.
+
+  Works with one process and with many (``jax.distributed``): each process
+  supplies only the shards its own devices hold.
+  """
+  def place(x):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+  return jax.tree.map(place, value)
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     mesh: Mesh, *, axis_name: str = "data",
-                    check_vma: bool = True, donate: bool = True):
+                    check_vma: bool = True, donate: bool = True,
+                    has_aux: bool = False):
   """Builds a jitted ``shard_map`` data-parallel step.
 
   Args:
@@ -109,6 +159,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       are marked per-worker before differentiation so that JAX does not
       insert its implicit gradient all-reduce.
     donate: donate ``params`` and ``state`` buffers to the step.
+    has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
+      scalars, e.g. accuracy) is averaged over workers and returned with the
+      loss as ``(loss, aux)``.
 
   Returns:
     ``step(params, state, batch) -> (params, state, loss)`` with the shapes of
@@ -137,7 +190,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     state = jax.tree.map(lambda x: x[0], state)
     local_params = (lax.pcast(params, axis_name, to="varying")
                     if check_vma else params)
-    loss, grads = jax.value_and_grad(loss_fn)(local_params, batch)
+    loss, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params,
+                                                              batch)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     state = jax.tree.map(lambda x: x[None], state)

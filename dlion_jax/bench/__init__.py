@@ -16,27 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Iterable, Sequence
 
-import jax
-
-
-def use_cpu_devices(num_devices: int) -> None:
-  """Asks for ``num_devices`` simulated CPU devices before jax starts.
-
-  Must run before the first call that initializes a backend (e.g.
-  ``jax.devices()``); it overrides ``--xla_force_host_platform_device_count``.
-
-  Raises:
-    RuntimeError: the backend is already up with fewer devices.
-  """
-  try:
-    jax.config.update("jax_num_cpu_devices", num_devices)
-  except RuntimeError:
-    pass  # Backend already initialized: check what it has below.
-  if jax.device_count() < num_devices:
-    raise RuntimeError(
-        f"Need {num_devices} devices, jax sees {jax.device_count()}. Run in a "
-        "fresh process, or set XLA_FLAGS=--xla_force_host_platform_device_"
-        f"count={num_devices} before importing jax.")
+from dlion_jax.parallel import use_cpu_devices  # noqa: F401  (re-export)
 
 
 def progress(items: Iterable, total: int, desc: str):

@@ -1,0 +1,245 @@
+"""Run configuration: YAML files with ``--set key=value`` overrides.
+
+A config has five sections and a few top-level keys::
+
+  name: quickstart
+  seed: 0
+  workers: 8                  # data-parallel workers (simulated on CPU)
+  run_dir: runs/quickstart
+  data: {name: digits, global_batch: 256}
+  model: {name: mlp, hidden: [128, 128]}      # other keys go to the model
+  optimizer: {name: dlion, learning_rate: 3.0e-3, weight_decay: 1.0e-2}
+  train: {steps: 300, eval_every: 100}
+
+Every key is checked: an unknown key or a value of the wrong type raises a
+:class:`ConfigError` naming the key, the value and what is expected.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+import types
+import typing
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+  """A config key is unknown, or its value has the wrong type or range."""
+
+
+@dataclasses.dataclass
+class DataConfig:
+  """Which data, and how it is batched.
+
+  ``global_batch`` is split evenly over the workers: each sees
+  ``global_batch / workers`` examples a step.
+  """
+  name: str = "digits"              # digits | fashion_mnist | text
+  path: Optional[str] = None        # fashion_mnist directory or text file
+  global_batch: int = 256
+  seq_len: int = 64                 # text: bytes per example
+  limit_train: Optional[int] = None  # fashion_mnist: first n examples
+  limit_test: Optional[int] = None
+  eval_batch: int = 1000
+
+
+@dataclasses.dataclass
+class OptimizerConfig:
+  """The optimizer and its schedule (linear warmup, then cosine or constant).
+
+  ``None`` means the optimizer's own default (e.g. ``b2`` is 0.99 for Lion
+  and 0.999 for AdamW).
+  """
+  name: str = "dlion"               # dlion | lion | adamw | signum | sgd
+  learning_rate: float = 3e-3
+  weight_decay: float = 0.0
+  b1: Optional[float] = None
+  b2: Optional[float] = None
+  momentum: float = 0.9             # sgd; also signum's b1 = b2
+  warmup_steps: int = 0
+  schedule: str = "cosine"          # cosine | constant
+  end_lr_fraction: float = 0.0
+  aggregation: str = "mavo"         # dlion
+  vote: str = "binary"              # dlion
+  comm: str = "auto"                # dlion
+
+
+@dataclasses.dataclass
+class TrainConfig:
+  """Loop length, logging, evaluation and checkpoint cadence (in steps)."""
+  steps: int = 300
+  log_every: int = 10
+  eval_every: int = 100             # 0: only at the end
+  checkpoint_every: int = 0         # 0: only at the end
+  keep_checkpoints: int = 2
+
+
+@dataclasses.dataclass
+class Config:
+  """A whole run. ``model`` holds ``name`` plus the model's keyword args."""
+  name: str = "run"
+  seed: int = 0
+  workers: int = 8
+  run_dir: Optional[str] = None     # default: runs/<name>
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  model: dict = dataclasses.field(default_factory=lambda: {"name": "mlp"})
+  optimizer: OptimizerConfig = dataclasses.field(
+      default_factory=OptimizerConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+
+  @property
+  def run_path(self) -> pathlib.Path:
+    return pathlib.Path(self.run_dir or f"runs/{self.name}")
+
+
+_CHOICES = {
+    "data.name": ("digits", "fashion_mnist", "text"),
+    "optimizer.name": ("dlion", "lion", "adamw", "signum", "sgd"),
+    "optimizer.schedule": ("cosine", "constant"),
+    "optimizer.aggregation": ("mavo", "avg"),
+    "optimizer.vote": ("binary", "ternary"),
+    "optimizer.comm": ("auto", "alltoall", "allgather", "psum", "psum_int8"),
+}
+_POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
+             "train.steps", "train.log_every", "train.keep_checkpoints")
+_NON_NEGATIVE = ("train.eval_every", "train.checkpoint_every",
+                 "optimizer.warmup_steps", "optimizer.learning_rate",
+                 "optimizer.weight_decay")
+
+
+def _type_name(tp) -> str:
+  return getattr(tp, "__name__", str(tp)).replace("typing.", "")
+
+
+def _coerce(key: str, value: Any, tp) -> Any:
+  """Checks ``value`` against the annotation ``tp`` (ints pass as floats)."""
+  args = typing.get_args(tp)
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    if value is None and type(None) in args:
+      return None
+    (tp,) = [a for a in args if a is not type(None)]
+  if tp is float and isinstance(value, int) and not isinstance(value, bool):
+    return float(value)
+  if tp is dict and not isinstance(value, dict):
+    raise ConfigError(f"{key} must be a mapping, got {value!r}.")
+  if tp in (int, float, str, bool) and (
+      not isinstance(value, tp) or (tp is int and isinstance(value, bool))):
+    raise ConfigError(
+        f"{key}={value!r} has type {type(value).__name__}; expected "
+        f"{_type_name(tp)}.")
+  return value
+
+
+def _build(cls, values: dict, prefix: str):
+  if not isinstance(values, dict):
+    raise ConfigError(f"{prefix.rstrip('.') or 'config'} must be a mapping, "
+                      f"got {values!r}.")
+  fields = {f.name: f for f in dataclasses.fields(cls)}
+  hints = typing.get_type_hints(cls)
+  kwargs = {}
+  for key, value in values.items():
+    if key not in fields:
+      raise ConfigError(
+          f"Unknown config key '{prefix}{key}'. Valid keys here: "
+          f"{', '.join(sorted(fields))}.")
+    tp = hints[key]
+    if dataclasses.is_dataclass(tp):
+      kwargs[key] = _build(tp, value, f"{prefix}{key}.")
+    else:
+      kwargs[key] = _coerce(prefix + key, value, tp)
+  return cls(**kwargs)
+
+
+def _get(config: Config, dotted: str):
+  value = config
+  for part in dotted.split("."):
+    value = getattr(value, part)
+  return value
+
+
+def validate(config: Config) -> Config:
+  """Range and choice checks that types alone do not catch."""
+  for key, valid in _CHOICES.items():
+    if _get(config, key) not in valid:
+      raise ConfigError(f"{key}={_get(config, key)!r} is not one of "
+                        f"{', '.join(valid)}.")
+  for key in _POSITIVE:
+    if _get(config, key) <= 0:
+      raise ConfigError(f"{key}={_get(config, key)!r} must be positive.")
+  for key in _NON_NEGATIVE:
+    if _get(config, key) < 0:
+      raise ConfigError(f"{key}={_get(config, key)!r} must be >= 0.")
+  if "name" not in config.model:
+    raise ConfigError("model.name is missing (mlp, cnn, vit or gpt).")
+  if config.data.global_batch % config.workers:
+    raise ConfigError(
+        f"data.global_batch={config.data.global_batch} must be divisible by "
+        f"workers={config.workers}: each worker takes an equal share.")
+  return config
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+  *parents, leaf = dotted.split(".")
+  node = tree
+  for part in parents:
+    node = node.setdefault(part, {})
+    if not isinstance(node, dict):
+      raise ConfigError(f"--set {dotted}: {part} is not a section.")
+  node[leaf] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+  """``'optimizer.learning_rate=1e-3'`` -> ``('optimizer.learning_rate',
+  0.001)``; the value is read as YAML (numbers, lists, null, strings)."""
+  key, sep, raw = text.partition("=")
+  if not sep or not key:
+    raise ConfigError(f"--set expects key=value, got {text!r}.")
+  value = yaml.safe_load(raw) if raw else None
+  if isinstance(value, str) and _looks_numeric(value):
+    value = float(value)   # YAML 1.1 reads "1e-3" as a string
+  return key.strip(), value
+
+
+def _looks_numeric(text: str) -> bool:
+  try:
+    float(text)
+  except ValueError:
+    return False
+  return True
+
+
+def _numbers_from_yaml(tree: Any) -> Any:
+  if isinstance(tree, dict):
+    return {k: _numbers_from_yaml(v) for k, v in tree.items()}
+  if isinstance(tree, list):
+    return [_numbers_from_yaml(v) for v in tree]
+  if isinstance(tree, str) and _looks_numeric(tree) and not tree.isalpha():
+    return float(tree)
+  return tree
+
+
+def load_config(path: str | pathlib.Path | None = None,
+                overrides: list[str] = ()) -> Config:
+  """Reads a YAML config, applies ``key=value`` overrides, validates it.
+
+  Example:
+    >>> cfg = load_config(None, ["optimizer.name=lion", "train.steps=5"])
+    >>> cfg.optimizer.name, cfg.train.steps
+    ('lion', 5)
+  """
+  tree: dict = {}
+  if path is not None:
+    path = pathlib.Path(path)
+    if not path.is_file():
+      raise ConfigError(f"Config file {str(path)!r} does not exist.")
+    tree = _numbers_from_yaml(yaml.safe_load(path.read_text()) or {})
+  for text in overrides:
+    _set_dotted(tree, *parse_override(text))
+  return validate(_build(Config, tree, ""))
+
+
+def to_dict(config: Config) -> dict:
+  return dataclasses.asdict(config)
