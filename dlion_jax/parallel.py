@@ -146,7 +146,7 @@ def global_array(value: Any, sharding: NamedSharding) -> Any:
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     mesh: Mesh, *, axis_name: str = "data",
-                    check_vma: bool = True, donate: bool = True,
+                    check_vma: bool = False, donate: bool = True,
                     has_aux: bool = False):
   """Builds a jitted ``shard_map`` data-parallel step.
 
@@ -155,9 +155,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     tx: the optimizer, e.g. ``dl.distributed_lion(lr, axis_name=axis_name)``.
     mesh: the device mesh; ``axis_name`` must be one of its axes.
     axis_name: the data-parallel axis.
-    check_vma: passed to :func:`jax.shard_map`. With ``True`` the parameters
-      are marked per-worker before differentiation so that JAX does not
-      insert its implicit gradient all-reduce.
+    check_vma: passed to :func:`jax.shard_map`. With ``True`` JAX checks
+      statically that the new params are replicated; the parameters are then
+      marked per-worker before differentiation so that JAX does not insert
+      its implicit gradient all-reduce. The check fails whenever per-worker
+      optimizer state enters after the vote (e.g. a learning-rate schedule
+      reads its step count from the per-worker state), although the values
+      are identical on every worker; hence off by default.
     donate: donate ``params`` and ``state`` buffers to the step.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
       scalars, e.g. accuracy) is averaged over workers and returned with the

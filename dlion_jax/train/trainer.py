@@ -176,7 +176,8 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
   opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   batches = data_lib.Batches(dataset.train, global_batch=cfg.data.global_batch,
                              seed=cfg.seed, kind=dataset.kind,
-                             seq_len=cfg.data.seq_len)
+                             seq_len=(cfg.data.seq_len if dataset.kind == "lm"
+                                      else None))
 
   ckpt = checkpoint.Checkpointer(run_dir / "checkpoints",
                                  keep=cfg.train.keep_checkpoints)
