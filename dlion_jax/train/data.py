@@ -161,7 +161,8 @@ def read_idx(path: str, *, limit: int | None = None) -> np.ndarray:
     raise ValueError(
         f"{path}: IDX header says shape {tuple(dims)} ({size} bytes of data) "
         f"but the file holds only {len(data)}; is it truncated?")
-  return np.frombuffer(data, dtype).reshape(dims).astype(dtype.newbyteorder("="))
+  array = np.frombuffer(data, dtype).reshape(dims)
+  return array.astype(dtype.newbyteorder("="))
 
 
 def _find_idx(directory: str, name: str) -> str:
@@ -209,8 +210,8 @@ def load_fashion_mnist(path: str = FASHION_MNIST_PATH, *,
       raise ValueError(
           f"{path}: {part} images have shape {images.shape} and labels "
           f"{labels.shape}; expected [n, 28, 28] and [n].")
-    split[part] = {"x": (images[..., None] / np.float32(255)).astype(np.float32),
-                   "y": labels.astype(np.int32)}
+    x = (images[..., None] / np.float32(255)).astype(np.float32)
+    split[part] = {"x": x, "y": labels.astype(np.int32)}
   return Dataset(
       name="fashion_mnist", kind="classification", train=split["train"],
       test=split["test"], num_classes=10,
@@ -352,8 +353,8 @@ class Batches:
                seed: int, kind: str, seq_len: int | None = None):
     n = _check_split(split, kind)
     _check_count("global_batch", global_batch)
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) \
-        or seed < 0:
+    if (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))
+        or seed < 0):
       raise ValueError(f"seed must be a non-negative int, got {seed!r}.")
     if kind == "lm":
       if seq_len is None:
