@@ -20,7 +20,10 @@ def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
 def check_float_leaves(tree: Any, what: str) -> None:
   """Raises a TypeError naming the first leaf that is not floating point."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    dtype = getattr(leaf, "dtype", None)
+    try:
+      dtype = jnp.result_type(leaf)
+    except TypeError:
+      dtype = None
     if dtype is None or not jnp.issubdtype(dtype, jnp.floating):
       name = jax.tree_util.keystr(path) or "<root>"
       kind = dtype if dtype is not None else type(leaf).__name__

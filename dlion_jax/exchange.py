@@ -14,7 +14,7 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
   ``(N-1)/N * (up + down)``.
 * ``allgather``: ``all_gather`` everyone's packed votes and vote locally:
   ``(N-1) * up``.
-* ``psum``: counters of radix ``levels*N+1`` packed into words and summed by
+* ``psum``: counters of radix ``(levels-1)*N+1`` packed into words and summed by
   an integer ``psum`` (Lion Cub, Ishikawa et al., 2025): ``2(N-1)/N * bits``.
 * ``psum_int8``: an ``int8`` of ``+-1`` per parameter, ``psum`` (the NeurIPS
   paper's implementation): ``2(N-1)/N * 8``.
@@ -28,6 +28,7 @@ collectives however many leaves the model has.
 
 from __future__ import annotations
 
+import math
 from typing import Hashable
 
 import jax
@@ -36,12 +37,12 @@ import numpy as np
 from jax import lax
 
 from dlion_jax import accounting
-from dlion_jax._checks import check_choice
 from dlion_jax import packing
+from dlion_jax._checks import check_choice
 
 AGGREGATIONS = accounting.AGGREGATIONS
 VOTES = accounting.VOTES
-COMMS = accounting.COMMS + ("auto",)
+COMM_CHOICES = accounting.COMMS + ("auto",)
 
 AxisName = Hashable | tuple[Hashable, ...]
 
@@ -69,7 +70,7 @@ def axis_size(axis_name: AxisName | None) -> int:
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
                  vote: str) -> str:
   """Maps ``comm='auto'`` to the cheapest strategy on the wire for N workers."""
-  check_choice("comm", comm, COMMS)
+  check_choice("comm", comm, COMM_CHOICES)
   if comm != "auto":
     return comm
   # Ties go to the strategy with fewer collectives (less latency).
@@ -131,7 +132,7 @@ def _message_multiple(comm: str, num_workers: int, *, aggregation: str,
   down_digits = packing.digits_per_word(accounting.alltoall_down_radix(
       num_workers, aggregation=aggregation, vote=vote))
   # N shards of whole words whose digits also fill whole down words.
-  return num_workers * packing.lcm(up_digits, down_digits) // up_digits
+  return num_workers * math.lcm(up_digits, down_digits) // up_digits
 
 
 def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
@@ -145,7 +146,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
   mine = lax.all_to_all(up, axis_name, 0, 0)
   code_sum = packing.sum_packed(mine, up_radix)
   if aggregation == "avg":
-    down = code_sum                    # the exact count, radix levels*N+1
+    down = code_sum                    # exact count, radix (levels-1)*N+1
   elif down_radix == 2:
     down = _signed_sum(code_sum, n, vote) > 0      # odd N, binary: no ties
   else:

@@ -7,7 +7,6 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
-from optax._src import utils as optax_utils
 
 from dlion_jax import exchange
 from dlion_jax._checks import check_choice
@@ -32,7 +31,7 @@ def scale_by_distributed_lion(
     b2: jax.typing.ArrayLike = 0.99,
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    axis_name: Any = None,
+    axis_name: exchange.AxisName | None = None,
     aggregation: str = "mavo",
     vote: str = "binary",
     comm: str = "auto",
@@ -62,11 +61,16 @@ def scale_by_distributed_lion(
 
   ``update`` must be called where ``axis_name`` is bound: inside
   :func:`jax.shard_map` or :func:`jax.pmap` (see :mod:`dlion_jax.parallel`).
-  Under :class:`optax.MultiSteps` the result is that of voting on the
-  accumulated gradient, but XLA lowers MultiSteps' ``lax.cond`` to a select,
-  so the exchange runs (and is discarded) on every micro-step: accumulate
-  gradients in the train step before calling ``update`` when the wire cost
-  of micro-steps matters.
+  :class:`optax.MultiSteps` calls ``update`` on every micro-step (with the
+  running mean of the gradients) and keeps the result only on the k-th, so
+  the exchange runs every micro-step; to exchange once per k micro-batches use
+  ``dlion_jax.parallel.make_train_step(..., micro_batches=k)``. A
+  ``should_skip_update_fn`` that can differ between workers would put the
+  collectives in a branch some workers skip: they would wait forever.
+
+  Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
+  the update is typed per-worker (there is no collective to make it
+  replicated): use ``check_vma=False`` there.
 
   Args:
     b1: rate combining the momentum and the current gradient.
@@ -103,8 +107,9 @@ def scale_by_distributed_lion(
   """
   check_choice("aggregation", aggregation, exchange.AGGREGATIONS)
   check_choice("vote", vote, exchange.VOTES)
-  check_choice("comm", comm, exchange.COMMS)
-  mu_dtype = optax_utils.canonicalize_dtype(mu_dtype)
+  check_choice("comm", comm, exchange.COMM_CHOICES)
+  mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
+      mu_dtype)
 
   def init_fn(params):
     check_float_leaves(params, "params")
@@ -113,7 +118,7 @@ def scale_by_distributed_lion(
 
   def update_fn(updates, state, params=None):
     del params
-    if not isinstance(state, DistributedLionState):
+    if getattr(state, "_fields", None) != ("count", "mu"):   # or Lion's own
       raise TypeError(
           "state must be the DistributedLionState made by this transform's "
           f"`init`, got {type(state).__name__}. Re-create the optimizer "
@@ -145,7 +150,7 @@ def distributed_lion(
     weight_decay: optax.ScalarOrSchedule = 1e-3,
     mask: Any = None,
     *,
-    axis_name: Any = None,
+    axis_name: exchange.AxisName | None = None,
     aggregation: str = "mavo",
     vote: str = "binary",
     comm: str = "auto",

@@ -21,7 +21,6 @@ the surrounding jitted step and work under ``shard_map``/``pmap``.
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -189,13 +188,10 @@ def sum_packed(words: jax.Array, radix: int, length: int | None = None):
 
   With ``words`` of shape ``[N, W]`` holding ``N`` workers' packed votes,
   returns, for every packed position, the sum of the ``N`` workers' digits
-  (for radix 2: how many workers voted ``+1``). This is the population-count
-  vote, vectorised over positions.
+  (for radix 2: how many workers voted ``+1``): the population count across
+  workers that decides the vote, computed for all positions at once by
+  unpacking the digits and summing them.
   """
   n = words.shape[0]
   acc = count_dtype(n * (radix - 1))
   return jnp.sum(unpack_digits(words, radix, length), axis=0, dtype=acc)
-
-
-def lcm(*values: int) -> int:
-  return functools.reduce(math.lcm, values, 1)

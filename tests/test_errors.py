@@ -67,8 +67,13 @@ def test_mismatched_pytrees():
 
 def test_state_from_another_optimizer():
   tx = dl.scale_by_distributed_lion()
-  with pytest.raises(TypeError, match="DistributedLionState.*ScaleByLionState"):
-    tx.update(PARAMS, optax.scale_by_lion().init(PARAMS))
+  with pytest.raises(TypeError, match="DistributedLionState.*ScaleByAdamState"):
+    tx.update(PARAMS, optax.scale_by_adam().init(PARAMS))
+  with pytest.raises(TypeError, match="got dict"):
+    tx.update(PARAMS, {"count": 0, "mu": PARAMS})
+  # optax.lion's state has the same fields and meaning: switching is allowed.
+  updates, _ = tx.update(PARAMS, optax.scale_by_lion().init(PARAMS))
+  assert updates["w"].shape == (5,)
 
 
 def test_field_widths_widen_with_the_worker_count():

@@ -11,6 +11,7 @@ compiled step's HLO, next to what an fp32 gradient all-reduce would send.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import time
@@ -92,9 +93,11 @@ def make_eval_step(graphdef, mesh):
                                out_specs=P()))
 
 
-def evaluate(eval_step, params, split, batch_size, workers, sharding) -> dict:
+def evaluate(eval_step, params, split, *, batch_size, workers, sharding,
+             seq_len=None) -> dict:
+  """Mean test loss and accuracy (per token for LM) over the whole split."""
   totals = np.zeros(3)
-  for batch in data_lib.eval_batches(split, batch_size):
+  for batch in data_lib.eval_batches(split, batch_size, seq_len=seq_len):
     n = len(batch["y"])
     pad = -n % workers
     padded = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
@@ -195,6 +198,11 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
   compiled = step_fn.lower(params, opt_state, example).compile()
   sent = dl.collective_bytes(compiled)
   eval_step = make_eval_step(graphdef, mesh)
+  run_eval = functools.partial(
+      evaluate, eval_step, split=dataset.test,
+      batch_size=cfg.data.eval_batch, workers=cfg.workers,
+      sharding=per_worker,
+      seq_len=cfg.data.seq_len if dataset.kind == "lm" else None)
   say(f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
       f"{cfg.optimizer.name} on {cfg.workers} workers "
       f"({jax.devices()[0].platform}), {cfg.data.global_batch} examples a "
@@ -230,9 +238,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
       bar.update(1)
     if (cfg.train.eval_every and done % cfg.train.eval_every == 0
         and done < cfg.train.steps):
-      record = {"step": done, **evaluate(
-          eval_step, params, dataset.test, cfg.data.eval_batch, cfg.workers,
-          per_worker)}
+      record = {"step": done, **run_eval(params)}
       writer.write(record)
       history.append(record)
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
@@ -241,9 +247,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
   if bar is not None:
     bar.close()
 
-  final = {"step": cfg.train.steps, **evaluate(
-      eval_step, params, dataset.test, cfg.data.eval_batch, cfg.workers,
-      per_worker)}
+  final = {"step": cfg.train.steps, **run_eval(params)}
   writer.write(final)
   history.append(final)
   _save(ckpt, cfg.train.steps, params, opt_state, batches, cfg)
