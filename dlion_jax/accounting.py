@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Sequence
 
 import jax.numpy as jnp
 
@@ -57,6 +58,61 @@ def int_container(num_workers: int):
     if num_workers <= jnp.iinfo(dtype).max:
       return dtype
   raise ValueError(f"num_workers={num_workers} exceeds int32.")
+
+
+def message_radix(comm: str, num_workers: int, vote: str) -> int | None:
+  """Radix in which a strategy packs the votes it sends (None: int votes)."""
+  if comm == "psum":
+    return psum_radix(num_workers, vote)
+  if comm == "psum_int8":
+    return None
+  return vote_radix(vote)
+
+
+def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
+                          vote: str) -> int:
+  """The message's word count is padded to a multiple of this.
+
+  ``alltoall`` splits the message into N shards of whole words whose digits
+  also fill whole words of the result it gathers back.
+  """
+  if comm != "alltoall":
+    return 1
+  up_digits = packing.digits_per_word(vote_radix(vote))
+  down_digits = packing.digits_per_word(alltoall_down_radix(
+      num_workers, aggregation=aggregation, vote=vote))
+  return num_workers * math.lcm(up_digits, down_digits) // up_digits
+
+
+def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
+                  aggregation: str = "mavo", vote: str = "binary",
+                  comm: str) -> float:
+  """Exact bytes each worker sends for leaves of ``leaf_sizes``.
+
+  Each leaf is packed into whole words, the words laid end to end and padded
+  as the strategy needs (see :func:`dlion_jax.exchange.exchange_votes`);
+  ``comm`` must be a concrete strategy, not ``'auto'``.
+  """
+  n = num_workers
+  if n == 1:
+    return 0.0
+  radix = message_radix(comm, n, vote)
+  if radix is None:
+    itemsize = jnp.dtype(int_container(n)).itemsize
+    return 2 * (n - 1) / n * sum(leaf_sizes) * itemsize
+  per_word = packing.digits_per_word(radix)
+  word_bytes = jnp.dtype(packing.word_dtype(radix)).itemsize
+  words = sum(-(-size // per_word) for size in leaf_sizes)
+  if comm == "psum":
+    return 2 * (n - 1) / n * words * word_bytes
+  if comm == "allgather":
+    return float((n - 1) * words * word_bytes)
+  multiple = message_word_multiple(comm, n, aggregation=aggregation, vote=vote)
+  words = -(-words // multiple) * multiple
+  down = alltoall_down_radix(n, aggregation=aggregation, vote=vote)
+  down_words = -(-words * per_word // packing.digits_per_word(down))
+  down_bytes = down_words * jnp.dtype(packing.word_dtype(down)).itemsize
+  return (n - 1) / n * (words * word_bytes + down_bytes)
 
 
 def wire_bits(num_workers: int, *, aggregation: str = "mavo",

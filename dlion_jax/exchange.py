@@ -28,8 +28,7 @@ collectives however many leaves the model has.
 
 from __future__ import annotations
 
-import math
-from typing import Hashable
+from typing import Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -68,17 +67,26 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
-                 vote: str) -> str:
-  """Maps ``comm='auto'`` to the cheapest strategy on the wire for N workers."""
+                 vote: str, leaf_sizes: Sequence[int] | None = None) -> str:
+  """Maps ``comm='auto'`` to the strategy that sends the fewest bytes.
+
+  With ``leaf_sizes`` the exact message sizes, padding included, decide (on
+  a small model padding can outweigh the asymptotic figure); without, the
+  bits per parameter of :func:`dlion_jax.accounting.wire_bits`. Ties go to
+  the strategy with fewer collectives (less latency).
+  """
   check_choice("comm", comm, COMM_CHOICES)
   if comm != "auto":
     return comm
-  # Ties go to the strategy with fewer collectives (less latency).
   by_latency = ("allgather", "psum", "alltoall", "psum_int8")
-  return min(
-      by_latency,
-      key=lambda c: round(accounting.wire_bits(
-          num_workers, aggregation=aggregation, vote=vote, comm=c), 9))
+  def cost(c):
+    if leaf_sizes is not None:
+      return accounting.message_bytes(leaf_sizes, num_workers,
+                                      aggregation=aggregation, vote=vote,
+                                      comm=c)
+    return round(accounting.wire_bits(num_workers, aggregation=aggregation,
+                                      vote=vote, comm=c), 9)
+  return min(by_latency, key=cost)
 
 
 def vote_codes(c: jax.Array, vote: str) -> jax.Array:
@@ -114,27 +122,6 @@ def _all_gather(x, axis_name, **kwargs):
   return lax.all_gather(x, axis_name, to=to, **kwargs)
 
 
-def message_radix(comm: str, num_workers: int, vote: str) -> int | None:
-  """Radix in which a strategy packs the votes it sends (None: int votes)."""
-  if comm == "psum":
-    return accounting.psum_radix(num_workers, vote)
-  if comm == "psum_int8":
-    return None
-  return accounting.vote_radix(vote)
-
-
-def _message_multiple(comm: str, num_workers: int, *, aggregation: str,
-                      vote: str) -> int:
-  """The message's word count must be a multiple of this."""
-  if comm != "alltoall":
-    return 1
-  up_digits = packing.digits_per_word(accounting.vote_radix(vote))
-  down_digits = packing.digits_per_word(accounting.alltoall_down_radix(
-      num_workers, aggregation=aggregation, vote=vote))
-  # N shards of whole words whose digits also fill whole down words.
-  return num_workers * math.lcm(up_digits, down_digits) // up_digits
-
-
 def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results."""
@@ -142,7 +129,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
   up_radix = accounting.vote_radix(vote)
   down_radix = accounting.alltoall_down_radix(n, aggregation=aggregation,
                                               vote=vote)
-  up = message.reshape(n, -1)     # padded by _message_multiple
+  up = message.reshape(n, -1)     # padded by accounting.message_word_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
   code_sum = packing.sum_packed(mine, up_radix)
   if aggregation == "avg":
@@ -200,7 +187,7 @@ _EXCHANGES = {
 def _encode_leaf(c: jax.Array, comm: str, num_workers: int, vote: str):
   """One leaf's part of the message: packed codes, or ints for psum_int8."""
   codes = vote_codes(c.ravel(), vote)
-  radix = message_radix(comm, num_workers, vote)
+  radix = accounting.message_radix(comm, num_workers, vote)
   if radix is None:
     dtype = accounting.int_container(num_workers)
     return _signed_sum(codes, 1, vote).astype(dtype)
@@ -220,13 +207,14 @@ def exchange_votes(pre_sign: list[jax.Array], *, axis_name: AxisName,
     One int32 array per input, same on every worker: the vote sum ``s`` in
     ``[-N, N]``, or ``sign(s)`` (majority vote through ``alltoall``).
   """
-  comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote)
+  comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote,
+                      leaf_sizes=[c.size for c in pre_sign])
   parts = [_encode_leaf(c, comm, num_workers, vote) for c in pre_sign]
   # Written in place into a zero (padded) buffer rather than concatenated:
   # XLA:CPU fuses a concatenate with the packing into one slow loop.
   length = sum(p.shape[0] for p in parts)
-  multiple = _message_multiple(comm, num_workers, aggregation=aggregation,
-                               vote=vote)
+  multiple = accounting.message_word_multiple(
+      comm, num_workers, aggregation=aggregation, vote=vote)
   message = jnp.zeros(-(-length // multiple) * multiple, parts[0].dtype)
   offset = 0
   for part in parts:
@@ -235,7 +223,7 @@ def exchange_votes(pre_sign: list[jax.Array], *, axis_name: AxisName,
   result = _EXCHANGES[comm](message, axis_name=axis_name,
                             num_workers=num_workers, vote=vote,
                             aggregation=aggregation)
-  radix = message_radix(comm, num_workers, vote)
+  radix = accounting.message_radix(comm, num_workers, vote)
   per_word = 1 if radix is None else packing.digits_per_word(radix)
   out, offset = [], 0
   for c in pre_sign:

@@ -147,7 +147,7 @@ def global_array(value: Any, sharding: NamedSharding) -> Any:
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     mesh: Mesh, *, axis_name: str = "data",
                     check_vma: bool = False, donate: bool = True,
-                    has_aux: bool = False):
+                    has_aux: bool = False, micro_batches: int = 1):
   """Builds a jitted ``shard_map`` data-parallel step.
 
   Args:
@@ -166,6 +166,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
       scalars, e.g. accuracy) is averaged over workers and returned with the
       loss as ``(loss, aux)``.
+    micro_batches: split each worker's batch into this many micro-batches,
+      average their gradients (a ``lax.scan``) and update once: one exchange
+      per step, unlike :class:`optax.MultiSteps`, which exchanges on every
+      micro-step.
 
   Returns:
     ``step(params, state, batch) -> (params, state, loss)`` with the shapes of
@@ -186,6 +190,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     9.0
   """
   n = _axis_size(mesh, axis_name)
+  if not isinstance(micro_batches, int) or micro_batches < 1:
+    raise ValueError(f"micro_batches must be a positive int, got "
+                     f"micro_batches={micro_batches!r}.")
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
@@ -194,8 +201,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     state = jax.tree.map(lambda x: x[0], state)
     local_params = (lax.pcast(params, axis_name, to="varying")
                     if check_vma else params)
-    loss, grads = jax.value_and_grad(loss_fn, has_aux=has_aux)(local_params,
-                                                              batch)
+    loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
+                                  micro_batches)
     updates, state = tx.update(grads, state, params)
     params = optax.apply_updates(params, updates)
     state = jax.tree.map(lambda x: x[None], state)
@@ -207,6 +214,25 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       out_specs=(P(), P(axis_name), P()),
       check_vma=check_vma)
   return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+
+def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
+  """``value_and_grad``, averaged over ``micro_batches`` slices of batch."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  if micro_batches == 1:
+    return grad_fn(params, batch)
+  def split(x):
+    if x.shape[0] % micro_batches:
+      raise ValueError(
+          f"micro_batches={micro_batches} must divide each worker's batch, "
+          f"which has {x.shape[0]} rows.")
+    return x.reshape((micro_batches, -1) + x.shape[1:])
+  def body(total, micro):
+    return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
+  micro = jax.tree.map(split, batch)
+  first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+  total, _ = lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
+  return jax.tree.map(lambda x: x / micro_batches, total)
 
 
 def replicate_for_pmap(tree: Any, num_devices: int | None = None) -> Any:
@@ -223,17 +249,32 @@ def init_pmap_states(tx: optax.GradientTransformation, params: Any,
 
 def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                          *, axis_name: str = "data", donate: bool = True,
-                         devices=None):
+                         devices=None, has_aux: bool = False,
+                         micro_batches: int = 1):
   """The same data-parallel step for ``jax.pmap`` users.
 
   Every argument carries a leading device axis of size ``N``: ``params`` from
   :func:`replicate_for_pmap`, ``state`` from :func:`init_pmap_states`,
-  ``batch`` leaves of shape ``[N, local_batch, ...]``. Returns
-  ``(params, state, loss)`` with ``loss`` of shape ``[N]`` (equal entries).
+  ``batch`` leaves of shape ``[N, local_batch, ...]``.
+
+  Args:
+    loss_fn: ``loss_fn(params, local_batch) -> scalar`` (or ``(scalar, aux)``
+      with ``has_aux``) on one device's batch.
+    tx: the optimizer, bound to ``axis_name``.
+    axis_name: the name ``pmap`` gives the device axis.
+    donate: donate ``params`` and ``state`` buffers to the step.
+    devices: the devices to map over (default: all local devices).
+    has_aux: as in :func:`make_train_step`.
+    micro_batches: as in :func:`make_train_step`.
+
+  Returns:
+    ``step(params, state, batch) -> (params, state, loss)``, ``loss`` of shape
+    ``[N]`` (equal entries).
   """
 
   def local_step(params, state, batch):
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
+    loss, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
+                                  micro_batches)
     updates, state = tx.update(grads, state, params)
     return (optax.apply_updates(params, updates), state,
             lax.pmean(loss, axis_name))

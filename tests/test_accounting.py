@@ -61,40 +61,7 @@ def compile_on_mesh(fn, mesh, in_spec, *shapes, out_specs=P(AXIS)):
   return jax.jit(mapped).lower(*args).compile()
 
 
-def _word_bytes(radix):
-  return jnp.dtype(packing.word_dtype(radix)).itemsize
-
-
-def _packed_bytes(num_digits, radix):
-  """Bytes of ``num_digits`` digits packed by :func:`packing.pack_digits`."""
-  return math.ceil(num_digits / packing.digits_per_word(radix)) * _word_bytes(
-      radix)
-
-
-def expected_sent_bytes(n, sizes, *, aggregation, vote, comm):
-  """Bytes a worker sends for leaves of ``sizes``, padding included, derived
-  from the packing layout (each leaf packed into whole words, then the words
-  concatenated), not from accounting.wire_bits."""
-  comm = exchange.resolve_comm(comm, n, aggregation=aggregation, vote=vote)
-  up = accounting.vote_radix(vote)
-  if comm == "psum_int8":
-    itemsize = jnp.dtype(accounting.int_container(n)).itemsize
-    return 2 * (n - 1) / n * sum(sizes) * itemsize
-  radix = accounting.psum_radix(n, vote) if comm == "psum" else up
-  words = sum(math.ceil(d / packing.digits_per_word(radix)) for d in sizes)
-  if comm == "psum":
-    return 2 * (n - 1) / n * words * _word_bytes(radix)
-  if comm == "allgather":
-    return (n - 1) * words * _word_bytes(up)
-  down = accounting.alltoall_down_radix(n, aggregation=aggregation, vote=vote)
-  up_digits = packing.digits_per_word(up)
-  unit = n * math.lcm(up_digits, packing.digits_per_word(down)) // up_digits
-  words = math.ceil(words / unit) * unit
-  return (n - 1) / n * (words * _word_bytes(up)
-                        + _packed_bytes(words * up_digits, down))
-
-
-# --- HLO-measured bits against wire_bits ------------------------------------
+# --- HLO-measured bits against wire_bits and message_bytes ------------------------------------
 
 
 @pytest.mark.parametrize("comm", COMMS + ("auto",))
@@ -105,12 +72,27 @@ def test_hlo_bits_match_wire_bits(n, comm):
     compiled = compile_update(n, **kw)
     sent = accounting.collective_bytes(compiled)
     # Exact, padding included.
-    assert sent == pytest.approx(expected_sent_bytes(n, SIZES, **kw),
-                                 rel=1e-12), kw
+    picked = exchange.resolve_comm(comm, n, aggregation=aggregation,
+                                   vote=vote, leaf_sizes=SIZES)
+    expected = accounting.message_bytes(SIZES, n, aggregation=aggregation,
+                                        vote=vote, comm=picked)
+    assert sent == pytest.approx(expected, rel=1e-12), kw
     # Per parameter: the analytic figure, up to padding (< 320 digits of ~1e5).
     bits = sent * 8 / D
     analytic = dl.wire_bits(n, **kw)
     assert analytic - 1e-9 <= bits <= analytic * (1 + 320 / D), (kw, bits)
+
+
+def test_auto_counts_padding_on_small_models():
+  """64 parameters at N=8: alltoall's shard padding costs more than it saves."""
+  kw = dict(aggregation="mavo", vote="binary")
+  small = {c: accounting.message_bytes([64], 8, comm=c, **kw) for c in COMMS}
+  picked = exchange.resolve_comm("auto", 8, leaf_sizes=[64], **kw)
+  assert small[picked] == min(small.values())
+  assert picked != "alltoall" and small["alltoall"] > small[picked]
+  # Large models: the asymptotic choice.
+  assert exchange.resolve_comm("auto", 8, leaf_sizes=[10**6], **kw) == (
+      "alltoall")
 
 
 @pytest.mark.parametrize("comm", COMMS)

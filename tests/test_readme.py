@@ -15,6 +15,7 @@ def test_readme_example_runs(tmp_path):
   script.write_text(code)
   out = subprocess.run([sys.executable, str(script)], capture_output=True,
                        text=True, timeout=300, check=True).stdout
-  loss = float(re.search(r"loss (\S+),", out).group(1))
-  assert loss < 1.0, out           # starts near 22
-  assert "2.275 vs fp32 all-reduce 56" in out
+  loss = float(re.search(r"loss (\S+);", out).group(1))
+  assert loss < 1.0, out           # starts near 340
+  bits = float(re.search(r"sent (\S+) bits/param/step", out).group(1))
+  assert 2.2 < bits < 3.0, out     # votes (+ padding and the loss mean)
