@@ -238,8 +238,9 @@ def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str, dtype):
   # s / N read from a table of correctly rounded quotients: XLA would turn a
   # division by the constant N into a multiplication by 1/N and fuse it with
   # the consumers in a strategy-dependent order, breaking bit-identity.
-  quotients = (np.arange(-num_workers, num_workers + 1, dtype=np.float32)
-               / np.float32(num_workers))
+  wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
+  quotients = (np.arange(-num_workers, num_workers + 1, dtype=wide)
+               / wide(num_workers))
   return jnp.asarray(quotients, dtype)[vote_sum + num_workers]
 
 

@@ -52,6 +52,8 @@ def use_cpu_devices(num_devices: int) -> None:
     jax.config.update("jax_num_cpu_devices", num_devices)
   except RuntimeError:
     pass  # Backend already initialized: check what it has below.
+  if jax.default_backend() != "cpu":
+    return   # accelerators: data_mesh says if there are too few
   if jax.local_device_count() < num_devices:
     raise RuntimeError(
         f"Need {num_devices} devices, jax sees {jax.local_device_count()}. "

@@ -2,6 +2,11 @@
 
 Written from the paper, not from the library: plain loops over workers and
 numpy arithmetic in the leaf dtype (ml_dtypes for bf16).
+
+To compare bit for bit, the arithmetic rounds where XLA on CPU rounds: it
+contracts ``a * x + y`` into a fused multiply-add (see :func:`mul_add`). That
+models the compiler, not the algorithm; on a backend that rounds otherwise
+the votes still agree but the parameters may differ in the last bit.
 """
 
 from __future__ import annotations

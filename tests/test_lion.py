@@ -2,6 +2,7 @@
 
 import itertools
 
+import chex
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -14,6 +15,8 @@ from harness import AXIS
 from harness import random_tree
 from harness import run_on_mesh
 from reference import DistributedLionReference
+from reference import aggregate
+from reference import worker_vote
 
 SHAPES = {"odd": (37,), "mat": (3, 5), "one": (1,), "zero": (11,),
           "big": (257,), "scalar": (), "empty": (0, 4)}
@@ -105,8 +108,8 @@ def test_low_precision_and_mu_dtype(num_workers, param_dtype, mu_dtype):
   params = random_tree(rng, SHAPES, param_dtype)
   grads = make_grads(rng, num_workers, steps=4, dtype=param_dtype)
   txs = {c: dl.distributed_lion(LR, weight_decay=WD, mu_dtype=mu_dtype,
-                                axis_name=AXIS, aggregation=agg, comm=c)
-         for c in ("alltoall", "psum") for agg in ("avg",)}
+                                axis_name=AXIS, aggregation="avg", comm=c)
+         for c in ("alltoall", "psum")}
   out = run_on_mesh(txs, params, grads, num_workers)
   ref = run_reference(params, grads, num_workers, aggregation="avg",
                       mu_dtype=mu_dtype)
@@ -114,6 +117,88 @@ def test_low_precision_and_mu_dtype(num_workers, param_dtype, mu_dtype):
   expected_mu = np.dtype(mu_dtype or param_dtype)
   assert out["psum"][1][0].mu["odd"].dtype == expected_mu
   assert out["psum"][0]["odd"].dtype == np.dtype(param_dtype)
+
+
+@pytest.mark.parametrize("aggregation,vote",
+                         list(itertools.product(("mavo", "avg"),
+                                                ("binary", "ternary"))))
+def test_mixed_bf16_and_fp32_leaves(aggregation, vote):
+  """One message carries leaves of both dtypes; each comes back in its own."""
+  rng = np.random.default_rng(8)
+  n = 4
+  params = random_tree(rng, SHAPES, BF16)
+  params["odd"] = params["odd"].astype(np.float32)
+  grads = make_grads(rng, n, steps=3, dtype=BF16)
+  for g in grads:
+    g["odd"] = g["odd"].astype(np.float32)
+  txs = {c: dl.distributed_lion(LR, weight_decay=WD, axis_name=AXIS,
+                                aggregation=aggregation, vote=vote, comm=c)
+         for c in COMMS}
+  out = run_on_mesh(txs, params, grads, n)
+  ref = run_reference(params, grads, n, aggregation=aggregation, vote=vote)
+  assert_matches_reference(out, ref, n)
+  assert out["auto"][0]["odd"].dtype == np.float32
+  assert out["auto"][0]["mat"].dtype == BF16
+
+
+@pytest.mark.parametrize("num_workers", [16, 64, 127, 128, 200, 256, 300])
+def test_many_workers_field_widths(num_workers):
+  """Counters and containers widen with N (uint8 -> uint16, int8 -> int16).
+
+  All N workers run under ``jax.vmap`` on one device; one update from zero
+  momentum votes the sign of each worker's gradient.
+  """
+  rng = np.random.default_rng(num_workers)
+  shapes = {"a": (37,), "b": (3, 5)}
+  grads = {k: rng.normal(size=(num_workers,) + s).astype(np.float32)
+           for k, s in shapes.items()}
+  grads["b"][: num_workers // 2, 0, 0] = 0.0      # ternary ties somewhere
+  configs = list(itertools.product(("mavo", "avg"), ("binary", "ternary"),
+                                   COMMS))
+  def run(g):
+    out = []
+    for aggregation, vote, comm in configs:
+      tx = dl.scale_by_distributed_lion(axis_name=AXIS, aggregation=aggregation,
+                                        vote=vote, comm=comm)
+      out.append(tx.update(g, tx.init(g))[0])
+    return out
+  outs = jax.jit(jax.vmap(run, axis_name=AXIS))(grads)
+  for (aggregation, vote, comm), out in zip(configs, outs):
+    for k in shapes:
+      votes = [worker_vote(grads[k][i], vote) for i in range(num_workers)]
+      expected = aggregate(votes, aggregation, np.float32)
+      np.testing.assert_array_equal(out[k][0], expected,
+                                    err_msg=f"{aggregation} {vote} {comm} {k}")
+      assert all(np.array_equal(out[k][0], out[k][i])
+                 for i in (1, num_workers - 1))
+
+
+def test_float64_avg_is_exact():
+  with jax.enable_x64(True):
+    g = jnp.array([[1.0], [1.0], [-1.0]], jnp.float64)
+    tx = dl.scale_by_distributed_lion(axis_name=AXIS, aggregation="avg")
+    out = jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name=AXIS)(g)
+    assert out.dtype == jnp.float64
+    assert out[0, 0] == 1 / 3
+
+
+def test_none_leaves_and_tuple_axis_names():
+  mesh = jax.make_mesh((2, 4), ("a", "b"),
+                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  tx = dl.scale_by_distributed_lion(axis_name=("a", "b"), comm="alltoall")
+  rng = np.random.default_rng(9)
+  g = rng.normal(size=(8, 21)).astype(np.float32)
+  def local(x):
+    tree = {"w": x[0], "skip": None}
+    out = tx.update(tree, tx.init(tree))[0]
+    assert out["skip"] is None
+    return out["w"][None]
+  out = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=jax.P(("a", "b")),
+                              out_specs=jax.P(("a", "b"))))(g)
+  expected = aggregate([worker_vote(g[i], "binary") for i in range(8)],
+                       "mavo", np.float32)
+  for i in range(8):
+    np.testing.assert_array_equal(out[i], expected)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, BF16])
@@ -133,9 +218,9 @@ def test_no_axis_is_optax_lion_bit_for_bit(dtype, mu_dtype):
     u2, s_theirs = step(theirs)(g, s_theirs, p_theirs)
     p_ours = optax.apply_updates(p_ours, u1)
     p_theirs = optax.apply_updates(p_theirs, u2)
-    jax.tree.map(np.testing.assert_array_equal, (u1, p_ours),
+    chex.assert_trees_all_equal((u1, p_ours),
                  (u2, p_theirs))
-  jax.tree.map(np.testing.assert_array_equal, s_ours[0].mu, s_theirs[0].mu)
+  chex.assert_trees_all_equal(s_ours[0].mu, s_theirs[0].mu)
 
 
 def test_axis_of_size_one_is_optax_lion_without_collectives():
@@ -146,9 +231,9 @@ def test_axis_of_size_one_is_optax_lion_without_collectives():
                                                  axis_name=AXIS),
                      "optax": optax.lion(LR, weight_decay=WD)},
                     params, grads, 1)
-  jax.tree.map(np.testing.assert_array_equal, out["ours"][0],
+  chex.assert_trees_all_equal(out["ours"][0],
                out["optax"][0])
-  jax.tree.map(np.testing.assert_array_equal, out["ours"][1][0].mu,
+  chex.assert_trees_all_equal(out["ours"][1][0].mu,
                out["optax"][1][0].mu)
 
   mesh = dl.parallel.data_mesh(1)

@@ -1,5 +1,6 @@
 """The data-parallel helpers: shard_map and pmap steps, per-worker state."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +81,7 @@ def test_check_vma_on_off_and_pmap_agree(tx):
   on = train_shard_map(tx, params, batches, check_vma=True)
   off = train_shard_map(tx, params, batches, check_vma=False)
   pm = train_pmap(tx, params, batches)
-  jax.tree.map(np.testing.assert_array_equal, on[0], off[0])
+  chex.assert_trees_all_equal(on[0], off[0])
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b[0]), on[0],
                pm[0])
   jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b),
@@ -123,7 +124,7 @@ def test_single_worker_mesh_is_plain_lion():
   theirs = optax.lion(3e-2)
   a = train_shard_map(ours, params, batches, check_vma=True, num_workers=1)
   b = train_shard_map(theirs, params, batches, check_vma=True, num_workers=1)
-  jax.tree.map(np.testing.assert_array_equal, a[0], b[0])
+  chex.assert_trees_all_equal(a[0], b[0])
 
 
 def test_helper_errors_name_the_problem():

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import chex
 import jax
 import numpy as np
 import pytest
@@ -54,9 +55,9 @@ def test_resume_equals_uninterrupted(tmp_path):
       shutil.rmtree(step_dir)
   resumed = trainer.train(cfg, resume=True, progress=False,
                           log=lambda *_: None)
-  jax.tree.map(np.testing.assert_array_equal, full["params"],
+  chex.assert_trees_all_equal(full["params"],
                resumed["params"])
-  jax.tree.map(np.testing.assert_array_equal, full["opt_state"],
+  chex.assert_trees_all_equal(full["opt_state"],
                resumed["opt_state"])
   mu = full["opt_state"][0].mu
   first = jax.tree.leaves(mu)[0]
