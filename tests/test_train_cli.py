@@ -101,3 +101,12 @@ def test_model_and_data_must_fit(tmp_path):
   with pytest.raises(ValueError, match="needs text data"):
     trainer.train(quick_config(tmp_path, "model={name: gpt}"),
                   progress=False, log=lambda *_: None)
+
+
+def test_pmap_example_script():
+  out = subprocess.run(
+      [sys.executable, "-m", "dlion_jax.train.pmap_example", "--steps", "40",
+       "--workers", "4"], capture_output=True, text=True, timeout=300,
+      check=True).stdout
+  accuracy = float(out.rsplit("test accuracy", 1)[1])
+  assert accuracy > 0.6, out
