@@ -203,9 +203,14 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
       batch_size=cfg.data.eval_batch, workers=cfg.workers,
       sharding=per_worker,
       seq_len=cfg.data.seq_len if dataset.kind == "lm" else None)
+  where = jax.devices()[0].platform
+  if jax.process_count() > 1:
+    k = jax.local_device_count()
+    where += (f"; {jax.process_count()} processes, {k} device"
+              f"{'s' if k > 1 else ''} each")
   say(f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
       f"{cfg.optimizer.name} on {cfg.workers} workers "
-      f"({jax.devices()[0].platform}), {cfg.data.global_batch} examples a "
+      f"({where}), {cfg.data.global_batch} examples a "
       f"step ({cfg.data.global_batch // cfg.workers} per worker)")
 
   writer = _Writer(run_dir / "metrics.jsonl", main_process)
