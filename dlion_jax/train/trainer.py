@@ -214,9 +214,10 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
       f"step ({cfg.data.global_batch // cfg.workers} per worker)")
 
   writer = _Writer(run_dir / "metrics.jsonl", main_process)
+  if main_process and not resume:
+    writer.path.unlink(missing_ok=True)   # a fresh run starts a fresh log
   bar = _progress(cfg.train.steps, start, progress and main_process)
   schedule = optimizers.make_schedule(cfg.optimizer, cfg.train.steps)
-  history = []
   tic, last_step = time.perf_counter(), start
   for step in range(start, cfg.train.steps):
     batch = parallel.global_array(next(batches), per_worker)
@@ -235,7 +236,6 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
                 "learning_rate": float(schedule(step)),
                 "examples_per_s": rate}
       writer.write(record)
-      history.append(record)
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:,.0f}")
       tic, last_step = time.perf_counter(), done
@@ -245,7 +245,6 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
         and done < cfg.train.steps):
       record = {"step": done, **run_eval(params)}
       writer.write(record)
-      history.append(record)
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
         and done < cfg.train.steps):
       _save(ckpt, done, params, opt_state, batches, cfg)
@@ -254,7 +253,6 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
 
   final = {"step": cfg.train.steps, **run_eval(params)}
   writer.write(final)
-  history.append(final)
   _save(ckpt, cfg.train.steps, params, opt_state, batches, cfg)
   ckpt.close()
   wire = wire_report(cfg, sent, num_params, cfg.train.steps)
@@ -262,7 +260,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
              "kind": dataset.kind}
   if main_process:
     (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _plot(run_dir, history, dataset.kind)
+    _plot(run_dir, dataset.kind)
   say(_summary_text(summary, cfg))
   return {"summary": summary, "params": params, "opt_state": opt_state}
 
@@ -332,16 +330,19 @@ def _summary_text(s: dict, cfg: Config) -> str:
   return "\n".join(lines)
 
 
-def _plot(run_dir, history, kind) -> None:
+def _plot(run_dir, kind) -> None:
+  """curves.png from the run's whole metrics.jsonl (resumed runs included)."""
   try:
-    import matplotlib  # pylint: disable=g-import-not-at-top
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+    # A bare Figure: no pyplot, so a notebook's backend stays as it was.
+    from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
   except ImportError:
     return
+  history = [json.loads(line) for line in
+             (run_dir / "metrics.jsonl").read_text().splitlines()]
   train = [r for r in history if "loss" in r]
   test = [r for r in history if "test_loss" in r]
-  fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+  fig = Figure(figsize=(10, 4))
+  ax1, ax2 = fig.subplots(1, 2)
   ax1.plot([r["step"] for r in train], [r["loss"] for r in train],
            label="train")
   ax1.plot([r["step"] for r in test], [r["test_loss"] for r in test], "o-",
@@ -361,4 +362,3 @@ def _plot(run_dir, history, kind) -> None:
     ax2.legend()
   fig.tight_layout()
   fig.savefig(run_dir / "curves.png", dpi=100)
-  plt.close(fig)
