@@ -325,7 +325,8 @@ def _summary_text(s: dict, cfg: Config) -> str:
       f"{dl.allreduce_bits(cfg.workers):.0f} bits/param/step = "
       f"{_fmt_bytes(s['fp32_allreduce_bytes_per_step'])}/step, "
       f"{_fmt_bytes(s['fp32_allreduce_bytes_total'])} in total "
-      f"({ratio:.1f}x {'more' if ratio >= 1 else 'less'})")
+      + (f"({ratio:.1f}x more)" if ratio > 1.05 else
+         "(what this optimizer sends: it all-reduces fp32 gradients)"))
   lines.append(f"run directory: {cfg.run_path}")
   return "\n".join(lines)
 
