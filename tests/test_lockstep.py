@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import optax
 from hypothesis import Phase
+from hypothesis import example
 from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -25,6 +26,7 @@ CONFIGS = list(itertools.product(("mavo", "avg"), ("binary", "ternary"),
                                  dl.exchange.COMM_CHOICES))
 DTYPES = (np.float32, ml_dtypes.bfloat16)
 STEPS = 3
+LR = 1e-2
 
 shapes = st.lists(st.integers(0, 9), min_size=0, max_size=3).map(tuple)
 trees = st.dictionaries(st.sampled_from("abcdef"),
@@ -47,21 +49,25 @@ def run(txs, params, grads):
 
 
 # No shrinking: each example compiles 16 optimizers; a failure prints as is.
-@settings(max_examples=10, deadline=None,
+# Derandomized: CI sees the same examples every run (no flaky reds).
+@settings(max_examples=10, deadline=None, derandomize=True,
           phases=(Phase.explicit, Phase.reuse, Phase.generate))
 @given(trees, st.integers(1, 8), st.integers(0, 2**31 - 1))
+# Once too strict a tolerance: bf16 rounding of the step, with one worker.
+@example({"d": ((7, 6), ml_dtypes.bfloat16),
+          "e": ((7, 8, 6), ml_dtypes.bfloat16)}, 1, 4806666)
 def test_workers_stay_in_lock_step(spec, num_workers, seed):
   rng = np.random.default_rng(seed)
   params = {k: rng.normal(size=s).astype(d) for k, (s, d) in spec.items()}
   grads = [{k: rng.normal(size=(num_workers,) + s).astype(d)
             for k, (s, d) in spec.items()} for _ in range(STEPS)]
-  txs = [dl.distributed_lion(1e-2, axis_name=AXIS, aggregation=a, vote=v,
+  txs = [dl.distributed_lion(LR, axis_name=AXIS, aggregation=a, vote=v,
                              comm=c) for a, v, c in CONFIGS]
   outs = run(txs, params, grads)
   first = {}
   for (aggregation, vote, comm), out in zip(CONFIGS, outs):
     baseline = first.setdefault((aggregation, vote), out)
-    ref = DistributedLionReference(params, num_workers, learning_rate=1e-2,
+    ref = DistributedLionReference(params, num_workers, learning_rate=LR,
                                    aggregation=aggregation, vote=vote)
     for g in grads:
       ref.step([{k: v[i] for k, v in g.items()} for i in range(num_workers)])
@@ -72,15 +78,18 @@ def test_workers_stay_in_lock_step(spec, num_workers, seed):
       # Every strategy gives the same params, bit for bit.
       np.testing.assert_array_equal(out[k][0], baseline[k][0], err_msg=msg)
       # The reference rounds like XLA's shard_map programs; under vmap XLA
-      # may round intermediates elsewhere: allow two units in the last place.
-      assert_within_ulps(out[k][0], ref.params[k], dtype, 2, msg)
+      # may keep or round intermediates (D + wd * x, of size ~1) elsewhere.
+      # That costs at most a rounding of the step, lr * eps, per step, far
+      # below a flipped vote (2 * lr).
+      assert_close_to_reference(out[k][0], ref.params[k], dtype, msg)
 
 
-def assert_within_ulps(actual, desired, dtype, ulps, msg):
+def assert_close_to_reference(actual, desired, dtype, msg):
   actual = np.asarray(actual, np.float32)
   desired = np.asarray(desired, np.float32)
-  # float32 spacing, widened by the mantissa bits bf16 lacks (23 - 7).
-  scale = 2.0**16 if dtype == ml_dtypes.bfloat16 else 1.0
-  spacing = np.spacing(np.maximum(np.abs(actual), np.abs(desired))) * scale
-  bad = np.abs(actual - desired) > ulps * spacing
+  eps = 2.0**-7 if dtype == ml_dtypes.bfloat16 else 2.0**-23
+  spacing = np.spacing(np.maximum(np.abs(actual), np.abs(desired)))
+  spacing *= eps / 2.0**-23                  # in the leaf dtype's units
+  tolerance = 2 * spacing + 2 * STEPS * LR * eps
+  bad = np.abs(actual - desired) > tolerance
   assert not bad.any(), (msg, actual[bad], desired[bad])
