@@ -9,10 +9,13 @@ from dlion_jax import accounting
 from dlion_jax import exchange
 from dlion_jax import packing
 from dlion_jax import parallel
+from dlion_jax import quantize
+from dlion_jax import sync
 from dlion_jax.accounting import allreduce_bits
 from dlion_jax.accounting import collective_bytes
 from dlion_jax.accounting import wire_bits
 from dlion_jax.lion import DistributedLionState
+from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
 from dlion_jax.lion import scale_by_distributed_lion
 
@@ -20,6 +23,7 @@ __version__ = "0.1.0"
 
 __all__ = (
     "DistributedLionState",
+    "ErrorFeedbackState",
     "accounting",
     "allreduce_bits",
     "collective_bytes",
@@ -27,6 +31,8 @@ __all__ = (
     "exchange",
     "packing",
     "parallel",
+    "quantize",
     "scale_by_distributed_lion",
+    "sync",
     "wire_bits",
 )

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -50,3 +51,22 @@ def check_same_structure(updates: Any, mu: Any) -> None:
           f"{jnp.shape(g)} but its momentum has shape {jnp.shape(m)}. Call "
           "`init` on the same parameters whose gradients you pass to "
           "`update`.")
+
+
+def static_int(name: str, value: Any) -> Any:
+  """``value`` as a Python int when it is a concrete integer, else as is.
+
+  Options such as ``bits`` shape the message, so they must be known when
+  the step is traced. :func:`optax.inject_hyperparams` turns numeric
+  options into arrays (traced inside ``jit``): say how to keep them static.
+  """
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(
+        f"{name} must be a Python int known when the step is traced, got a "
+        f"traced {value.dtype} array. Under optax.inject_hyperparams list it "
+        f"in static_args, e.g. static_args=({name!r},).")
+  if (isinstance(value, (jax.Array, np.ndarray, np.integer)) and
+      jnp.ndim(value) == 0 and jnp.issubdtype(jnp.result_type(value),
+                                              jnp.integer)):
+    return int(value)
+  return value

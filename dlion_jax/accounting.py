@@ -22,45 +22,91 @@ from typing import Sequence
 import jax.numpy as jnp
 
 from dlion_jax import packing
+from dlion_jax import sync
 from dlion_jax._checks import check_choice
+from dlion_jax._checks import static_int
 
 AGGREGATIONS = ("mavo", "avg")
 VOTES = ("binary", "ternary")
 COMMS = ("alltoall", "allgather", "psum", "psum_int8")
+QUANTIZERS = ("sign", "ternary_l1", "pbit_l1")
+PBIT_RANGE = (2, 8)
+
+# What one worker's vote on one parameter is: 'binary' (+-1), 'ternary'
+# (-1, 0, 1) or an odd number of levels 2L + 1 (-L..L, a quantized vote).
+VoteCode = str | int
 
 
-def vote_radix(vote: str) -> int:
-  """Distinct values one worker's vote takes: 2 (binary) or 3 (ternary)."""
-  return 2 if vote == "binary" else 3
+def vote_code(quantizer: str = "sign", *, vote: str = "binary",
+              bits: int | None = None) -> VoteCode:
+  """The vote code of a quantizer: ``vote`` for ``'sign'``, else levels.
+
+  ``'ternary_l1'`` (``'pbit_l1'`` with ``bits=2``) sends 3 levels, like
+  ``vote='ternary'`` but with a dead zone; ``'pbit_l1'`` with ``bits=p``
+  sends ``2**p - 1``.
+  """
+  check_choice("quantizer", quantizer, QUANTIZERS)
+  check_choice("vote", vote, VOTES)
+  bits = static_int("bits", bits)
+  if quantizer != "pbit_l1":
+    if bits is not None:
+      raise ValueError(
+          f"bits={bits!r} only applies to quantizer='pbit_l1', got "
+          f"quantizer={quantizer!r}; drop bits or use quantizer='pbit_l1'.")
+    return vote if quantizer == "sign" else 3
+  if vote != "binary":
+    raise ValueError(
+        f"vote={vote!r} applies to quantizer='sign' only; quantizer="
+        "'pbit_l1' always sends signed levels. Drop vote.")
+  low, high = PBIT_RANGE
+  if (not isinstance(bits, int) or isinstance(bits, bool)
+      or not low <= bits <= high):
+    raise ValueError(
+        f"quantizer='pbit_l1' needs bits, an int in {low}..{high} (bits per "
+        f"worker vote), got bits={bits!r}.")
+  return 2**bits - 1
 
 
-def psum_radix(num_workers: int, vote: str) -> int:
+def vote_radix(vote: VoteCode) -> int:
+  """Distinct values one worker's vote takes: 2, 3 or the level count."""
+  if vote == "binary":
+    return 2
+  return 3 if vote == "ternary" else int(vote)
+
+
+def vote_max(vote: VoteCode) -> int:
+  """Largest level a vote takes, L (1 for sign votes)."""
+  return 1 if vote in VOTES else (vote_radix(vote) - 1) // 2
+
+
+def psum_radix(num_workers: int, vote: VoteCode) -> int:
   """Radix of a counter that can hold the sum of N workers' vote codes."""
   return (vote_radix(vote) - 1) * num_workers + 1
 
 
-def mavo_has_ties(num_workers: int, vote: str) -> bool:
+def mavo_has_ties(num_workers: int, vote: VoteCode) -> bool:
   """Whether a majority vote can end in a tie (sum 0), i.e. D = 0."""
-  return vote == "ternary" or num_workers % 2 == 0
+  return vote != "binary" or num_workers % 2 == 0
 
 
 def alltoall_down_radix(num_workers: int, *, aggregation: str,
-                        vote: str) -> int:
+                        vote: VoteCode) -> int:
   """Radix of the per-parameter result that ``alltoall`` all-gathers."""
   if aggregation == "avg":
     return psum_radix(num_workers, vote)
   return 3 if mavo_has_ties(num_workers, vote) else 2
 
 
-def int_container(num_workers: int):
-  """Signed integer dtype in which ``psum_int8`` sums N votes of +-1."""
+def int_container(num_workers: int, vote: VoteCode = "binary"):
+  """Signed integer dtype in which ``psum_int8`` sums N workers' levels."""
+  largest = num_workers * vote_max(vote)
   for dtype in (jnp.int8, jnp.int16, jnp.int32):
-    if num_workers <= jnp.iinfo(dtype).max:
+    if largest <= jnp.iinfo(dtype).max:
       return dtype
   raise ValueError(f"num_workers={num_workers} exceeds int32.")
 
 
-def message_radix(comm: str, num_workers: int, vote: str) -> int | None:
+def message_radix(comm: str, num_workers: int, vote: VoteCode) -> int | None:
   """Radix in which a strategy packs the votes it sends (None: int votes)."""
   if comm == "psum":
     return psum_radix(num_workers, vote)
@@ -70,7 +116,7 @@ def message_radix(comm: str, num_workers: int, vote: str) -> int | None:
 
 
 def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
-                          vote: str) -> int:
+                          vote: VoteCode) -> int:
   """The message's word count is padded to a multiple of this.
 
   ``alltoall`` splits the message into N shards of whole words whose digits
@@ -85,20 +131,31 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
 
 
 def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
-                  aggregation: str = "mavo", vote: str = "binary",
-                  comm: str) -> float:
+                  aggregation: str = "mavo", vote: VoteCode = "binary",
+                  comm: str, min_compress_size: int = 0) -> float:
   """Exact bytes each worker sends for leaves of ``leaf_sizes``.
 
   Each leaf is packed into whole words, the words laid end to end and padded
   as the strategy needs (see :func:`dlion_jax.exchange.exchange_votes`);
-  ``comm`` must be a concrete strategy, not ``'auto'``.
+  ``comm`` must be a concrete strategy, not ``'auto'``. Leaves smaller than
+  ``min_compress_size`` go through an exact float32 all-reduce instead.
   """
   n = num_workers
   if n == 1:
     return 0.0
+  exact = sum(s for s in leaf_sizes if s < min_compress_size)
+  packed = [s for s in leaf_sizes if s >= min_compress_size]
+  exact_bytes = 2 * (n - 1) / n * 4 * exact
+  if not packed:
+    return exact_bytes
+  return exact_bytes + _packed_bytes(packed, n, aggregation=aggregation,
+                                     vote=vote, comm=comm)
+
+
+def _packed_bytes(leaf_sizes, n, *, aggregation, vote, comm) -> float:
   radix = message_radix(comm, n, vote)
   if radix is None:
-    itemsize = jnp.dtype(int_container(n)).itemsize
+    itemsize = jnp.dtype(int_container(n, vote)).itemsize
     return 2 * (n - 1) / n * sum(leaf_sizes) * itemsize
   per_word = packing.digits_per_word(radix)
   word_bytes = jnp.dtype(packing.word_dtype(radix)).itemsize
@@ -115,16 +172,75 @@ def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
   return (n - 1) / n * (words * word_bytes + down_bytes)
 
 
+def vote_bits(num_workers: int, *, aggregation: str, vote: VoteCode,
+              comm: str) -> float:
+  """Bits per parameter the vote exchange sends (``comm`` concrete)."""
+  n = num_workers
+  up = packing.bits_per_digit(vote_radix(vote))
+  if comm == "alltoall":
+    down = packing.bits_per_digit(
+        alltoall_down_radix(n, aggregation=aggregation, vote=vote))
+    return (n - 1) / n * (up + down)
+  if comm == "allgather":
+    return float(n - 1) * up
+  if comm == "psum":
+    return 2 * (n - 1) / n * packing.bits_per_digit(psum_radix(n, vote))
+  return 2 * (n - 1) / n * jnp.iinfo(int_container(n, vote)).bits
+
+
+def cheapest_comm(num_workers: int, *, aggregation: str,
+                  vote: VoteCode) -> str:
+  """The strategy with the fewest bits per parameter (ties: listed first)."""
+  return min(COMMS, key=lambda c: round(vote_bits(
+      num_workers, aggregation=aggregation, vote=vote, comm=c), 9))
+
+
+def momentum_sync_bits(num_workers: int, momentum_sync, *,
+                       steps: int | None = None, mu_dtype=jnp.float32,
+                       synced_fraction: float = 1.0) -> float:
+  """Bits per parameter per step that momentum syncs add, on average.
+
+  Each sync is a ring all-reduce of the synced momenta in ``mu_dtype``;
+  ``synced_fraction`` is the share of parameters its mask selects. A period
+  ``k`` costs ``1/k`` of that per step; other schedules are averaged over
+  the first ``steps`` updates.
+  """
+  schedule = sync.as_schedule(momentum_sync)
+  if schedule is None or num_workers == 1:
+    return 0.0
+  if schedule.period is not None and steps is None:
+    rate = 1 / schedule.period
+  elif steps is None:
+    raise ValueError(
+        f"momentum_sync={schedule.name} syncs less and less often: pass "
+        "steps=, the number of updates to average its cost over.")
+  else:
+    rate = schedule.count(steps) / steps
+  return allreduce_bits(num_workers, mu_dtype) * synced_fraction * rate
+
+
 def wire_bits(num_workers: int, *, aggregation: str = "mavo",
-              vote: str = "binary", comm: str = "auto") -> float:
+              vote: str = "binary", comm: str = "auto",
+              quantizer: str = "sign", bits: int | None = None,
+              momentum_sync=None, steps: int | None = None,
+              mu_dtype=jnp.float32, synced_fraction: float = 1.0) -> float:
   """Bits each worker sends per parameter per step (ignoring padding).
 
   Args:
     num_workers: size of the data-parallel axis, N.
     aggregation: ``'mavo'`` or ``'avg'``.
-    vote: ``'binary'`` or ``'ternary'``.
+    vote: ``'binary'`` or ``'ternary'`` (for ``quantizer='sign'``).
     comm: a strategy of :mod:`dlion_jax.exchange`, or ``'auto'`` for the
       cheapest.
+    quantizer: ``'sign'``, ``'ternary_l1'`` or ``'pbit_l1'`` (see
+      :mod:`dlion_jax.quantize`).
+    bits: bits per vote for ``quantizer='pbit_l1'``.
+    momentum_sync: ``None``, a period ``k`` or a
+      :class:`dlion_jax.sync.SyncSchedule`; adds the amortized cost of
+      all-reducing the momenta (:func:`momentum_sync_bits`).
+    steps: updates to average a non-periodic sync schedule over.
+    mu_dtype: dtype of the synced momenta.
+    synced_fraction: share of the parameters the sync mask selects.
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -136,10 +252,14 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
     2.275
     >>> dl.wire_bits(8, comm="psum_int8")
     14.0
+    >>> round(dl.wire_bits(8, quantizer="pbit_l1", bits=4), 3)   # 15 levels
+    4.9
+    >>> dl.wire_bits(8, momentum_sync=56)       # + fp32 momentum every 56
+    3.275
   """
   check_choice("aggregation", aggregation, AGGREGATIONS)
-  check_choice("vote", vote, VOTES)
   check_choice("comm", comm, COMMS + ("auto",))
+  code = vote_code(quantizer, vote=vote, bits=bits)
   if (not isinstance(num_workers, int) or isinstance(num_workers, bool)
       or num_workers < 1):
     raise ValueError(
@@ -148,19 +268,10 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
   if n == 1:
     return 0.0
   if comm == "auto":
-    return min(wire_bits(n, aggregation=aggregation, vote=vote, comm=c)
-               for c in COMMS)
-  up = packing.bits_per_digit(vote_radix(vote))
-  if comm == "alltoall":
-    down = packing.bits_per_digit(
-        alltoall_down_radix(n, aggregation=aggregation, vote=vote))
-    return (n - 1) / n * (up + down)
-  if comm == "allgather":
-    return float(n - 1) * up
-  if comm == "psum":
-    return 2 * (n - 1) / n * packing.bits_per_digit(psum_radix(n, vote))
-  bits = jnp.iinfo(int_container(n)).bits
-  return 2 * (n - 1) / n * bits
+    comm = cheapest_comm(n, aggregation=aggregation, vote=code)
+  return vote_bits(n, aggregation=aggregation, vote=code, comm=comm) + (
+      momentum_sync_bits(n, momentum_sync, steps=steps, mu_dtype=mu_dtype,
+                         synced_fraction=synced_fraction))
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:
@@ -193,6 +304,11 @@ _ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
 _NUM_DEVICES = re.compile(r"(?:num_partitions|replica_count)=(\d+)")
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
+_BRANCHES = re.compile(
+    r"(?:branch_computations=\{(?P<list>[^}]*)\}|"
+    r"true_computation=%?(?P<true>[\w.\-]+)|"
+    r"false_computation=%?(?P<false>[\w.\-]+))")
 
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -240,6 +356,7 @@ class Collective:
   result_bytes: int  # bytes of the result (all tuple elements)
   group_size: int    # workers taking part
   sent_bytes: float  # bytes each worker sends, by the conventions above
+  conditional: bool = False  # in a branch of a conditional (lax.cond)
 
 
 def _sent(op: str, result_bytes: int, n: int) -> float:
@@ -254,6 +371,16 @@ def _sent(op: str, result_bytes: int, n: int) -> float:
   return (n - 1) / n * result_bytes
 
 
+def _branch_computations(hlo_text: str) -> set[str]:
+  """Names of the computations that conditionals branch to."""
+  names = set()
+  for m in _BRANCHES.finditer(hlo_text):
+    if m["list"] is not None:
+      names.update(n.strip().lstrip("%") for n in m["list"].split(","))
+    names.update(n for n in (m["true"], m["false"]) if n)
+  return names
+
+
 def collectives(hlo_text: str) -> list[Collective]:
   """Lists the collectives of an HLO module's text.
 
@@ -261,12 +388,19 @@ def collectives(hlo_text: str) -> list[Collective]:
     hlo_text: ``jitted.lower(*args).compile().as_text()``.
 
   Returns:
-    One :class:`Collective` per instruction, in program order.
+    One :class:`Collective` per instruction, in program order; those in a
+    branch of a conditional (e.g. a scheduled momentum sync) are marked
+    ``conditional``: they run only on the steps that take that branch.
   """
   devices = _NUM_DEVICES.findall(hlo_text)
   default_n = max((int(d) for d in devices), default=1)
-  found = []
+  branches = _branch_computations(hlo_text)
+  found, computation = [], None
   for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      computation = header["name"]
+      continue
     m = _INSTR.match(line)
     if not m:
       continue
@@ -279,20 +413,25 @@ def collectives(hlo_text: str) -> list[Collective]:
       iota = _GROUPS_IOTA.search(line)
       n = int(iota["size"]) if iota else default_n
     size = _shape_bytes(shape)
-    found.append(Collective(op, size, n, _sent(op, size, n)))
+    found.append(Collective(op, size, n, _sent(op, size, n),
+                            conditional=computation in branches))
   return found
 
 
-def collective_bytes(compiled_or_text) -> float:
+def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
   """Bytes each worker sends per call of a compiled function.
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled`` (``jit(f).lower(...).compile()``)
       or its HLO text.
+    conditional: count the collectives in branches of conditionals too (an
+      upper bound: a step that syncs momenta); ``False`` gives what a step
+      taking no such branch sends.
 
   Returns:
     The sum of :attr:`Collective.sent_bytes` over the module.
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else (
       compiled_or_text.as_text())
-  return sum(c.sent_bytes for c in collectives(text))
+  return sum(c.sent_bytes for c in collectives(text)
+             if conditional or not c.conditional)

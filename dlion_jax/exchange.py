@@ -1,10 +1,12 @@
 """Exchanging packed votes over a named axis (``shard_map`` / ``pmap``).
 
-Each worker holds a vector of vote *codes* (one per parameter): ``1`` for a
-``+1`` vote and ``0`` for ``-1`` (binary), or ``sign(c) + 1`` (ternary). Every
-strategy returns the same integer vector on every worker, bit for bit: the
-signed vote sum ``s = sum_i d_i`` (or, for majority vote with ``alltoall``,
-``sign(s)``, which is all the majority needs). :func:`aggregate_updates` turns
+Each worker holds a vector of vote *codes* (one per parameter,
+:mod:`dlion_jax.quantize`): ``1`` for a ``+1`` vote and ``0`` for ``-1``
+(binary), ``q + L`` for a level ``q`` in ``[-L, L]`` (ternary: ``L = 1``;
+Lion Cub's p-bit votes: ``L = 2**(p-1) - 1``). Every strategy returns the same
+integer vector on every worker, bit for bit: the sum of levels
+``s = sum_i q_i`` (or, for majority vote with ``alltoall``, ``sign(s)``,
+which is all the majority needs). :func:`aggregate_updates` turns
 that into the update ``D`` of Distributed Lion (Liu et al., 2024, Alg. 1).
 
 Strategies (``N`` workers, wire bits per parameter per worker and step):
@@ -16,8 +18,8 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
   ``(N-1) * up``.
 * ``psum``: counters of radix ``(levels-1)*N+1`` packed into words and summed by
   an integer ``psum`` (Lion Cub, Ishikawa et al., 2025): ``2(N-1)/N * bits``.
-* ``psum_int8``: an ``int8`` of ``+-1`` per parameter, ``psum`` (the NeurIPS
-  paper's implementation): ``2(N-1)/N * 8``.
+* ``psum_int8``: an ``int8`` of the level per parameter, ``psum`` (the
+  NeurIPS paper's implementation): ``2(N-1)/N * 8``.
 * ``auto``: the one with the fewest wire bits for the axis size
   (:func:`dlion_jax.accounting.wire_bits`).
 
@@ -37,6 +39,7 @@ from jax import lax
 
 from dlion_jax import accounting
 from dlion_jax import packing
+from dlion_jax import quantize
 from dlion_jax._checks import check_choice
 
 AGGREGATIONS = accounting.AGGREGATIONS
@@ -67,12 +70,13 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
-                 vote: str, leaf_sizes: Sequence[int] | None = None) -> str:
+                 vote: accounting.VoteCode,
+                 leaf_sizes: Sequence[int] | None = None) -> str:
   """Maps ``comm='auto'`` to the strategy that sends the fewest bytes.
 
   With ``leaf_sizes`` the exact message sizes, padding included, decide (on
   a small model padding can outweigh the asymptotic figure); without, the
-  bits per parameter of :func:`dlion_jax.accounting.wire_bits`. Ties go to
+  bits per parameter of :func:`dlion_jax.accounting.vote_bits`. Ties go to
   the strategy with fewer collectives (less latency).
   """
   check_choice("comm", comm, COMM_CHOICES)
@@ -84,29 +88,18 @@ def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
       return accounting.message_bytes(leaf_sizes, num_workers,
                                       aggregation=aggregation, vote=vote,
                                       comm=c)
-    return round(accounting.wire_bits(num_workers, aggregation=aggregation,
+    return round(accounting.vote_bits(num_workers, aggregation=aggregation,
                                       vote=vote, comm=c), 9)
   return min(by_latency, key=cost)
 
 
-def vote_codes(c: jax.Array, vote: str) -> jax.Array:
-  """Encodes Lion's pre-sign update as vote codes (``uint8``).
-
-  ``binary``: ``1`` if ``c > 0`` else ``0`` (``+-0`` and NaN vote ``-1``).
-  ``ternary``: ``sign(c) + 1`` in ``{0, 1, 2}`` (NaN votes ``0``).
-  """
-  positive = c > 0
-  if vote == "binary":
-    return positive.astype(jnp.uint8)
-  negative = c < 0
-  return (1 + positive.astype(jnp.int8) - negative.astype(jnp.int8)).astype(
-      jnp.uint8)
-
-
-def _signed_sum(code_sum: jax.Array, num_workers: int, vote: str) -> jax.Array:
-  """Sum of codes -> sum of votes in [-N, N] (int32)."""
+def _signed_sum(code_sum: jax.Array, num_workers: int,
+                vote: accounting.VoteCode) -> jax.Array:
+  """Sum of codes -> sum of levels in [-N L, N L] (int32)."""
   total = code_sum.astype(jnp.int32)
-  return 2 * total - num_workers if vote == "binary" else total - num_workers
+  if vote == "binary":
+    return 2 * total - num_workers
+  return total - num_workers * accounting.vote_max(vote)
 
 
 def _all_gather(x, axis_name, **kwargs):
@@ -184,32 +177,42 @@ _EXCHANGES = {
 }
 
 
-def _encode_leaf(c: jax.Array, comm: str, num_workers: int, vote: str):
+def _message_part(codes: jax.Array, comm: str, num_workers: int,
+                  vote: accounting.VoteCode) -> jax.Array:
   """One leaf's part of the message: packed codes, or ints for psum_int8."""
-  codes = vote_codes(c.ravel(), vote)
   radix = accounting.message_radix(comm, num_workers, vote)
   if radix is None:
-    dtype = accounting.int_container(num_workers)
+    dtype = accounting.int_container(num_workers, vote)
     return _signed_sum(codes, 1, vote).astype(dtype)
   return packing.pack_digits(codes.astype(packing.digit_dtype(radix)), radix)
 
 
-def exchange_votes(pre_sign: list[jax.Array], *, axis_name: AxisName,
-                   num_workers: int, vote: str, aggregation: str,
-                   comm: str) -> list[jax.Array]:
-  """Votes on a list of arrays through one strategy, in one message.
+def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
+                   num_workers: int, vote: accounting.VoteCode,
+                   aggregation: str, comm: str) -> list[jax.Array]:
+  """Votes on a list of code vectors through one strategy, in one message.
 
   Each leaf is packed on its own (padded to whole words) and the packed
   words are concatenated: packing before concatenating keeps the packing
   vectorised and the copy small.
 
+  Args:
+    codes: one flat ``uint8`` vector of vote codes per leaf
+      (:func:`dlion_jax.quantize.encode`).
+    axis_name: the axis to vote over.
+    num_workers: its size, N.
+    vote: the vote code (``'binary'``, ``'ternary'`` or a level count).
+    aggregation: ``'mavo'`` or ``'avg'``.
+    comm: a strategy or ``'auto'``.
+
   Returns:
-    One int32 array per input, same on every worker: the vote sum ``s`` in
-    ``[-N, N]``, or ``sign(s)`` (majority vote through ``alltoall``).
+    One int32 vector per input, same on every worker: the sum of levels
+    ``s`` in ``[-N L, N L]``, or ``sign(s)`` (majority vote through
+    ``alltoall``).
   """
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote,
-                      leaf_sizes=[c.size for c in pre_sign])
-  parts = [_encode_leaf(c, comm, num_workers, vote) for c in pre_sign]
+                      leaf_sizes=[c.size for c in codes])
+  parts = [_message_part(c, comm, num_workers, vote) for c in codes]
   # Written in place into a zero (padded) buffer rather than concatenated:
   # XLA:CPU fuses a concatenate with the packing into one slow loop.
   length = sum(p.shape[0] for p in parts)
@@ -226,37 +229,67 @@ def exchange_votes(pre_sign: list[jax.Array], *, axis_name: AxisName,
   radix = accounting.message_radix(comm, num_workers, vote)
   per_word = 1 if radix is None else packing.digits_per_word(radix)
   out, offset = [], 0
-  for c in pre_sign:
-    out.append(result[offset:offset + c.size].reshape(c.shape))
+  for c in codes:
+    out.append(result[offset:offset + c.size])
     offset += -(-c.size // per_word) * per_word
   return out
 
 
-def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str, dtype):
+def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str,
+              vote: accounting.VoteCode, dtype) -> jax.Array:
   if aggregation == "mavo":
     return jnp.sign(vote_sum).astype(dtype)
-  # s / N read from a table of correctly rounded quotients: XLA would turn a
-  # division by the constant N into a multiplication by 1/N and fuse it with
-  # the consumers in a strategy-dependent order, breaking bit-identity.
+  # s / (N L) read from a table of correctly rounded quotients: XLA would
+  # turn a division by a constant into a multiplication by its inverse and
+  # fuse it with the consumers in a strategy-dependent order, breaking
+  # bit-identity.
+  top = num_workers * accounting.vote_max(vote)
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
-  quotients = (np.arange(-num_workers, num_workers + 1, dtype=wide)
-               / wide(num_workers))
-  return jnp.asarray(quotients, dtype)[vote_sum + num_workers]
+  quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
+  return jnp.asarray(quotients, dtype)[vote_sum + top]
+
+
+def sign_of_mean(leaves: list[jax.Array], *,
+                 axis_name: AxisName) -> list[jax.Array]:
+  """``sign(sum_i c_i)`` per leaf through one float32 ``psum``: exact Lion.
+
+  Used for leaves too small for packing to pay (``min_compress_size``).
+  """
+  flat = jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
+  total = jnp.sign(lax.psum(flat, axis_name))
+  out, offset = [], 0
+  for x in leaves:
+    out.append(total[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
+    offset += x.size
+  return out
 
 
 def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
-                      vote: str, aggregation: str, comm: str):
+                      vote: accounting.VoteCode, aggregation: str, comm: str,
+                      min_compress_size: int = 0):
   """Votes on every leaf of ``pre_sign`` and returns the aggregated update.
 
-  All leaves are packed into one message, exchanged once, and split back:
-  ``sign(s)`` (``mavo``) or ``s / N`` (``avg``) in each leaf's dtype.
+  Leaves are quantized (:func:`dlion_jax.quantize.encode`), packed into one
+  message, exchanged once and split back: ``sign(s)`` (``mavo``) or
+  ``s / (N L)`` (``avg``) in each leaf's dtype. Leaves with fewer than
+  ``min_compress_size`` elements skip the vote: ``sign(sum_i c_i)``
+  through one float32 ``psum`` (:func:`sign_of_mean`).
   """
   leaves, treedef = jax.tree.flatten(pre_sign)
-  if sum(x.size for x in leaves) == 0:
-    return jax.tree.map(jnp.zeros_like, pre_sign)
-  vote_sums = exchange_votes(leaves, axis_name=axis_name,
-                             num_workers=num_workers, vote=vote,
-                             aggregation=aggregation, comm=comm)
-  return jax.tree.unflatten(treedef, [
-      _finalize(s, num_workers, aggregation, x.dtype)
-      for s, x in zip(vote_sums, leaves)])
+  out = [jnp.zeros_like(x) for x in leaves]
+  exact = [i for i, x in enumerate(leaves) if 0 < x.size < min_compress_size]
+  voted = [i for i, x in enumerate(leaves)
+           if x.size > 0 and x.size >= min_compress_size]
+  if exact:
+    for i, d in zip(exact, sign_of_mean([leaves[i] for i in exact],
+                                        axis_name=axis_name)):
+      out[i] = d
+  if voted:
+    codes = [quantize.encode(leaves[i].ravel(), vote) for i in voted]
+    sums = exchange_votes(codes, axis_name=axis_name, num_workers=num_workers,
+                          vote=vote, aggregation=aggregation, comm=comm)
+    for i, s in zip(voted, sums):
+      x = leaves[i]
+      out[i] = _finalize(s, num_workers, aggregation, vote,
+                         x.dtype).reshape(x.shape)
+  return jax.tree.unflatten(treedef, out)

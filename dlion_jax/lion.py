@@ -1,4 +1,4 @@
-"""Distributed Lion as optax gradient transformations."""
+"""Distributed Lion and Lion Cub as optax gradient transformations."""
 
 from __future__ import annotations
 
@@ -8,10 +8,17 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dlion_jax import accounting
 from dlion_jax import exchange
+from dlion_jax import quantize
+from dlion_jax import sync
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
 from dlion_jax._checks import check_same_structure
+from dlion_jax._checks import static_int
+
+# Leaves smaller than this skip the vote (min_compress_size=None).
+DEFAULT_MIN_COMPRESS_SIZE = 0
 
 
 class DistributedLionState(NamedTuple):
@@ -19,11 +26,52 @@ class DistributedLionState(NamedTuple):
 
   Attributes:
     count: number of updates taken (int32 scalar), the same on every worker.
-    mu: this worker's own momentum, ``m_i`` of Algorithm 1. It is never sent;
-      it differs from worker to worker.
+    mu: this worker's own momentum, ``m_i`` of Algorithm 1. It is never sent
+      (except by a ``momentum_sync``); it differs from worker to worker.
   """
   count: jax.Array
   mu: optax.Updates
+
+
+class ErrorFeedbackState(NamedTuple):
+  """State of :func:`scale_by_distributed_lion` with ``error_feedback=True``.
+
+  Attributes:
+    count: number of updates taken (int32 scalar), the same on every worker.
+    mu: this worker's own momentum.
+    error: this worker's residual ``e_i``: what it meant to send minus what
+      the vote applied, added to the next step's update before voting.
+  """
+  count: jax.Array
+  mu: optax.Updates
+  error: optax.Updates
+
+
+def _check_state(state, state_type):
+  # Field names, not the class: optax's ScaleByLionState is accepted too.
+  if getattr(state, "_fields", None) != state_type._fields:
+    raise TypeError(
+        f"state must be the {state_type.__name__} made by this transform's "
+        f"`init`, got {type(state).__name__}. Re-create the optimizer state "
+        "with `tx.init(params)` when switching optimizers or options "
+        "(error_feedback changes the state).")
+
+
+def _min_compress_size(value) -> int:
+  if value is None:
+    return DEFAULT_MIN_COMPRESS_SIZE
+  value = static_int("min_compress_size", value)
+  if (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+    raise ValueError(
+        "min_compress_size must be an int >= 0 (leaves with fewer elements "
+        f"skip the vote), got min_compress_size={value!r}.")
+  return value
+
+
+def _residual(p, d, dtype):
+  """``p - mean|p| * D``: what the worker meant minus what was applied."""
+  scale = quantize.l1_scale(p)
+  return (p.astype(jnp.float32) - scale * d.astype(jnp.float32)).astype(dtype)
 
 
 def scale_by_distributed_lion(
@@ -35,6 +83,12 @@ def scale_by_distributed_lion(
     aggregation: str = "mavo",
     vote: str = "binary",
     comm: str = "auto",
+    quantizer: str = "sign",
+    bits: int | None = None,
+    momentum_sync: int | sync.SyncSchedule | None = None,
+    momentum_sync_mask: Any = None,
+    min_compress_size: int | None = None,
+    error_feedback: bool = False,
 ) -> optax.GradientTransformation:
   r"""Lion's sign update, voted across the workers of a data-parallel axis.
 
@@ -68,6 +122,29 @@ def scale_by_distributed_lion(
   ``should_skip_update_fn`` that can differ between workers would put the
   collectives in a branch some workers skip: they would wait forever.
 
+  Lion Cub's options (Ishikawa et al., 2025) change what is sent and how
+  the workers' momenta relate:
+
+  * ``quantizer='ternary_l1'`` / ``'pbit_l1'`` with ``bits=p``: each worker
+    sends :math:`q_i = \mathrm{clip}(\mathrm{round}(L c_i / a_i), -L, L)`,
+    :math:`L = 2^{p-1} - 1`, :math:`a_i` the mean :math:`|c_i|` of the leaf
+    (:mod:`dlion_jax.quantize`); :math:`D = \mathrm{sign}(\sum_i q_i)` or
+    :math:`\sum_i q_i / (N L)`.
+  * ``momentum_sync=k`` (or a :class:`dlion_jax.sync.SyncSchedule`): after
+    the updates the schedule names, every worker's momentum (the leaves
+    ``momentum_sync_mask`` selects; a pytree of bools or a function of the
+    params, like :func:`optax.masked`'s mask) becomes the mean over the
+    workers: one ``pmean`` in ``mu_dtype`` inside :func:`jax.lax.cond`.
+  * ``min_compress_size=s``: leaves with fewer than ``s`` elements skip the
+    vote and get :math:`D = \mathrm{sign}(\sum_i c_i)`, exactly global
+    Lion's update for them, through one float32 ``psum``.
+  * ``error_feedback=True``: worker :math:`i` votes on
+    :math:`p_i = c_i + e_i` and keeps :math:`e_i \leftarrow p_i - a_i D`
+    (:math:`a_i` the mean :math:`|p_i|` of the leaf), one more buffer per
+    parameter in the state (:class:`ErrorFeedbackState`).
+
+  With one worker none of them applies (no vote: exact Lion).
+
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
   the update is typed per-worker (there is no collective to make it
   replicated): use ``check_vma=False`` there.
@@ -81,12 +158,28 @@ def scale_by_distributed_lion(
     aggregation: ``'mavo'`` (majority vote) or ``'avg'`` (mean of the votes).
     vote: ``'binary'`` (1 bit) or ``'ternary'`` (exact sign, 0 abstains).
     comm: how votes travel: ``'alltoall'``, ``'allgather'``, ``'psum'``,
-      ``'psum_int8'`` or ``'auto'`` (fewest wire bits for the axis size). All
+      ``'psum_int8'`` or ``'auto'`` (fewest wire bytes for the model). All
       give the same result; see :mod:`dlion_jax.exchange`.
+    quantizer: ``'sign'`` (Distributed Lion), ``'ternary_l1'`` or
+      ``'pbit_l1'`` (Lion Cub's L1-scaled levels).
+    bits: bits per vote for ``quantizer='pbit_l1'``, 2 to 8.
+    momentum_sync: ``None`` (never, the paper's Distributed Lion), a period
+      ``k``, or a schedule from :mod:`dlion_jax.sync`.
+    momentum_sync_mask: which momentum leaves a sync averages (``None``:
+      all); a pytree of bools or a function of the params returning one,
+      e.g. ``dlion_jax.sync.leaves_matching("embed|norm")``.
+    min_compress_size: leaves with fewer elements are exchanged exactly;
+      ``None`` takes ``DEFAULT_MIN_COMPRESS_SIZE``.
+    error_feedback: keep each worker's residual and add it next step.
+
+  Options that shape the message (``bits``, ``min_compress_size``, an int
+  ``momentum_sync``) must be Python ints: under
+  :func:`optax.inject_hyperparams` list them in ``static_args``.
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
-    :class:`DistributedLionState`.
+    :class:`DistributedLionState` (:class:`ErrorFeedbackState` with
+    ``error_feedback=True``).
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -104,40 +197,59 @@ def scale_by_distributed_lion(
     Distributed Lion <https://arxiv.org/abs/2404.00438>`_, NeurIPS 2024.
     Chen et al., `Symbolic Discovery of Optimization Algorithms
     <https://arxiv.org/abs/2302.06675>`_, 2023.
+    Ishikawa et al., `Lion Cub: Minimizing Communication Overhead in
+    Distributed Lion <https://arxiv.org/abs/2411.16462>`_, ICML 2025.
   """
   check_choice("aggregation", aggregation, exchange.AGGREGATIONS)
-  check_choice("vote", vote, exchange.VOTES)
   check_choice("comm", comm, exchange.COMM_CHOICES)
+  code = accounting.vote_code(quantizer, vote=vote, bits=bits)
+  schedule = sync.as_schedule(momentum_sync)
+  min_compress_size = _min_compress_size(min_compress_size)
+  state_type = ErrorFeedbackState if error_feedback else DistributedLionState
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)
 
   def init_fn(params):
     check_float_leaves(params, "params")
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
-    return DistributedLionState(count=jnp.zeros([], jnp.int32), mu=mu)
+    count = jnp.zeros([], jnp.int32)
+    if error_feedback:
+      return ErrorFeedbackState(count=count, mu=mu, error=mu)
+    return DistributedLionState(count=count, mu=mu)
+
+  def vote(pre_sign, num_workers):
+    return exchange.aggregate_updates(
+        pre_sign, axis_name=axis_name, num_workers=num_workers, vote=code,
+        aggregation=aggregation, comm=comm,
+        min_compress_size=min_compress_size)
 
   def update_fn(updates, state, params=None):
     del params
-    if getattr(state, "_fields", None) != ("count", "mu"):   # or Lion's own
-      raise TypeError(
-          "state must be the DistributedLionState made by this transform's "
-          f"`init`, got {type(state).__name__}. Re-create the optimizer "
-          "state with `tx.init(params)` when switching optimizers.")
+    _check_state(state, state_type)
     check_same_structure(updates, state.mu)
     check_float_leaves(updates, "gradient")
     pre_sign = jax.tree.map(lambda g, m: (1.0 - b1) * g + b1 * m,
                             updates, state.mu)
     num_workers = exchange.axis_size(axis_name)
+    extra = {}
     if num_workers == 1:
       new_updates = jax.tree.map(jnp.sign, pre_sign)
+      extra = {"error": state.error} if error_feedback else {}
+    elif error_feedback:
+      pre_sign = jax.tree.map(jnp.add, pre_sign, state.error)
+      new_updates = vote(pre_sign, num_workers)
+      extra = {"error": jax.tree.map(
+          lambda p, d, e: _residual(p, d, e.dtype), pre_sign, new_updates,
+          state.error)}
     else:
-      new_updates = exchange.aggregate_updates(
-          pre_sign, axis_name=axis_name, num_workers=num_workers, vote=vote,
-          aggregation=aggregation, comm=comm)
+      new_updates = vote(pre_sign, num_workers)
     mu = optax.tree.update_moment(updates, state.mu, b2, 1)
     mu = optax.tree.cast(mu, mu_dtype)
     count = optax.safe_increment(state.count)
-    return new_updates, DistributedLionState(count=count, mu=mu)
+    if schedule is not None and num_workers > 1:
+      flags = sync.resolve_mask(momentum_sync_mask, updates)
+      mu = sync.sync_momenta(mu, flags, schedule(count), axis_name)
+    return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -154,6 +266,12 @@ def distributed_lion(
     aggregation: str = "mavo",
     vote: str = "binary",
     comm: str = "auto",
+    quantizer: str = "sign",
+    bits: int | None = None,
+    momentum_sync: int | sync.SyncSchedule | None = None,
+    momentum_sync_mask: Any = None,
+    min_compress_size: int | None = None,
+    error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Distributed Lion: a drop-in for :func:`optax.lion` in data parallel.
 
@@ -179,6 +297,16 @@ def distributed_lion(
     vote: ``'binary'`` or ``'ternary'``.
     comm: ``'auto'``, ``'alltoall'``, ``'allgather'``, ``'psum'`` or
       ``'psum_int8'``.
+    quantizer: ``'sign'``, ``'ternary_l1'`` or ``'pbit_l1'``.
+    bits: bits per vote for ``quantizer='pbit_l1'``.
+    momentum_sync: ``None``, a period ``k`` or a :mod:`dlion_jax.sync`
+      schedule.
+    momentum_sync_mask: which momentum leaves a sync averages.
+    min_compress_size: leaves with fewer elements are exchanged exactly.
+    error_feedback: keep each worker's residual and add it next step.
+
+    The last six are Lion Cub's options; see
+    :func:`scale_by_distributed_lion`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -202,7 +330,10 @@ def distributed_lion(
   return optax.chain(
       scale_by_distributed_lion(
           b1=b1, b2=b2, mu_dtype=mu_dtype, axis_name=axis_name,
-          aggregation=aggregation, vote=vote, comm=comm),
+          aggregation=aggregation, vote=vote, comm=comm, quantizer=quantizer,
+          bits=bits, momentum_sync=momentum_sync,
+          momentum_sync_mask=momentum_sync_mask,
+          min_compress_size=min_compress_size, error_feedback=error_feedback),
       optax.add_decayed_weights(weight_decay, mask),
       optax.scale_by_learning_rate(learning_rate),
   )

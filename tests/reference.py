@@ -53,12 +53,36 @@ def worker_vote(c: np.ndarray, vote: str) -> np.ndarray:
   return np.where(c > 0, 1, np.where(c < 0, -1, 0)).astype(np.int64)
 
 
-def aggregate(votes: list[np.ndarray], aggregation: str, dtype) -> np.ndarray:
+def max_level(quantizer: str, bits: int | None) -> int:
+  """L, the largest level a worker sends (Lion Cub's p-bit votes)."""
+  if quantizer == "pbit_l1":
+    return 2 ** (bits - 1) - 1
+  return 1
+
+
+def l1_vote(c: np.ndarray, level: int) -> np.ndarray:
+  """clip(round(L c / a), -L, L), a = mean |c| as float32 sum * (1 / size).
+
+  The float64 sum is the float32 sum whenever that is exact (the tests feed
+  values on a coarse dyadic grid so that it is).
+  """
+  x = np.asarray(c, np.float32)
+  total = np.float32(np.sum(np.abs(x), dtype=np.float64))
+  scale = total * np.float32(1.0 / max(x.size, 1))
+  if not scale > 0:
+    return np.zeros(x.shape, np.int64)
+  with np.errstate(invalid="ignore"):
+    q = np.clip(np.round(x * (np.float32(level) / scale)), -level, level)
+  return np.where(np.isnan(q), 0, q).astype(np.int64)
+
+
+def aggregate(votes: list[np.ndarray], aggregation: str, dtype,
+              level: int = 1) -> np.ndarray:
   total = np.sum(votes, axis=0)
   if aggregation == "mavo":
     return np.sign(total).astype(dtype)
   n = len(votes)
-  return (total.astype(np.float32) / np.float32(n)).astype(dtype)
+  return (total.astype(np.float32) / np.float32(n * level)).astype(dtype)
 
 
 class DistributedLionReference:
@@ -68,35 +92,84 @@ class DistributedLionReference:
     params: dict name -> array (the replicated parameters).
     num_workers: N.
     mu_dtype: numpy dtype of the momenta, or None for the params' dtype.
+
+  Lion Cub's options: ``quantizer``/``bits`` (what a worker sends),
+  ``sync_steps`` (1-based steps after which the momenta of ``sync_leaves``,
+  all by default, become their mean), ``min_compress_size`` (smaller leaves
+  get sign(sum_i c_i)), ``error_feedback`` (vote on c + e, keep
+  e <- p - mean|p| * D).
   """
 
   def __init__(self, params, num_workers, *, b1=0.9, b2=0.99, mu_dtype=None,
                learning_rate=1e-2, weight_decay=1e-3, aggregation="mavo",
-               vote="binary"):
+               vote="binary", quantizer="sign", bits=None, sync_steps=(),
+               sync_leaves=None, min_compress_size=0, error_feedback=False):
     self.params = {k: np.array(v) for k, v in params.items()}
     self.n = num_workers
     self.b1, self.b2 = b1, b2
     self.lr, self.wd = learning_rate, weight_decay
     self.aggregation, self.vote = aggregation, vote
+    self.quantizer, self.level = quantizer, max_level(quantizer, bits)
+    self.sync_steps = set(sync_steps)
+    self.sync_leaves = set(sync_leaves or params)
+    self.min_compress_size = min_compress_size
+    self.error_feedback = error_feedback
+    self.t = 0
     self.mu = [{k: np.zeros(v.shape, mu_dtype or v.dtype)
                 for k, v in params.items()} for _ in range(num_workers)]
+    self.error = [{k: np.zeros(v.shape, mu_dtype or v.dtype)
+                   for k, v in params.items()} for _ in range(num_workers)]
     self.mu_dtype = mu_dtype
+
+  def worker_vote(self, c):
+    if self.quantizer == "sign":
+      return worker_vote(c, self.vote)
+    return l1_vote(c, self.level)
+
+  def combine(self, cs):
+    """D of one leaf from every worker's (error-corrected) c."""
+    if cs[0].size < self.min_compress_size:
+      total = np.sum([c.astype(np.float64) for c in cs], axis=0)
+      return np.sign(total).astype(cs[0].dtype)
+    return aggregate([self.worker_vote(c) for c in cs], self.aggregation,
+                     cs[0].dtype, self.level)
+
+  def feed_back(self, k, cs, d):
+    """p_i = c_i + e_i before the vote; e_i <- p_i - mean|p_i| * D after."""
+    for i, c in enumerate(cs):
+      p = np.asarray(c, np.float32)
+      scale = np.float32(np.sum(np.abs(p), dtype=np.float64) / max(p.size, 1))
+      self.error[i][k] = (p - scale * d.astype(np.float32)).astype(
+          self.error[i][k].dtype)
+
+  def sync(self):
+    for k in self.sync_leaves:
+      mean = np.mean([m[k].astype(np.float64) for m in self.mu], axis=0)
+      for m in self.mu:
+        m[k] = mean.astype(m[k].dtype)
 
   def direction(self, grads):
     """D for one step, given grads[i][name] of every worker; updates mu."""
     out = {}
+    self.t += 1
     for k in self.params:
       cs = []
       for i in range(self.n):
         g, m = grads[i][k], self.mu[i][k]
-        cs.append(lin_comb(1.0 - self.b1, g, self.b1, m))
+        c = lin_comb(1.0 - self.b1, g, self.b1, m)
+        if self.error_feedback and self.n > 1:
+          c = c + self.error[i][k]
+        cs.append(c)
         new_m = lin_comb(1.0 - self.b2, g, self.b2, m)
         self.mu[i][k] = new_m.astype(self.mu_dtype or new_m.dtype)
       if self.n == 1:
         out[k] = np.sign(cs[0])
-      else:
-        out[k] = aggregate([worker_vote(c, self.vote) for c in cs],
-                           self.aggregation, cs[0].dtype)
+        continue
+      out[k] = self.combine(cs)
+      if self.error_feedback:
+        self.feed_back(k, cs, out[k])
+    if self.t in self.sync_steps and self.n > 1:
+      self.sync()
     return out
 
   def step(self, grads):

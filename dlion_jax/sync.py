@@ -1,0 +1,189 @@
+"""When the workers average their momenta (Lion Cub's momentum sync).
+
+Distributed Lion keeps one momentum per worker and never sends it; the
+momenta drift apart, each following its own data. Lion Cub (Ishikawa et al.,
+ICML 2025) averages them now and then: at the steps of a schedule, every
+worker replaces (some of) its momentum leaves by their mean over the workers,
+a ``pmean`` in ``mu_dtype``. A schedule says at which steps ``t = 1, 2, ...``
+(the t-th update, counted on every worker alike) that happens:
+
+* :func:`every_k_steps` ``(k)``: ``t = k, 2k, 3k, ...``
+* :func:`growing_intervals` ``(k)``: ``T_0 = 1``,
+  ``T_{j+1} = floor(T_j + 2**(j / k))``: intervals that double every ``k``
+  syncs, so ``~k log2(t)`` syncs in ``t`` steps, few late in training.
+
+:func:`leaves_matching` builds the mask that restricts syncing to some leaves
+(say embeddings and norms), like the mask of :func:`optax.masked`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dlion_jax._checks import static_int
+
+_INT32_MAX = 2**31 - 1
+
+
+@dataclasses.dataclass(frozen=True)
+class SyncSchedule:
+  """Steps at which momenta are averaged.
+
+  Attributes:
+    name: a short description, e.g. ``'every 10 steps'``.
+    period: ``k`` for :func:`every_k_steps`, else ``None``.
+    steps: the sync steps in increasing order (``None`` for a period).
+  """
+  name: str
+  period: int | None = None
+  steps: tuple[int, ...] | None = None
+
+  def __call__(self, step: jax.Array) -> jax.Array:
+    """Whether update number ``step`` (1-based, int32) ends with a sync."""
+    if self.period is not None:
+      return step % self.period == 0
+    return jnp.any(jnp.asarray(self.steps, jnp.int32) == step)
+
+  def count(self, num_steps: int) -> int:
+    """How many syncs the first ``num_steps`` updates do."""
+    if self.period is not None:
+      return num_steps // self.period
+    return int(np.searchsorted(self.steps, num_steps, side="right"))
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+      or value < 1):
+    raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
+  return int(value)
+
+
+def every_k_steps(k: int) -> SyncSchedule:
+  """Averages the momenta after every ``k``-th update.
+
+  Example:
+    >>> from dlion_jax import sync
+    >>> sync.every_k_steps(4).count(10)     # after updates 4 and 8
+    2
+  """
+  k = _positive_int("k", k)
+  return SyncSchedule(name=f"every {k} steps", period=k)
+
+
+def growing_intervals(k: int, first: int = 1) -> SyncSchedule:
+  """Syncs at ``T_0 = first``, ``T_{j+1} = floor(T_j + 2**(j / k))``.
+
+  Example:
+    >>> from dlion_jax import sync
+    >>> sync.growing_intervals(2).steps[:8]
+    (1, 2, 3, 5, 7, 11, 16, 24)
+  """
+  k = _positive_int("k", k)
+  step = _positive_int("first", first)
+  steps, j = [], 0
+  while step <= _INT32_MAX:
+    steps.append(step)
+    step = math.floor(step + 2.0 ** (j / k))
+    j += 1
+  return SyncSchedule(name=f"growing intervals (k={k})", steps=tuple(steps))
+
+
+def as_schedule(momentum_sync: Any) -> SyncSchedule | None:
+  """``None`` -> no sync, an int ``k`` -> :func:`every_k_steps`, a schedule
+  -> itself; anything else raises a ValueError saying what is accepted."""
+  if momentum_sync is None or isinstance(momentum_sync, SyncSchedule):
+    return momentum_sync
+  momentum_sync = static_int("momentum_sync", momentum_sync)
+  if isinstance(momentum_sync, (int, np.integer)) and not isinstance(
+      momentum_sync, bool) and momentum_sync >= 1:
+    return every_k_steps(momentum_sync)
+  raise ValueError(
+      f"momentum_sync={momentum_sync!r} is not a schedule. Pass None (never "
+      "sync, the default), a positive int k (every k steps), or "
+      "dlion_jax.sync.every_k_steps(k) / growing_intervals(k).")
+
+
+def leaves_matching(pattern: str) -> Callable[[Any], Any]:
+  """A mask function: True for leaves whose key path matches ``pattern``.
+
+  The path is :func:`jax.tree_util.keystr` of the leaf, e.g.
+  ``"['embed']['embedding']"``; ``re.search`` decides.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import sync
+    >>> params = {"embed": jnp.zeros(3), "dense": {"w": jnp.zeros(2),
+    ...           "norm": jnp.zeros(2)}}
+    >>> sync.leaves_matching("embed|norm")(params)
+    {'dense': {'norm': True, 'w': False}, 'embed': True}
+  """
+  regex = re.compile(pattern)
+  def mask(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda path, _: bool(regex.search(jax.tree_util.keystr(path))), tree)
+  return mask
+
+
+def resolve_mask(mask: Any, tree: Any) -> list[bool]:
+  """The mask, one Python bool per leaf of ``tree`` (None: every leaf)."""
+  leaves, treedef = jax.tree.flatten(tree)
+  if mask is None:
+    return [True] * len(leaves)
+  if callable(mask):
+    mask = mask(tree)
+  try:
+    flags = treedef.flatten_up_to(mask)
+  except (ValueError, TypeError) as e:
+    raise ValueError(
+        "momentum_sync_mask must have the structure of the params (or be a "
+        f"function of the params returning one): {e}") from None
+  for flag in flags:
+    if not isinstance(flag, (bool, np.bool_)):
+      raise TypeError(
+          "momentum_sync_mask leaves must be Python bools (decided when the "
+          f"step is traced), got {flag!r} of type {type(flag).__name__}.")
+  return [bool(f) for f in flags]
+
+
+def _varying_axes(x: jax.Array) -> frozenset:
+  """The manual axes along which ``x`` is typed per-worker (jax >= 0.7)."""
+  aval = jax.typeof(x)
+  vma = getattr(aval, "vma", None)          # older spelling
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma)
+
+
+def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
+  """``pmean`` typed like its inputs (per-worker under ``check_vma``)."""
+  means = jax.lax.pmean(xs, axis_name)
+  out = []
+  for x, m in zip(xs, means):
+    lost = tuple(_varying_axes(x) - _varying_axes(m))
+    out.append(jax.lax.pcast(m, lost, to="varying") if lost else m)
+  return out
+
+
+def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
+                 axis_name) -> Any:
+  """Replaces the flagged leaves of ``mu`` by their mean over the workers
+  when ``do_sync`` (a scalar bool, the same on every worker) holds.
+
+  One ``pmean`` of all flagged leaves, inside :func:`jax.lax.cond`, so steps
+  without a sync send nothing.
+  """
+  leaves, treedef = jax.tree.flatten(mu)
+  chosen = [x for x, f in zip(leaves, flags) if f]
+  if not chosen:
+    return mu
+  synced = iter(jax.lax.cond(do_sync, lambda xs: _mean_over(xs, axis_name),
+                             lambda xs: xs, chosen))
+  return jax.tree.unflatten(
+      treedef, [next(synced) if f else x for x, f in zip(leaves, flags)])

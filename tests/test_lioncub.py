@@ -1,0 +1,344 @@
+"""Lion Cub's options against the numpy reference, on simulated devices.
+
+Quantized votes are checked bit for bit: the gradients lie on a dyadic grid
+and ``b1 = 0`` makes ``c`` the gradient, so every worker's ``sum |c|`` is
+exact in float32 whatever the summation order, and the reference reproduces
+the scale ``a`` and every level exactly.
+"""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from harness import AXIS
+from harness import random_tree
+from harness import run_on_mesh
+from reference import DistributedLionReference
+from reference import l1_vote
+from test_lion import SHAPES
+from test_lion import make_grads
+from test_lion import run_reference
+
+COMMS = ("alltoall", "allgather", "psum", "psum_int8")
+LR, WD = 1e-2, 1e-3
+QUANTIZERS = [("ternary_l1", None), ("pbit_l1", 3), ("pbit_l1", 4)]
+
+
+def dyadic_grads(rng, num_workers, steps):
+  """Gradients k / 1024, |k| < 4096: sums of |c| are exact in float32."""
+  grads = []
+  for _ in range(steps):
+    g = {k: (rng.integers(-4096, 4096, size=(num_workers,) + s)
+             / 1024.0).astype(np.float32) for k, s in SHAPES.items()}
+    g["zero"][:] = 0
+    grads.append(g)
+  return grads
+
+
+def assert_params_match(out, ref, num_workers, keys=SHAPES):
+  for name, (params, _, _) in out.items():
+    for k in keys:
+      for i in range(num_workers):
+        np.testing.assert_array_equal(params[k][i], ref.params[k],
+                                      err_msg=f"{name} params[{k}] worker {i}")
+
+
+def test_l1_levels_examples():
+  """The levels of one leaf, worked by hand: a = mean |c| = 1."""
+  c = jnp.array([-2.5, -1.0, -0.25, 0.0, 0.75, 1.5])
+  def levels(code, level):
+    return list(np.asarray(dl.quantize.encode(c, code)).astype(int) - level)
+  assert levels("ternary", 1) == [-1, -1, -1, 0, 1, 1]          # sign(c)
+  ternary_l1 = dl.quantize.vote_code("ternary_l1")
+  assert levels(ternary_l1, 1) == [-1, -1, 0, 0, 1, 1]      # dead zone
+  assert levels(dl.quantize.vote_code("pbit_l1", bits=3), 3) == [
+      -3, -3, -1, 0, 2, 3]                                # round(3c), clipped
+  for bits in (2, 4, 8):
+    level = 2 ** (bits - 1) - 1
+    got = levels(dl.quantize.vote_code("pbit_l1", bits=bits), level)
+    assert got == list(l1_vote(np.asarray(c), level)), bits
+  assert levels(dl.quantize.vote_code("pbit_l1", bits=3), 3) == list(
+      l1_vote(np.asarray(c), 3))
+  zeros = dl.quantize.encode(jnp.zeros(4), ternary_l1)      # a = 0: abstain
+  assert list(np.asarray(zeros)) == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("num_workers", [2, 3, 7, 8])
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("quantizer,bits", QUANTIZERS,
+                         ids=["ternary_l1", "pbit3", "pbit4"])
+def test_quantized_votes_match_reference(num_workers, aggregation, quantizer,
+                                         bits):
+  """Every comm gives the reference's params, bit for bit (N = 7 with 4-bit
+  levels: counters of radix 99, four to a uint32 word)."""
+  rng = np.random.default_rng(num_workers)
+  params = random_tree(rng, SHAPES)
+  grads = dyadic_grads(rng, num_workers, steps=4)
+  txs = {c: dl.distributed_lion(LR, b1=0.0, weight_decay=WD, axis_name=AXIS,
+                                aggregation=aggregation, comm=c,
+                                quantizer=quantizer, bits=bits)
+         for c in COMMS + ("auto",)}
+  out = run_on_mesh(txs, params, grads, num_workers)
+  ref = run_reference(params, grads, num_workers, b1=0.0,
+                      aggregation=aggregation, quantizer=quantizer, bits=bits)
+  assert_params_match(out, ref, num_workers)
+
+
+def test_eight_bit_levels_widen_the_int_container():
+  """255 levels from 8 workers sum to +-1016: psum_int8 widens to int16."""
+  rng = np.random.default_rng(5)
+  params = random_tree(rng, SHAPES)
+  grads = dyadic_grads(rng, 8, steps=2)
+  txs = {c: dl.distributed_lion(LR, b1=0.0, axis_name=AXIS, comm=c,
+                                aggregation="avg", quantizer="pbit_l1",
+                                bits=8) for c in COMMS}
+  out = run_on_mesh(txs, params, grads, 8)
+  ref = run_reference(params, grads, 8, b1=0.0, aggregation="avg",
+                      quantizer="pbit_l1", bits=8)
+  assert_params_match(out, ref, 8)
+  code = dl.quantize.vote_code("pbit_l1", bits=8)
+  assert dl.accounting.int_container(8, code) == jnp.int16
+
+
+def test_ternary_l1_is_pbit_2():
+  assert dl.quantize.vote_code("ternary_l1") == dl.quantize.vote_code(
+      "pbit_l1", bits=2) == 3
+
+
+def _momenta_equal(state, names):
+  return {k: bool(np.all(state[0].mu[k] == state[0].mu[k][:1]))
+          for k in names}
+
+
+@pytest.mark.parametrize("schedule,expected", [
+    (3, {3, 6}),
+    (dl.sync.growing_intervals(2), {1, 2, 3, 5, 7}),
+])
+def test_momenta_become_equal_exactly_at_sync_steps(schedule, expected):
+  num_workers, steps = 4, 7
+  rng = np.random.default_rng(1)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, num_workers, steps=steps)
+  tx = dl.distributed_lion(LR, axis_name=AXIS, momentum_sync=schedule)
+  synced = set()
+  names = ("odd", "mat", "big")
+  for t in range(1, steps + 1):
+    out = run_on_mesh({"s": tx}, params, grads[:t], num_workers)
+    equal = _momenta_equal(out["s"][1], names)
+    assert len(set(equal.values())) == 1, equal
+    if all(equal.values()):
+      synced.add(t)
+  assert synced == expected
+  ref = run_reference(params, grads, num_workers, sync_steps=expected)
+  assert_params_match(out, ref, num_workers)
+  for i in range(num_workers):     # the mean: one rounding of the float sum
+    np.testing.assert_allclose(out["s"][1][0].mu["big"][i], ref.mu[i]["big"],
+                               rtol=1e-6, atol=1e-8)
+
+
+@pytest.mark.parametrize("as_function", [False, True])
+def test_sync_mask_limits_which_momenta_are_averaged(as_function):
+  num_workers = 3
+  rng = np.random.default_rng(2)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, num_workers, steps=2)
+  chosen = ("odd", "one")
+  mask = (dl.sync.leaves_matching("odd|one") if as_function
+          else {k: k in chosen for k in SHAPES})
+  tx = dl.distributed_lion(LR, axis_name=AXIS, momentum_sync=2,
+                           momentum_sync_mask=mask)
+  out = run_on_mesh({"s": tx}, params, grads, num_workers)
+  equal = _momenta_equal(out["s"][1], ("odd", "one", "mat", "big"))
+  assert equal == {"odd": True, "one": True, "mat": False, "big": False}
+  ref = run_reference(params, grads, num_workers, sync_steps={2},
+                      sync_leaves=chosen)
+  assert_params_match(out, ref, num_workers)
+
+
+def test_sync_is_a_conditional_all_reduce_of_the_masked_momenta():
+  """The sync's bytes appear in a lax.cond branch, apart from the vote."""
+  mesh = dl.parallel.data_mesh(4)
+  params = {"w": jnp.zeros(1000), "b": jnp.zeros(10)}
+  tx = dl.distributed_lion(1e-2, axis_name="data", momentum_sync=5,
+                           momentum_sync_mask={"w": True, "b": False})
+  state = dl.parallel.init_worker_states(tx, params, mesh)
+  step = dl.parallel.make_train_step(
+      lambda p, x: jnp.mean((x @ p["w"] + p["b"].sum()) ** 2), tx, mesh)
+  hlo = step.lower(params, state, jnp.ones((8, 1000))).compile().as_text()
+  found = dl.accounting.collectives(hlo)
+  synced = [c for c in found if c.conditional]
+  assert [c.op for c in synced] == ["all-reduce"]
+  assert synced[0].sent_bytes == 2 * 3 / 4 * 4 * 1000     # fp32 'w' only
+  assert dl.collective_bytes(hlo) - dl.collective_bytes(
+      hlo, conditional=False) == synced[0].sent_bytes
+
+
+def test_small_leaves_are_exchanged_exactly():
+  """Below min_compress_size, D = sign(sum_i c_i), even against the
+  majority: two workers slightly positive, one strongly negative."""
+  num_workers = 3
+  rng = np.random.default_rng(3)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, num_workers, steps=3)
+  grads[0]["odd"][:, 0] = [0.1, 0.1, -5.0]
+  txs = {c: dl.distributed_lion(LR, axis_name=AXIS, comm=c,
+                                min_compress_size=40) for c in COMMS}
+  out = run_on_mesh(txs, params, grads, num_workers)
+  ref = run_reference(params, grads, num_workers, min_compress_size=40)
+  assert_params_match(out, ref, num_workers)
+  voted = run_reference(params, grads[:1], num_workers)
+  exact = run_reference(params, grads[:1], num_workers, min_compress_size=40)
+  assert voted.params["odd"][0] < params["odd"][0] < exact.params["odd"][0]
+
+
+def test_min_compress_size_costs_an_exact_all_reduce():
+  sizes = [1000, 37, 5]
+  packed = dl.accounting.message_bytes(sizes[:1], 4, comm="psum")
+  assert dl.accounting.message_bytes(sizes, 4, comm="psum",
+                                     min_compress_size=40) == (
+                                         packed + 2 * 3 / 4 * 4 * 42)
+
+
+@pytest.mark.parametrize("quantizer,bits", [("sign", None),
+                                            ("ternary_l1", None)])
+def test_error_feedback_matches_reference(quantizer, bits):
+  num_workers = 5
+  rng = np.random.default_rng(4)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, num_workers, steps=5)
+  kwargs = dict(quantizer=quantizer, bits=bits)
+  txs = {c: dl.distributed_lion(LR, axis_name=AXIS, comm=c,
+                                error_feedback=True, **kwargs)
+         for c in ("psum", "alltoall")}
+  out = run_on_mesh(txs, params, grads, num_workers)
+  if quantizer == "sign":      # the levels never depend on the scale
+    ref = run_reference(params, grads, num_workers, error_feedback=True)
+    assert_params_match(out, ref, num_workers)
+    error = out["psum"][1][0].error
+    for i in range(num_workers):
+      np.testing.assert_allclose(error["big"][i], ref.error[i]["big"],
+                                 rtol=1e-5, atol=1e-7)
+  p_a, p_b = out["psum"][0], out["alltoall"][0]
+  for k in SHAPES:
+    np.testing.assert_array_equal(p_a[k], p_b[k])
+    assert np.all(p_a[k] == p_a[k][:1])
+  assert isinstance(out["psum"][1][0], dl.ErrorFeedbackState)
+
+
+def test_error_feedback_changes_the_vote():
+  """A worker whose small votes keep losing carries them until they win."""
+  rng = np.random.default_rng(6)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, 3, steps=4)
+  plain = run_reference(params, grads, 3)
+  fed = run_reference(params, grads, 3, error_feedback=True)
+  assert any(not np.array_equal(plain.params[k], fed.params[k])
+             for k in SHAPES)
+
+
+def test_one_worker_ignores_lion_cub_options():
+  """No vote with one worker: exact Lion, nothing quantized or synced."""
+  rng = np.random.default_rng(7)
+  params = random_tree(rng, SHAPES)
+  grads = make_grads(rng, 1, steps=3)
+  txs = {"cub": dl.distributed_lion(LR, axis_name=AXIS, quantizer="pbit_l1",
+                                    bits=4, momentum_sync=1,
+                                    min_compress_size=100,
+                                    error_feedback=True),
+         "plain": dl.distributed_lion(LR, axis_name=AXIS)}
+  out = run_on_mesh(txs, params, grads, 1, check_vma=False)
+  for k in SHAPES:
+    np.testing.assert_array_equal(out["cub"][0][k], out["plain"][0][k])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(quantizer="int4"), "Unknown quantizer='int4'"),
+    (dict(quantizer="pbit_l1"), "needs bits, an int in 2..8"),
+    (dict(quantizer="pbit_l1", bits=9), "got bits=9"),
+    (dict(quantizer="sign", bits=4), "bits=4 only applies to"),
+    (dict(quantizer="pbit_l1", bits=4, vote="ternary"),
+     "vote='ternary' applies to quantizer='sign' only"),
+    (dict(momentum_sync=0), "momentum_sync=0 is not a schedule"),
+    (dict(momentum_sync="often"), "momentum_sync='often' is not a schedule"),
+    (dict(min_compress_size=-1), "min_compress_size must be an int >= 0"),
+])
+def test_bad_lion_cub_options_name_the_argument(kwargs, match):
+  with pytest.raises(ValueError, match=match):
+    dl.distributed_lion(LR, axis_name=AXIS, **kwargs)
+
+
+def _update_under_vmap(tx, params):
+  def step(g):
+    return tx.update(g, tx.init(params), params)[0]
+  grads = jax.tree.map(lambda x: jnp.stack([x, -x]), params)
+  return jax.vmap(step, axis_name=AXIS)(grads)
+
+
+@pytest.mark.parametrize("mask,error,match", [
+    ({"a": True}, ValueError, "momentum_sync_mask must have the structure"),
+    ({"a": True, "b": jnp.bool_(True)}, TypeError, "must be Python bools"),
+])
+def test_bad_sync_mask(mask, error, match):
+  params = {"a": jnp.ones(3), "b": jnp.ones(2)}
+  tx = dl.distributed_lion(LR, axis_name=AXIS, momentum_sync=1,
+                           momentum_sync_mask=mask)
+  with pytest.raises(error, match=match):
+    _update_under_vmap(tx, params)
+
+
+def test_error_feedback_state_is_checked():
+  params = {"a": jnp.ones(3)}
+  plain = dl.distributed_lion(LR, axis_name=AXIS)
+  fed = dl.distributed_lion(LR, axis_name=AXIS, error_feedback=True)
+  with pytest.raises(TypeError, match="ErrorFeedbackState made by"):
+    fed.update(params, plain.init(params), params)
+
+
+@pytest.mark.parametrize("num_workers", [2, 5, 8])
+@pytest.mark.parametrize("quantizer,bits,aggregation", [
+    (q, b, a) for (q, b), a in itertools.product(
+        QUANTIZERS + [("pbit_l1", 8)], ("mavo", "avg"))])
+def test_quantized_message_bytes_match_hlo(num_workers, quantizer, bits,
+                                           aggregation):
+  """What the compiled step sends is what accounting.message_bytes says."""
+  mesh = dl.parallel.data_mesh(num_workers)
+  params = {"w": jnp.zeros(1001), "b": jnp.zeros(13)}
+  code = dl.quantize.vote_code(quantizer, bits=bits)
+  for comm in COMMS:
+    tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
+                                      aggregation=aggregation,
+                                      quantizer=quantizer, bits=bits)
+    state = dl.parallel.init_worker_states(tx, params, mesh)
+    step = dl.parallel.make_train_step(
+        lambda p, x: jnp.sum(x @ p["w"]) + p["b"].sum(), tx, mesh)
+    hlo = step.lower(params, state,
+                     jnp.ones((num_workers, 1001))).compile().as_text()
+    loss_bytes = 2 * (num_workers - 1) / num_workers * 4   # the loss pmean
+    expected = dl.accounting.message_bytes(
+        [13, 1001], num_workers, aggregation=aggregation, vote=code,
+        comm=comm)
+    assert dl.collective_bytes(hlo) - loss_bytes == pytest.approx(expected)
+
+
+def test_shape_options_under_inject_hyperparams_need_static_args():
+  params = {"a": jnp.ones(5)}
+  def run(tx):
+    def step(g):
+      return tx.update(g, tx.init(params), params)[0]["a"]
+    grads = {"a": jnp.stack([jnp.arange(5.0) - 2, 2 - jnp.arange(5.0),
+                             jnp.arange(5.0) - 1])}
+    return jax.jit(jax.vmap(step, axis_name=AXIS))(grads)
+  make = optax.inject_hyperparams(dl.distributed_lion)
+  with pytest.raises(TypeError, match=r"static_args=\('bits',\)"):
+    run(make(learning_rate=0.1, axis_name=AXIS, quantizer="pbit_l1", bits=4))
+  static = optax.inject_hyperparams(dl.distributed_lion,
+                                    static_args=("bits",))
+  plain = dl.distributed_lion(0.1, axis_name=AXIS, quantizer="pbit_l1", bits=4)
+  np.testing.assert_array_equal(
+      run(static(learning_rate=0.1, axis_name=AXIS, quantizer="pbit_l1",
+                 bits=4)), run(plain))
