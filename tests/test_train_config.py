@@ -48,6 +48,13 @@ def test_default_is_quickstart_and_overrides_apply():
     (["optimizer.learning_rate=-1"], r"must be >= 0"),
     (["data=3"], r"data must be a mapping"),
     (["noequals"], r"--set expects key=value"),
+    (["optimizer.quantizer=pbit_l1"], r"optimizer: quantizer='pbit_l1' needs"),
+    (["optimizer.quantizer=int4"], r"optimizer\.quantizer='int4' is not one"),
+    (["optimizer.bits=4"], r"bits=4 only applies to quantizer='pbit_l1'"),
+    (["optimizer.sync_schedule=rare"], r"optimizer\.sync_schedule='rare'"),
+    (["optimizer.momentum_sync=-2"], r"optimizer\.momentum_sync=-2 must be"),
+    (["optimizer.sync_leaves=(embed"], r"not a regular expression"),
+    (["optimizer.min_compress_size=-1"], r"min_compress_size=-1 must be"),
 ])
 def test_bad_configs_are_named(override, message):
   with pytest.raises(ConfigError, match=message):
@@ -73,3 +80,22 @@ def test_override_values_are_yaml():
 def test_cli_reports_config_errors(capsys):
   assert cli.main(["--set", "optimizer.name=adam"]) == 2
   assert "config error: optimizer.name='adam'" in capsys.readouterr().err
+
+
+def test_lion_cub_options_reach_the_optimizer():
+  from dlion_jax.train import optimizers  # pylint: disable=g-import-not-at-top
+  cfg = load_config(cli.resolve_config(None), [
+      "optimizer.quantizer=pbit_l1", "optimizer.bits=3",
+      "optimizer.momentum_sync=4", "optimizer.sync_schedule=growing",
+      "optimizer.sync_leaves=bias", "optimizer.min_compress_size=64",
+      "optimizer.error_feedback=true"])
+  options = optimizers.lion_cub_options(cfg.optimizer)
+  assert options["quantizer"] == "pbit_l1" and options["bits"] == 3
+  assert options["momentum_sync"].steps[:4] == (1, 2, 3, 4)
+  assert options["momentum_sync_mask"]({"bias": 0, "kernel": 0}) == {
+      "bias": True, "kernel": False}
+  assert options["min_compress_size"] == 64 and options["error_feedback"]
+  bits = optimizers.analytic_bits_per_param(cfg.optimizer, 8, steps=100)
+  plain = optimizers.analytic_bits_per_param(
+      load_config(cli.resolve_config(None), []).optimizer, 8)
+  assert bits > plain

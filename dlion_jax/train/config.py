@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import pathlib
+import re
 import types
 import typing
 from typing import Any, Optional
 
 import yaml
+
+from dlion_jax import accounting
 
 
 class ConfigError(ValueError):
@@ -65,6 +68,14 @@ class OptimizerConfig:
   aggregation: str = "mavo"         # dlion
   vote: str = "binary"              # dlion
   comm: str = "auto"                # dlion
+  # Lion Cub options of dlion (see dlion_jax.scale_by_distributed_lion):
+  quantizer: str = "sign"           # sign | ternary_l1 | pbit_l1
+  bits: Optional[int] = None        # pbit_l1: bits per vote
+  momentum_sync: int = 0            # k of the sync schedule; 0: never
+  sync_schedule: str = "every"      # every (k steps) | growing (intervals)
+  sync_leaves: Optional[str] = None  # regex on leaf paths; None: all
+  min_compress_size: Optional[int] = None
+  error_feedback: bool = False
 
 
 @dataclasses.dataclass
@@ -102,12 +113,14 @@ _CHOICES = {
     "optimizer.aggregation": ("mavo", "avg"),
     "optimizer.vote": ("binary", "ternary"),
     "optimizer.comm": ("auto", "alltoall", "allgather", "psum", "psum_int8"),
+    "optimizer.quantizer": ("sign", "ternary_l1", "pbit_l1"),
+    "optimizer.sync_schedule": ("every", "growing"),
 }
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
              "train.steps", "train.log_every", "train.keep_checkpoints")
 _NON_NEGATIVE = ("train.eval_every", "train.checkpoint_every",
                  "optimizer.warmup_steps", "optimizer.learning_rate",
-                 "optimizer.weight_decay")
+                 "optimizer.weight_decay", "optimizer.momentum_sync")
 
 
 def _type_name(tp) -> str:
@@ -174,11 +187,29 @@ def validate(config: Config) -> Config:
       raise ConfigError(f"{key}={_get(config, key)!r} must be >= 0.")
   if "name" not in config.model:
     raise ConfigError("model.name is missing (mlp, cnn, vit or gpt).")
+  _validate_lion_cub(config.optimizer)
   if config.data.global_batch % config.workers:
     raise ConfigError(
         f"data.global_batch={config.data.global_batch} must be divisible by "
         f"workers={config.workers}: each worker takes an equal share.")
   return config
+
+
+def _validate_lion_cub(opt: OptimizerConfig) -> None:
+  """The library's own checks of the quantizer options, as ConfigErrors."""
+  if opt.min_compress_size is not None and opt.min_compress_size < 0:
+    raise ConfigError(f"optimizer.min_compress_size={opt.min_compress_size} "
+                      "must be >= 0.")
+  try:
+    accounting.vote_code(opt.quantizer, vote=opt.vote, bits=opt.bits)
+  except ValueError as e:
+    raise ConfigError(f"optimizer: {e}") from None
+  if opt.sync_leaves is not None:
+    try:
+      re.compile(opt.sync_leaves)
+    except re.error as e:
+      raise ConfigError(f"optimizer.sync_leaves={opt.sync_leaves!r} is not "
+                        f"a regular expression: {e}.") from None
 
 
 def _set_dotted(tree: dict, dotted: str, value: Any) -> None:

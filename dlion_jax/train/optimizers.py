@@ -39,6 +39,25 @@ def _or(value, default):
   return default if value is None else value
 
 
+def sync_schedule(cfg: OptimizerConfig) -> dl.sync.SyncSchedule | None:
+  """The momentum sync schedule a config names (None: never)."""
+  if not cfg.momentum_sync:
+    return None
+  if cfg.sync_schedule == "growing":
+    return dl.sync.growing_intervals(cfg.momentum_sync)
+  return dl.sync.every_k_steps(cfg.momentum_sync)
+
+
+def lion_cub_options(cfg: OptimizerConfig) -> dict:
+  """Keyword arguments of :func:`dlion_jax.distributed_lion` for Lion Cub."""
+  mask = (None if cfg.sync_leaves is None
+          else dl.sync.leaves_matching(cfg.sync_leaves))
+  return dict(quantizer=cfg.quantizer, bits=cfg.bits,
+              momentum_sync=sync_schedule(cfg), momentum_sync_mask=mask,
+              min_compress_size=cfg.min_compress_size,
+              error_feedback=cfg.error_feedback)
+
+
 def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
                     axis_name: str = "data") -> optax.GradientTransformation:
   """The optimizer a config names, bound to the data-parallel axis."""
@@ -48,7 +67,7 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
     return dl.distributed_lion(
         lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99), weight_decay=wd,
         axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
-        comm=cfg.comm)
+        comm=cfg.comm, **lion_cub_options(cfg))
   if cfg.name == "signum":
     return dl.distributed_lion(
         lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=wd,
@@ -68,10 +87,15 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
   return optax.chain(pmean_gradients(axis_name), inner)
 
 
-def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int) -> float:
-  """Wire bits per parameter per step each worker sends (analytic)."""
-  if cfg.name in VOTING:
-    aggregation = "mavo" if cfg.name == "signum" else cfg.aggregation
-    return dl.wire_bits(num_workers, aggregation=aggregation, vote=cfg.vote,
-                        comm=cfg.comm)
+def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
+                            steps: int | None = None) -> float:
+  """Wire bits per parameter per step each worker sends (analytic; a sync
+  is counted as if it covered every parameter)."""
+  if cfg.name == "signum":
+    return dl.wire_bits(num_workers, vote=cfg.vote, comm=cfg.comm)
+  if cfg.name == "dlion":
+    return dl.wire_bits(num_workers, aggregation=cfg.aggregation,
+                        vote=cfg.vote, comm=cfg.comm, quantizer=cfg.quantizer,
+                        bits=cfg.bits, momentum_sync=sync_schedule(cfg),
+                        steps=steps)
   return dl.allreduce_bits(num_workers)

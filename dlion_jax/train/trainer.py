@@ -139,6 +139,17 @@ def _fmt_bytes(n: float) -> str:
   return f"{n:.1f} TiB"
 
 
+def sent_bytes_per_step(cfg: Config, compiled, steps: int) -> float:
+  """Bytes a step sends, read off the compiled step; collectives in a
+  conditional (momentum syncs) counted at the rate the schedule runs them."""
+  always = dl.collective_bytes(compiled, conditional=False)
+  schedule = optimizers.sync_schedule(cfg.optimizer)
+  if schedule is None or cfg.optimizer.name != "dlion":
+    return always
+  synced = dl.collective_bytes(compiled) - always
+  return always + synced * schedule.count(steps) / steps
+
+
 def wire_report(cfg: Config, sent_bytes: float, num_params: int,
                 steps: int) -> dict:
   """Bits sent per step and in total, against an fp32 all-reduce."""
@@ -151,7 +162,7 @@ def wire_report(cfg: Config, sent_bytes: float, num_params: int,
       "fp32_allreduce_bytes_per_step": fp32,
       "fp32_allreduce_bytes_total": fp32 * steps,
       "analytic_bits_per_param": optimizers.analytic_bits_per_param(
-          cfg.optimizer, n),
+          cfg.optimizer, n, steps=steps),
   }
 
 
@@ -196,7 +207,7 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
   example = parallel.global_array(next(batches), per_worker)
   batches.restore(position)
   compiled = step_fn.lower(params, opt_state, example).compile()
-  sent = dl.collective_bytes(compiled)
+  sent = sent_bytes_per_step(cfg, compiled, cfg.train.steps)
   eval_step = make_eval_step(graphdef, mesh)
   run_eval = functools.partial(
       evaluate, eval_step, split=dataset.test,
