@@ -16,6 +16,8 @@ from __future__ import annotations
 import sys
 from typing import Iterable, Sequence
 
+import jax
+
 from dlion_jax.parallel import use_cpu_devices  # noqa: F401  (re-export)
 
 
