@@ -1,0 +1,313 @@
+"""Which Lion Cub options close the gap to global Lion, and what they cost.
+
+Trains the same task with every variant (global Lion with an fp32 gradient
+all-reduce, Distributed Lion MaVo/Avg, and Lion Cub's quantizers, momentum
+syncs, exact small leaves and error feedback on top) for each worker count
+and seed, all with the task's schedule and a local batch of 32, and reports
+the test metric against the bits each worker sent per parameter per step,
+read off the compiled train step (:func:`dlion_jax.collective_bytes`, syncs
+counted at the rate their schedule runs them).
+
+Tasks: ``fashion_mnist`` (the 784-256-256-10 MLP of
+``configs/fashion_mnist_mlp.yaml``, 3 epochs, test accuracy) and ``charlm``
+(the byte-level GPT of ``configs/charlm_gpt.yaml``, shortened, test bits per
+byte); ``digits`` is a seconds-long smoke version for tests.
+
+``--step-cost`` instead times one optimizer step (no model) of each
+option on the GPT's parameter pytree (many small leaves: norms, biases) and
+reads its bytes off the HLO, which is how the default ``min_compress_size``
+was chosen.
+
+Usage::
+
+  python -m dlion_jax.bench.lioncub [--tasks fashion_mnist charlm]
+      [--workers 8 16] [--seeds 0 1] [--out docs/lioncub.md]
+      [--plot docs/img/lioncub.png]
+  python -m dlion_jax.bench.lioncub --step-cost [--workers 8] [--reps 15]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+
+from dlion_jax import bench
+
+AVG = {"optimizer.aggregation": "avg"}
+PBIT4 = {"optimizer.quantizer": "pbit_l1", "optimizer.bits": 4}
+TERNARY = {"optimizer.quantizer": "ternary_l1"}
+GROWING = {"optimizer.momentum_sync": 4, "optimizer.sync_schedule": "growing"}
+
+# name -> config overrides on top of the task's D-Lion config.
+VARIANTS = {
+    "global Lion (fp32 all-reduce)": {"optimizer.name": "lion"},
+    "D-Lion MaVo": {},
+    "D-Lion Avg": AVG,
+    "MaVo, ternary_l1": TERNARY,
+    "Avg, ternary_l1": {**AVG, **TERNARY},
+    "MaVo, 4-bit": PBIT4,
+    "Avg, 4-bit": {**AVG, **PBIT4},
+    "MaVo + sync every 10": {"optimizer.momentum_sync": 10},
+    "MaVo + sync growing (k=4)": GROWING,
+    "MaVo + bias momenta synced every step": {
+        "optimizer.momentum_sync": 1, "optimizer.sync_leaves": "bias"},
+    "MaVo + exact leaves < 1024": {"optimizer.min_compress_size": 1024},
+    "MaVo + error feedback": {"optimizer.error_feedback": True},
+    "Avg, 4-bit + sync growing (k=4)": {**AVG, **PBIT4, **GROWING},
+}
+BASELINE = "global Lion (fp32 all-reduce)"
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A training task: a shipped config, its metric and its length."""
+  config: str
+  metric: str                # key of the trainer's summary
+  higher_is_better: bool
+  epochs: float | None       # None: fixed ``steps``
+  steps: int = 0
+  overrides: tuple = ()
+  train_size: int = 60_000
+  local_batch: int = 32      # examples (sequences for the LM) per worker
+
+  def overrides_for(self, workers: int, seed: int) -> list[str]:
+    """A fixed local batch: the global batch and the step count follow N."""
+    batch = self.local_batch * workers
+    steps = (self.steps if self.epochs is None
+             else max(1, round(self.epochs * self.train_size / batch)))
+    return [f"workers={workers}", f"seed={seed}",
+            f"data.global_batch={batch}", f"train.steps={steps}",
+            f"optimizer.warmup_steps={max(1, steps // 7)}",
+            f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+            f"train.log_every={steps}", *self.overrides]
+
+
+TASKS = {
+    "fashion_mnist": Task("fashion_mnist_mlp", "test_accuracy", True,
+                          epochs=3),
+    "charlm": Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+                   steps=300, local_batch=8),
+    "digits": Task("quickstart", "test_accuracy", True, epochs=None, steps=40,
+                   overrides=("model.hidden=[32]",)),
+}
+
+
+def _settings(overrides: dict) -> list[str]:
+  return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+
+
+def run_one(task: Task, variant: str, workers: int, seed: int) -> dict:
+  """Trains one (variant, N, seed); returns its metric and bits sent."""
+  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import cli
+  from dlion_jax.train import trainer
+  from dlion_jax.train.config import load_config
+  overrides = task.overrides_for(workers, seed) + _settings(VARIANTS[variant])
+  with tempfile.TemporaryDirectory() as run_dir:
+    cfg = load_config(cli.resolve_config(task.config),
+                      overrides + [f"run_dir={run_dir}"])
+    start = time.perf_counter()
+    summary = trainer.train(cfg, progress=False, log=lambda *_: None)[
+        "summary"]
+    seconds = time.perf_counter() - start
+  value = summary[task.metric] if task.metric in summary else (
+      summary["test_loss"] / math.log(2))
+  return {"variant": variant, "workers": workers, "seed": seed,
+          "metric": value, "bits": summary["sent_bits_per_param"],
+          "steps": cfg.train.steps, "seconds": seconds}
+
+
+def _mean_spread(values):
+  mean = statistics.fmean(values)
+  spread = (max(values) - min(values)) / 2
+  return mean, spread
+
+
+def summarize(results: list[dict], task: Task, workers: list[int],
+              variants: list[str]) -> str:
+  """Markdown table: metric (mean +- half-range over seeds) and bits."""
+  scale = 100 if task.metric == "test_accuracy" else 1
+  unit = "accuracy %" if scale == 100 else "bits/byte"
+  headers = ["variant"]
+  for n in workers:
+    headers += [f"N={n}: test {unit}", f"N={n}: vs global Lion",
+                f"N={n}: bits/param/step"]
+  rows = []
+  for variant in variants:
+    row = [variant]
+    for n in workers:
+      mine = [r for r in results if r["variant"] == variant
+              and r["workers"] == n]
+      base = [r["metric"] for r in results if r["variant"] == BASELINE
+              and r["workers"] == n]
+      if not mine:
+        row += ["-", "-", "-"]
+        continue
+      mean, spread = _mean_spread([r["metric"] * scale for r in mine])
+      gap = (f"{mean - statistics.fmean(base) * scale:+.2f}" if base
+             else "-")
+      row += [f"{mean:.2f} ± {spread:.2f}", gap,
+              f"{statistics.fmean(r['bits'] for r in mine):.2f}"]
+    rows.append(row)
+  return bench.markdown_table(headers, rows)
+
+
+def plot(results: list[dict], task: Task, workers: list[int], path: str):
+  """Metric against bits sent (log scale), one panel per worker count."""
+  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure
+  scale = 100 if task.metric == "test_accuracy" else 1
+  fig = Figure(figsize=(6 * len(workers), 4.5), layout="constrained")
+  axes = fig.subplots(1, len(workers), squeeze=False)[0]
+  variants = list(dict.fromkeys(r["variant"] for r in results))
+  markers = "os^vD<>phX*P8"
+  for ax, n in zip(axes, workers):
+    for i, variant in enumerate(variants):
+      mine = [r for r in results if r["variant"] == variant
+              and r["workers"] == n]
+      if not mine:
+        continue
+      mean, spread = _mean_spread([r["metric"] * scale for r in mine])
+      bits = statistics.fmean(r["bits"] for r in mine)
+      ax.errorbar(bits, mean, yerr=spread, fmt=markers[i % len(markers)],
+                  label=variant, capsize=3)
+    ax.set_xscale("log")
+    ax.set(xlabel="bits sent per parameter per step (each worker)",
+           ylabel="test accuracy %" if scale == 100 else "test bits/byte",
+           title=f"{task.config}, N = {n} workers")
+    ax.grid(True, which="both", alpha=0.3)
+  axes[-1].legend(fontsize=7, loc="best")
+  fig.savefig(path, dpi=110)
+
+
+# name -> options of dl.distributed_lion, for --step-cost.
+STEP_VARIANTS = {
+    "MaVo (min_compress_size=0)": {},
+    "MaVo, min_compress_size=256": {"min_compress_size": 256},
+    "MaVo, min_compress_size=1024": {"min_compress_size": 1024},
+    "MaVo, min_compress_size=4096": {"min_compress_size": 4096},
+    "MaVo, ternary_l1": {"quantizer": "ternary_l1"},
+    "Avg, 4-bit": {"aggregation": "avg", "quantizer": "pbit_l1", "bits": 4},
+    "MaVo + error feedback": {"error_feedback": True},
+    "MaVo + sync every step": {"momentum_sync": 1},
+}
+
+
+def gpt_shapes(dim: int = 256, depth: int = 6) -> dict:
+  """Parameter shapes of the byte-level GPT (``train.models``)."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  from flax import nnx
+  from dlion_jax.train import models
+  model = nnx.eval_shape(lambda: models.build_model(
+      "gpt", rngs=nnx.Rngs(0), vocab_size=256, context=128, dim=dim,
+      depth=depth, heads=4))
+  return jax.tree.map(lambda x: tuple(x.shape),
+                      models.split_params(model)[1])
+
+
+def step_cost(workers: int, reps: int, *, dim: int = 256,
+              depth: int = 6) -> str:
+  """Median optimizer-step time and HLO bytes of each Lion Cub option."""
+  # pylint: disable=g-import-not-at-top
+  import jax
+  import numpy as np
+  from jax.sharding import NamedSharding
+  from jax.sharding import PartitionSpec as P
+  import dlion_jax as dl
+  from dlion_jax import parallel
+  from dlion_jax.bench import step as step_bench
+  shapes = gpt_shapes(dim, depth)
+  rng = np.random.default_rng(0)
+  is_shape = lambda x: isinstance(x, tuple)
+  params = jax.tree.map(lambda s: rng.standard_normal(s, np.float32), shapes,
+                        is_leaf=is_shape)
+  mesh = parallel.data_mesh(workers, axis_name=step_bench.AXIS)
+  grads = jax.device_put(
+      jax.tree.map(lambda s: rng.standard_normal((workers,) + s, np.float32),
+                   shapes, is_leaf=is_shape),
+      NamedSharding(mesh, P(step_bench.AXIS)))
+  runners = {}
+  for name, options in STEP_VARIANTS.items():
+    tx = dl.distributed_lion(1e-4, axis_name=step_bench.AXIS, **options)
+    runners[name] = step_bench.Runner(tx, mesh, pmean_grads=False,
+                                      params=params, grads=grads)
+    runners[name]()
+    runners[name]()
+  step_bench.time_interleaved(runners, reps)
+  leaves = jax.tree.leaves(params)
+  size = sum(x.size for x in leaves)
+  base = statistics.median(runners["MaVo (min_compress_size=0)"].times)
+  rows = []
+  for name, runner in runners.items():
+    hlo = runner.hlo_text()
+    every = dl.collective_bytes(hlo, conditional=False)
+    cond = dl.collective_bytes(hlo) - every
+    ms = statistics.median(runner.times)
+    rows.append([name, f"{ms * 1e3:.1f}", f"{ms / base:.2f}x",
+                 f"{8 * every / size:.3f}",
+                 f"{8 * cond / size:.1f}" if cond else "-"])
+  small = [x.size for x in leaves]
+  head = (f"GPT pytree: {size:,} parameters in {len(leaves)} leaves "
+          f"({sum(s < 1024 for s in small)} under 1024 elements, "
+          f"{sum(s for s in small if s < 1024):,} parameters); {workers} "
+          f"workers; median of {reps} interleaved steps.")
+  return head + "\n\n" + bench.markdown_table(
+      ["option", "median ms/step", "vs min_compress_size=0",
+       "bits/param/step (every step)", "+ bits/param on a sync step"], rows)
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  parser.add_argument("--tasks", nargs="+", default=["fashion_mnist"],
+                      choices=sorted(TASKS))
+  parser.add_argument("--workers", nargs="+", type=int, default=[8, 16])
+  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                      choices=list(VARIANTS), metavar="VARIANT")
+  parser.add_argument("--out", help="write the markdown report here")
+  parser.add_argument("--plot", help="PNG path prefix (one per task)")
+  parser.add_argument("--json", help="write every run's figures here")
+  parser.add_argument("--step-cost", action="store_true",
+                      help="time one optimizer step of each option instead")
+  parser.add_argument("--reps", type=int, default=15)
+  args = parser.parse_args(argv)
+  bench.use_cpu_devices(max(args.workers))
+  start = time.perf_counter()
+  if args.step_cost:
+    text = step_cost(max(args.workers), args.reps)
+    return bench.emit(
+        f"Measured with `python -m dlion_jax.bench.lioncub --step-cost "
+        f"--workers {max(args.workers)} --reps {args.reps}` on "
+        f"{bench.machine_line()} in {time.perf_counter() - start:.0f} s. "
+        + text, args.out)
+  jobs = [(t, v, n, s) for t in args.tasks for n in args.workers
+          for v in args.variants for s in args.seeds]
+  results = []
+  for t, v, n, s in bench.progress(jobs, len(jobs), "lioncub runs"):
+    results.append({"task": t, **run_one(TASKS[t], v, n, s)})
+  elapsed = time.perf_counter() - start
+  parts = [f"Measured with `python -m dlion_jax.bench.lioncub "
+           f"--tasks {' '.join(args.tasks)} --workers "
+           f"{' '.join(map(str, args.workers))} --seeds "
+           f"{' '.join(map(str, args.seeds))}` on {bench.machine_line()}: "
+           f"{len(jobs)} runs in {elapsed / 60:.1f} min."]
+  for t in args.tasks:
+    mine = [r for r in results if r["task"] == t]
+    parts.append(f"### {t} ({TASKS[t].config})\n\n" + summarize(
+        mine, TASKS[t], args.workers, args.variants))
+    if args.plot:
+      plot(mine, TASKS[t], args.workers, f"{args.plot}_{t}.png")
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(results, f, indent=1)
+  return bench.emit("\n\n".join(parts), args.out)
+
+
+if __name__ == "__main__":
+  main()
