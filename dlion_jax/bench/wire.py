@@ -9,9 +9,14 @@ bf16 gradient all-reduce (``lax.pmean``) that data-parallel ``optax.lion``
 needs. Prints markdown tables of measured against
 :func:`dlion_jax.wire_bits` / :func:`dlion_jax.allreduce_bits`.
 
+``--plot FILE.png`` also draws bits per parameter per step against N for
+every strategy, the fp32 / bf16 all-reduce and two analytic floors
+(:func:`pattern_floor_bits`, :func:`information_floor_bits`).
+
 Usage::
 
   python -m dlion_jax.bench.wire [--sizes 2,4,8,16,32,64] [--out FILE.md]
+      [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import argparse
 import dataclasses
 import itertools
 import math
+import pathlib
 import time
 
 import jax
@@ -231,18 +237,130 @@ def report(dlion, baselines, elapsed: float) -> str:
   return "\n".join(parts)
 
 
+def _result_radix(num_workers: int, aggregation: str, vote: str) -> int:
+  """Distinct values of the update D of one parameter."""
+  if aggregation == "avg":
+    return accounting.psum_radix(num_workers, vote)
+  return 3 if accounting.mavo_has_ties(num_workers, vote) else 2
+
+
+def pattern_floor_bits(num_workers: int, aggregation: str,
+                       vote: str) -> float:
+  """Fewest bits/param of the owner-computes pattern with ideal codes.
+
+  Worker k owns 1/N of the parameters: every worker sends the votes of the
+  parameters others own, ``(N-1)/N * log2(vote values)``, and each owner
+  sends its result to the others, ``(N-1)/N * log2(result values)`` (MaVo:
+  2 values, 3 with ties; Avg: the ``(r-1) N + 1`` possible sums). This is
+  ``alltoall`` with fractional-bit codes and no padding to words.
+  """
+  n = num_workers
+  up = math.log2(accounting.vote_radix(vote))
+  down = math.log2(_result_radix(n, aggregation, vote))
+  return (n - 1) / n * (up + down)
+
+
+def _entropy(probs) -> float:
+  return -sum(p * math.log2(p) for p in probs if p > 0)
+
+
+def information_floor_bits(num_workers: int, aggregation: str,
+                           vote: str) -> float:
+  """Bits/param each worker must receive: ``H(D | its own vote)``.
+
+  For independent votes, uniform over their values (binary: +-1; ternary:
+  -1, 0, 1): every worker must end up knowing D, and knows only its own
+  vote, so on average each receives, and hence sends, at least this many
+  bits, whatever the scheme. Correlated votes (workers mostly agree) need
+  less.
+  """
+  n, r = num_workers, accounting.vote_radix(vote)
+  values = (-1, 1) if r == 2 else (-1, 0, 1)
+  others = {0: 1.0}                      # distribution of the other votes' sum
+  for _ in range(n - 1):
+    nxt = {}
+    for total, p in others.items():
+      for v in values:
+        nxt[total + v] = nxt.get(total + v, 0.0) + p / len(values)
+    others = nxt
+  h = 0.0
+  for own in values:
+    dist = {}
+    for total, p in others.items():
+      d = own + total
+      key = d if aggregation == "avg" else (d > 0) - (d < 0)
+      dist[key] = dist.get(key, 0.0) + p
+    h += _entropy(dist.values()) / len(values)
+  return h
+
+
+def plot(dlion: list[Measurement], baselines: list[Measurement],
+         path: str) -> None:
+  """Bits/param/step against N: every strategy, all-reduces, the floors."""
+  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  panels = list(dict.fromkeys((m.aggregation, m.vote) for m in dlion))
+  fig = Figure(figsize=(11, 4.2 * math.ceil(len(panels) / 2)),
+               layout="constrained")
+  axes = fig.subplots(math.ceil(len(panels) / 2), 2, squeeze=False).ravel()
+  sizes = sorted({m.num_workers for m in baselines + dlion})
+  for ax, (agg, vote) in zip(axes, panels):
+    for comm in accounting.COMMS:
+      pts = sorted((m.num_workers, m.measured) for m in dlion
+                   if (m.aggregation, m.vote, m.comm) == (agg, vote, comm))
+      ax.plot(*zip(*pts), marker="o", label=f"{comm} (measured)")
+    for dtype, style in (("float32", "-"), ("bfloat16", "--")):
+      pts = sorted((m.num_workers, m.analytic) for m in baselines
+                   if m.comm == f"pmean {dtype}")
+      ax.plot(*zip(*pts), style, color="black", label=f"{dtype} all-reduce")
+    for floor, style, label in (
+        (pattern_floor_bits, ":", "pattern floor"),
+        (information_floor_bits, "-.", "information floor")):
+      ax.plot(sizes, [floor(n, agg, vote) for n in sizes], style,
+              color="gray", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log", base=2)
+    ax.set_xticks(sizes, [str(n) for n in sizes])
+    ax.set_xlabel("workers N")
+    ax.set_ylabel("bits / parameter / step (per worker)")
+    ax.set_title(f"{agg}, {vote} votes")
+    ax.grid(True, which="both", alpha=0.3)
+  for ax in axes[len(panels):]:
+    ax.set_visible(False)
+  axes[0].legend(fontsize=7)
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+
+
+def floor_lines(sizes) -> list[str]:
+  """The two floors next to auto's analytic bits, binary votes."""
+  out = []
+  for agg in accounting.AGGREGATIONS:
+    cells = [f"N={n}: auto {dl.wire_bits(n, aggregation=agg):.3f}, pattern "
+             f"{pattern_floor_bits(n, agg, 'binary'):.3f}, information "
+             f"{information_floor_bits(n, agg, 'binary'):.3f}"
+             for n in sizes]
+    out.append(f"{agg} binary floors (bits/param): " + "; ".join(cells))
+  return out
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                       help="comma-separated axis sizes N")
   parser.add_argument("--out", default=None, help="also write markdown here")
+  parser.add_argument("--plot", default=None,
+                      help="write the bits-vs-N PNG here")
   args = parser.parse_args(argv)
   sizes = [int(s) for s in args.sizes.split(",") if s]
   bench.use_cpu_devices(max(sizes))
   start = time.perf_counter()
   dlion, baselines = run(sizes)
-  return bench.emit(report(dlion, baselines, time.perf_counter() - start),
-                    args.out)
+  text = report(dlion, baselines, time.perf_counter() - start)
+  text += "".join(f"\n- {line}" for line in floor_lines(sizes))
+  if args.plot:
+    plot(dlion, baselines, args.plot)
+    text += f"\n- plot: {args.plot}"
+  return bench.emit(text, args.out)
 
 
 if __name__ == "__main__":
