@@ -1,5 +1,7 @@
 """The Lion Cub study's machinery, on seconds-long versions of its runs."""
 
+import json
+
 import pytest
 
 pytest.importorskip("flax", reason="the study trains with the [examples] "
@@ -45,3 +47,20 @@ def test_step_cost_table_reads_bytes_off_hlo():
   assert every["MaVo, min_compress_size=1024"] > every[
       "MaVo (min_compress_size=0)"]
   assert float(rows["MaVo + sync every step"][4]) == pytest.approx(32.0, rel=0.01)   # fp32 pmean, N=2
+
+
+def test_report_rewrites_only_its_section(tmp_path):
+  doc = tmp_path / "lioncub.md"
+  doc.write_text("prose before\n<!-- bench.lioncub study: begin -->\nold\n"
+                 "<!-- bench.lioncub study: end -->\nprose after\n")
+  runs = tmp_path / "runs.json"
+  runs.write_text(json.dumps([
+      {"task": "digits", "variant": v, "workers": 2, "seed": s,
+       "metric": m, "bits": b, "steps": 40, "seconds": 1.0}
+      for v, m, b in [("global Lion (fp32 all-reduce)", 0.9, 32.0),
+                      ("D-Lion MaVo", 0.8, 1.0)] for s in (0, 1)]))
+  lioncub.main(["--from-json", str(runs), "--out", str(doc)])
+  text = doc.read_text()
+  assert text.startswith("prose before\n") and text.endswith("prose after\n")
+  assert "old" not in text
+  assert table_rows(text)["D-Lion MaVo"][1:3] == ["80.00 ± 0.00", "-10.00"]

@@ -74,6 +74,19 @@ class Task:
   overrides: tuple = ()
   train_size: int = 60_000
   local_batch: int = 32      # examples (sequences for the LM) per worker
+  # Limits for tasks too slow to run every combination (None: no limit).
+  only_workers: tuple | None = None
+  max_seeds: int | None = None
+  only_variants: tuple | None = None
+
+  def jobs(self, workers, variants, seeds) -> list[tuple[str, int, int]]:
+    """The (variant, N, seed) runs of this task among those asked for."""
+    workers = [n for n in workers
+               if self.only_workers is None or n in self.only_workers]
+    variants = [v for v in variants
+                if self.only_variants is None or v in self.only_variants]
+    seeds = list(seeds)[:self.max_seeds]
+    return [(v, n, s) for n in workers for v in variants for s in seeds]
 
   def overrides_for(self, workers: int, seed: int) -> list[str]:
     """A fixed local batch: the global batch and the step count follow N."""
@@ -90,8 +103,15 @@ class Task:
 TASKS = {
     "fashion_mnist": Task("fashion_mnist_mlp", "test_accuracy", True,
                           epochs=3),
+    # About 2.5 min a run here: N = 8, one seed, the telling variants.
     "charlm": Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-                   steps=300, local_batch=8),
+                   steps=300, local_batch=8, only_workers=(8,), max_seeds=1,
+                   only_variants=(
+                       BASELINE, "D-Lion MaVo", "D-Lion Avg",
+                       "MaVo, ternary_l1", "MaVo, 4-bit",
+                       "MaVo + sync growing (k=4)",
+                       "MaVo + bias momenta synced every step",
+                       "MaVo + exact leaves < 1024")),
     "digits": Task("quickstart", "test_accuracy", True, epochs=None, steps=40,
                    overrides=("model.hidden=[32]",)),
 }
@@ -157,31 +177,70 @@ def summarize(results: list[dict], task: Task, workers: list[int],
   return bench.markdown_table(headers, rows)
 
 
+def _points(results, variant, workers, scale):
+  mine = [r for r in results if r["variant"] == variant
+          and r["workers"] == workers]
+  if not mine:
+    return None
+  mean, spread = _mean_spread([r["metric"] * scale for r in mine])
+  return statistics.fmean(r["bits"] for r in mine), mean, spread
+
+
 def plot(results: list[dict], task: Task, workers: list[int], path: str):
-  """Metric against bits sent (log scale), one panel per worker count."""
+  """Metric against bits sent (log scale), one panel per worker count.
+
+  Variants far worse than global Lion would squash the others into a line:
+  they are drawn on the panel's edge with their value written beside.
+  """
   # pylint: disable=g-import-not-at-top
+  import matplotlib
+  from matplotlib import ticker
   from matplotlib.figure import Figure
   scale = 100 if task.metric == "test_accuracy" else 1
-  fig = Figure(figsize=(6 * len(workers), 4.5), layout="constrained")
+  worse = -1 if task.higher_is_better else 1
+  far = 3.0 if scale == 100 else 0.3      # accuracy points / bits per byte
+  fig = Figure(figsize=(5.5 * len(workers) + 3.5, 4.8), layout="constrained")
   axes = fig.subplots(1, len(workers), squeeze=False)[0]
   variants = list(dict.fromkeys(r["variant"] for r in results))
-  markers = "os^vD<>phX*P8"
+  colors = [matplotlib.colormaps["tab20"](i % 20)
+            for i in range(len(variants))]
+  markers = "os^vD<>phX*P8d"
   for ax, n in zip(axes, workers):
+    points = {v: _points(results, v, n, scale) for v in variants}
+    base = points.get(BASELINE)
+    edge = None
+    if base is not None:
+      close = [p[1] for p in points.values()
+               if p and abs(p[1] - base[1]) <= far]
+      edge = min(close) - far / 10 if worse < 0 else max(close) + far / 10
     for i, variant in enumerate(variants):
-      mine = [r for r in results if r["variant"] == variant
-              and r["workers"] == n]
-      if not mine:
+      if points[variant] is None:
         continue
-      mean, spread = _mean_spread([r["metric"] * scale for r in mine])
-      bits = statistics.fmean(r["bits"] for r in mine)
+      bits, mean, spread = points[variant]
+      style = dict(color=colors[i], label=variant)
+      if edge is not None and (mean - edge) * worse > 0:
+        ax.plot(bits, edge, marker="v" if worse < 0 else "^", ms=9, **style)
+        ax.annotate(f"{mean:.1f}", (bits, edge), textcoords="offset points",
+                    xytext=(6, 4), fontsize=8, color=colors[i])
+        continue
       ax.errorbar(bits, mean, yerr=spread, fmt=markers[i % len(markers)],
-                  label=variant, capsize=3)
+                  capsize=3, **style)
+    if edge is not None:
+      low, high = ax.get_ylim()
+      ax.set_ylim(*((edge - far / 15, high) if worse < 0
+                    else (low, edge + far / 15)))
     ax.set_xscale("log")
+    ax.xaxis.set_major_locator(ticker.FixedLocator([1, 2, 4, 8, 16, 32, 64]))
+    ax.xaxis.set_major_formatter(ticker.ScalarFormatter())
+    ax.xaxis.set_minor_formatter(ticker.NullFormatter())
     ax.set(xlabel="bits sent per parameter per step (each worker)",
            ylabel="test accuracy %" if scale == 100 else "test bits/byte",
            title=f"{task.config}, N = {n} workers")
     ax.grid(True, which="both", alpha=0.3)
-  axes[-1].legend(fontsize=7, loc="best")
+  by_label = dict(zip(*reversed(axes[0].get_legend_handles_labels())))
+  labels = [v for v in variants if v in by_label]
+  fig.legend([by_label[v] for v in labels], labels,
+             loc="outside right center", fontsize=8)
   fig.savefig(path, dpi=110)
 
 
@@ -262,9 +321,48 @@ def step_cost(workers: int, reps: int, *, dim: int = 256,
        "bits/param/step (every step)", "+ bits/param on a sync step"], rows)
 
 
+def write_report(text: str, path: str | None, section: str) -> str:
+  """Prints ``text``; writes it to ``path``, between the markers
+  ``<!-- bench.lioncub SECTION: begin/end -->`` when the file has them (so
+  the prose around the figures survives), else as the whole file."""
+  print(text)
+  if not path:
+    return text
+  begin, end = (f"<!-- bench.lioncub {section}: {edge} -->"
+                for edge in ("begin", "end"))
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = f.read()
+  except FileNotFoundError:
+    old = ""
+  if begin in old and end in old:
+    body = (old[:old.index(begin) + len(begin)] + "\n" + text + "\n"
+            + old[old.index(end):])
+  else:
+    body = text + "\n"
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(body)
+  return text
+
+
+def report(results: list[dict], args, heading: str) -> str:
+  """The tables (and plots) of every task in ``results``."""
+  parts = [heading]
+  for t in dict.fromkeys(r["task"] for r in results):
+    mine = [r for r in results if r["task"] == t]
+    workers = sorted({r["workers"] for r in mine})
+    variants = [v for v in VARIANTS if any(r["variant"] == v for r in mine)]
+    parts.append(f"#### {t} ({TASKS[t].config}, {TASKS[t].metric})\n\n"
+                 + summarize(mine, TASKS[t], workers, variants))
+    if args.plot:
+      plot(mine, TASKS[t], workers, f"{args.plot}_{t}.png")
+  return "\n\n".join(parts)
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tasks", nargs="+", default=["fashion_mnist"],
+  parser.add_argument("--tasks", nargs="+", default=["fashion_mnist",
+                                                     "charlm"],
                       choices=sorted(TASKS))
   parser.add_argument("--workers", nargs="+", type=int, default=[8, 16])
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
@@ -273,40 +371,44 @@ def main(argv=None) -> str:
   parser.add_argument("--out", help="write the markdown report here")
   parser.add_argument("--plot", help="PNG path prefix (one per task)")
   parser.add_argument("--json", help="write every run's figures here")
+  parser.add_argument("--from-json", nargs="+", metavar="FILE",
+                      help="report runs saved by --json instead of training")
   parser.add_argument("--step-cost", action="store_true",
                       help="time one optimizer step of each option instead")
   parser.add_argument("--reps", type=int, default=15)
   args = parser.parse_args(argv)
-  bench.use_cpu_devices(max(args.workers))
   start = time.perf_counter()
+  if args.from_json:
+    results = []
+    for path in args.from_json:
+      with open(path, encoding="utf-8") as f:
+        results += json.load(f)
+    return write_report(report(results, args, (
+        f"Runs read from {', '.join(args.from_json)} "
+        f"({len(results)} runs, {sum(r['seconds'] for r in results) / 60:.0f}"
+        " min of training).")), args.out, "study")
+  bench.use_cpu_devices(max(args.workers))
   if args.step_cost:
     text = step_cost(max(args.workers), args.reps)
-    return bench.emit(
+    return write_report(
         f"Measured with `python -m dlion_jax.bench.lioncub --step-cost "
         f"--workers {max(args.workers)} --reps {args.reps}` on "
         f"{bench.machine_line()} in {time.perf_counter() - start:.0f} s. "
-        + text, args.out)
-  jobs = [(t, v, n, s) for t in args.tasks for n in args.workers
-          for v in args.variants for s in args.seeds]
+        + text, args.out, "step-cost")
+  jobs = [(t, *job) for t in args.tasks for job in TASKS[t].jobs(
+      args.workers, args.variants, args.seeds)]
   results = []
   for t, v, n, s in bench.progress(jobs, len(jobs), "lioncub runs"):
     results.append({"task": t, **run_one(TASKS[t], v, n, s)})
-  elapsed = time.perf_counter() - start
-  parts = [f"Measured with `python -m dlion_jax.bench.lioncub "
-           f"--tasks {' '.join(args.tasks)} --workers "
-           f"{' '.join(map(str, args.workers))} --seeds "
-           f"{' '.join(map(str, args.seeds))}` on {bench.machine_line()}: "
-           f"{len(jobs)} runs in {elapsed / 60:.1f} min."]
-  for t in args.tasks:
-    mine = [r for r in results if r["task"] == t]
-    parts.append(f"### {t} ({TASKS[t].config})\n\n" + summarize(
-        mine, TASKS[t], args.workers, args.variants))
-    if args.plot:
-      plot(mine, TASKS[t], args.workers, f"{args.plot}_{t}.png")
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(results, f, indent=1)
-  return bench.emit("\n\n".join(parts), args.out)
+  return write_report(report(results, args, (
+      f"Measured with `python -m dlion_jax.bench.lioncub --tasks "
+      f"{' '.join(args.tasks)} --workers {' '.join(map(str, args.workers))} "
+      f"--seeds {' '.join(map(str, args.seeds))}` on {bench.machine_line()}: "
+      f"{len(jobs)} runs in {(time.perf_counter() - start) / 60:.1f} min.")),
+      args.out, "study")
 
 
 if __name__ == "__main__":
