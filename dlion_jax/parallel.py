@@ -134,6 +134,63 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
 
+def apply_if_finite(inner: optax.GradientTransformation,
+                    max_consecutive_errors: int, *,
+                    axis_name: str = "data") -> optax.GradientTransformation:
+  """:func:`optax.apply_if_finite` that skips a step on every worker at once.
+
+  ``optax.apply_if_finite`` checks only the gradients it is given: inside a
+  data-parallel step a NaN or Inf on one worker makes that worker alone skip.
+  Around :func:`dlion_jax.distributed_lion` that is a hang or a split: under
+  ``shard_map`` the skipping worker leaves the vote's collectives inside a
+  ``lax.cond`` the others entered (XLA's CPU rendezvous aborts the process
+  after 40 s); under ``vmap`` both branches run and the skipping worker keeps
+  its old parameters while the others move. Here the finiteness flag is
+  all-reduced over ``axis_name`` (one int32 ``psum``) first, so every worker
+  takes the same branch: a step with a non-finite gradient on *any* worker is
+  skipped on *every* worker (parameters and every worker's state unchanged,
+  ``notfinite_count`` the same everywhere), and after
+  ``max_consecutive_errors`` such steps every worker gives up and applies
+  the update together.
+
+  Args:
+    inner: the optimizer to guard, e.g. ``dl.distributed_lion(...)``.
+    max_consecutive_errors: as in :func:`optax.apply_if_finite`.
+    axis_name: the data-parallel axis the workers share.
+
+  Returns:
+    A transform whose state is :class:`optax.ApplyIfFiniteState`.
+  """
+  inner = optax.with_extra_args_support(inner)
+
+  def init_fn(params):
+    return optax.ApplyIfFiniteState(
+        notfinite_count=jnp.zeros([], jnp.int32),
+        last_finite=jnp.array(True, jnp.bool_),
+        total_notfinite=jnp.zeros([], jnp.int32),
+        inner_state=inner.init(params))
+
+  def update_fn(updates, state, params=None, **extra_args):
+    local_ok = jnp.all(jnp.array(
+        [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+    bad_workers = lax.psum((~local_ok).astype(jnp.int32), axis_name)
+    isfinite = bad_workers == 0
+    notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
+                                optax.safe_increment(state.notfinite_count))
+    updates, inner_state = lax.cond(
+        isfinite | (notfinite_count > max_consecutive_errors),
+        lambda: inner.update(updates, state.inner_state, params,
+                             **extra_args),
+        lambda: (optax.tree.zeros_like(updates), state.inner_state))
+    return updates, optax.ApplyIfFiniteState(
+        notfinite_count=notfinite_count, last_finite=isfinite,
+        total_notfinite=jnp.where(isfinite, state.total_notfinite,
+                                  optax.safe_increment(state.total_notfinite)),
+        inner_state=inner_state)
+
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
 def global_array(value: Any, sharding: NamedSharding) -> Any:
   """Places host values (the same on every process) with ``sharding``.
 
