@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import errno
+import math
 import os
 import pathlib
 import socket
@@ -67,6 +68,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="multi-process start-up: give up (exit 1) if not "
                       "every process has joined the coordinator after this "
                       "long (default 60, or DLION_INIT_TIMEOUT)")
+  parser.add_argument("--heartbeat-timeout", type=float, metavar="SECONDS",
+                      default=float(env("DLION_HEARTBEAT_TIMEOUT", "60")),
+                      help="multi-process: a process that stops answering "
+                      "(hung, or its host gone) for this long is declared "
+                      "dead and every process exits with an error (default "
+                      "60, or DLION_HEARTBEAT_TIMEOUT). A process that dies "
+                      "outright is noticed at the next step.")
   return parser.parse_args(argv)
 
 
@@ -147,6 +155,9 @@ def _start_jax(cfg, args) -> None:
     wait = args.init_timeout
     if not wait > 0:
       raise ConfigError(f"--init-timeout={wait:g} must be positive.")
+    if not args.heartbeat_timeout >= 1:
+      raise ConfigError(f"--heartbeat-timeout={args.heartbeat_timeout:g} "
+                        "must be at least 1 (seconds).")
     if args.process_id == 0:
       why = (f"started the coordinator at {args.coordinator}, but not all {n} "
              f"processes joined within {wait:g} s. Start the others with "
@@ -161,7 +172,9 @@ def _start_jax(cfg, args) -> None:
     try:
       jax.distributed.initialize(args.coordinator, num_processes=n,
                                  process_id=args.process_id,
-                                 initialization_timeout=int(wait) + 30)
+                                 initialization_timeout=int(wait) + 30,
+                                 heartbeat_timeout_seconds=math.ceil(
+                                     args.heartbeat_timeout))
       parallel.use_cpu_devices(cfg.workers // n)  # joins the global topology
     finally:
       timer.cancel()
@@ -184,7 +197,62 @@ def main(argv=None) -> int:
   from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
   try:
     trainer.train(cfg, resume=args.resume, progress=not args.no_progress)
-  except (FileNotFoundError, ValueError) as e:
+  except Exception as e:  # pylint: disable=broad-except
+    if args.num_processes > 1 and lost_peer(e):
+      _exit_lost_peer(e, cfg, args)
+    if not isinstance(e, (FileNotFoundError, ValueError)):
+      raise
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0
+
+
+# What jax, gloo and the coordination service say when a peer is gone.
+_PEER_LOST = ("gloo", "connection reset", "connection refused", "heartbeat",
+              "coordination service", "barrier", "socket closed")
+
+
+def lost_peer(error: BaseException) -> bool:
+  """Whether ``error`` (or its cause) is a failed cross-process collective:
+  a jax runtime error, or a message naming gloo, heartbeats or barriers
+  (jax raises some collective failures as ValueError)."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
+      return True
+    if any(word in str(error).lower() for word in _PEER_LOST):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def last_checkpoint_step(run_dir: pathlib.Path) -> int | None:
+  """The newest finished checkpoint step in ``run_dir`` (orbax names each
+  finished one by its step; unfinished ones carry a ``.orbax-checkpoint-tmp``
+  suffix), read off the directory names without orbax."""
+  steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*")
+           if p.is_dir() and p.name.isdigit()]
+  return max(steps, default=None)
+
+
+def _exit_lost_peer(error: BaseException, cfg, args) -> None:
+  """Reports a failed cross-process collective and exits at once.
+
+  Returning normally would run jax.distributed's shutdown barrier, which
+  waits for the dead process until --heartbeat-timeout and then aborts with
+  a C++ stack trace; the error says more and ends sooner.
+  """
+  cause = str(error).strip().splitlines()[0] if str(error).strip() else (
+      type(error).__name__)
+  step = last_checkpoint_step(cfg.run_path)
+  resume = (f"The last checkpoint is step {step} in "
+            f"{cfg.run_path / 'checkpoints'}: restart every process with "
+            "--resume to continue from it." if step is not None else
+            "No checkpoint was written yet: restart without --resume.")
+  print(f"error: process {args.process_id} of {args.num_processes} lost "
+        "contact with the other processes during training (one died, was "
+        f"killed or became unreachable): {cause}. {resume}",
+        file=sys.stderr, flush=True)
+  sys.stdout.flush()
+  os._exit(1)  # pylint: disable=protected-access
