@@ -272,7 +272,24 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       in_specs=(P(), P(axis_name), P(axis_name)),
       out_specs=(P(), P(axis_name), P()),
       check_vma=check_vma)
-  return jax.jit(step, donate_argnums=(0, 1) if donate else ())
+
+  def checked_step(params, state, batch):
+    _check_worker_states(state, n)
+    return step(params, state, batch)
+
+  return jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
+
+
+def _check_worker_states(state: Any, n: int) -> None:
+  """Raises a ValueError unless every state leaf has a leading axis of n."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+    shape = np.shape(leaf)
+    if not shape or shape[0] != n:
+      raise ValueError(
+          f"optimizer state leaf {jax.tree_util.keystr(path) or '<root>'} "
+          f"has shape {shape}; the step wants every worker's state stacked "
+          f"on a leading axis of size {n}. Build it with "
+          "parallel.init_worker_states(tx, params, mesh), not tx.init(params).")
 
 
 def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):

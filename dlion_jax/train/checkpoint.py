@@ -149,13 +149,19 @@ class Checkpointer:
     wanted = {_array_name(p): tuple(np.shape(x))
               for p, x in jax.tree_util.tree_leaves_with_path(like)}
     for name in sorted(set(saved) | set(wanted)):
-      if saved.get(name) != wanted.get(name):
-        raise CheckpointError(
-            f"Checkpoint {self.directory / str(step)} does not fit this "
-            f"run: array {name!r} has shape {saved.get(name, 'missing')} "
-            f"there and {wanted.get(name, 'missing')} here. Resume with the "
-            "config that wrote it (same model, optimizer and workers), or "
-            "use another run_dir.")
+      there, here = saved.get(name), wanted.get(name)
+      if there == here:
+        continue
+      if here is None:
+        what = f"array {name!r} (shape {there}) is not in this run's state"
+      elif there is None:
+        what = f"this run's array {name!r} (shape {here}) is not in it"
+      else:
+        what = f"array {name!r} has shape {there} there and {here} here"
+      raise CheckpointError(
+          f"Checkpoint {self.directory / str(step)} does not fit this run: "
+          f"{what}. Resume with the config that wrote it (same model, "
+          "optimizer and workers), or use another run_dir.")
 
   def _unreadable(self, step: int, error: BaseException | str
                   ) -> CheckpointError:

@@ -145,6 +145,12 @@ def _start_jax(cfg, args) -> None:
       raise ConfigError("--num-processes > 1 needs --coordinator host:port "
                         "(or JAX_COORDINATOR_ADDRESS).")
     _check_coordinator(args.coordinator, n, args.process_id)
+    wait = args.init_timeout
+    if not wait > 0:
+      raise ConfigError(f"--init-timeout={wait:g} must be positive.")
+    if not args.heartbeat_timeout >= 1:
+      raise ConfigError(f"--heartbeat-timeout={args.heartbeat_timeout:g} "
+                        "must be at least 1 (seconds).")
     # Cross-process collectives on CPU go over TCP with gloo: jax 0.10's
     # default, set explicitly (unless the environment chose, e.g. mpi) since
     # without an implementation CPU collectives cannot span processes.
@@ -152,12 +158,6 @@ def _start_jax(cfg, args) -> None:
       jax.config.update("jax_cpu_collectives_implementation", "gloo")
     # Overrides --xla_force_host_platform_device_count in XLA_FLAGS.
     jax.config.update("jax_num_cpu_devices", cfg.workers // n)
-    wait = args.init_timeout
-    if not wait > 0:
-      raise ConfigError(f"--init-timeout={wait:g} must be positive.")
-    if not args.heartbeat_timeout >= 1:
-      raise ConfigError(f"--heartbeat-timeout={args.heartbeat_timeout:g} "
-                        "must be at least 1 (seconds).")
     if args.process_id == 0:
       why = (f"started the coordinator at {args.coordinator}, but not all {n} "
              f"processes joined within {wait:g} s. Start the others with "
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
   except Exception as e:  # pylint: disable=broad-except
     if args.num_processes > 1 and lost_peer(e):
       _exit_lost_peer(e, cfg, args)
-    if not isinstance(e, (FileNotFoundError, ValueError)):
+    if not isinstance(e, (FileNotFoundError, ValueError, FloatingPointError)):
       raise
     print(f"error: {e}", file=sys.stderr)
     return 1
