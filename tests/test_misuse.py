@@ -4,6 +4,7 @@ sees. ``…`` in an expected message stands for a part that varies (orbax's
 own diagnosis, file hashes); temporary paths read ``<tmp>``.
 """
 
+import pathlib
 import re
 import shutil
 
@@ -269,3 +270,23 @@ def test_misuse_gives_the_documented_error(case, tmp_path, capsys):
   want_kind, want = EXPECTED[case.__name__]
   assert kind == want_kind, message
   assert re.fullmatch(_pattern(want), message, flags=re.S), message
+
+
+DOC = pathlib.Path(__file__).resolve().parent.parent / "docs" / "reliability.md"
+
+
+def test_reliability_doc_lists_every_case_and_real_tests():
+  """docs/reliability.md's misuse table: every case here is a row, and every
+  test a row names exists."""
+  text = DOC.read_text(encoding="utf-8")
+  table = text.split("## 5. Misuse", 1)[1].split("\n## ", 1)[0]
+  rows = [line for line in table.splitlines() if re.match(r"\| \d+ \|", line)]
+  assert len(rows) >= 15
+  for case in CASES:
+    assert f"[{case.__name__}]" in table, case.__name__
+  tests_dir = DOC.parent.parent / "tests"
+  for row in rows:
+    named = re.findall(r"tests/(test_\w+\.py)::(test_\w+)", row)
+    assert named or "test_misuse.py::…[" in row, row
+    for file, test in named:
+      assert f"def {test}(" in (tests_dir / file).read_text(), (file, test)
