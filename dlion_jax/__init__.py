@@ -18,6 +18,7 @@ from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
 from dlion_jax.lion import scale_by_distributed_lion
+from dlion_jax.parallel import apply_if_finite
 
 __version__ = "0.1.0"
 
@@ -26,6 +27,7 @@ __all__ = (
     "ErrorFeedbackState",
     "accounting",
     "allreduce_bits",
+    "apply_if_finite",
     "collective_bytes",
     "distributed_lion",
     "exchange",
