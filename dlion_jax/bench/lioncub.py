@@ -29,14 +29,12 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
 import statistics
-import tempfile
 import time
 
 from dlion_jax import bench
+from dlion_jax.bench import study
+from dlion_jax.bench.study import Task
 
 AVG = {"optimizer.aggregation": "avg"}
 PBIT4 = {"optimizer.quantizer": "pbit_l1", "optimizer.bits": 4}
@@ -62,48 +60,10 @@ VARIANTS = {
 }
 BASELINE = "global Lion (fp32 all-reduce)"
 
-
-@dataclasses.dataclass(frozen=True)
-class Task:
-  """A training task: a shipped config, its metric and its length."""
-  config: str
-  metric: str                # key of the trainer's summary
-  higher_is_better: bool
-  epochs: float | None       # None: fixed ``steps``
-  steps: int = 0
-  overrides: tuple = ()
-  train_size: int = 60_000
-  local_batch: int = 32      # examples (sequences for the LM) per worker
-  # Limits for tasks too slow to run every combination (None: no limit).
-  only_workers: tuple | None = None
-  max_seeds: int | None = None
-  only_variants: tuple | None = None
-
-  def jobs(self, workers, variants, seeds) -> list[tuple[str, int, int]]:
-    """The (variant, N, seed) runs of this task among those asked for."""
-    workers = [n for n in workers
-               if self.only_workers is None or n in self.only_workers]
-    variants = [v for v in variants
-                if self.only_variants is None or v in self.only_variants]
-    seeds = list(seeds)[:self.max_seeds]
-    return [(v, n, s) for n in workers for v in variants for s in seeds]
-
-  def overrides_for(self, workers: int, seed: int) -> list[str]:
-    """A fixed local batch: the global batch and the step count follow N."""
-    batch = self.local_batch * workers
-    steps = (self.steps if self.epochs is None
-             else max(1, round(self.epochs * self.train_size / batch)))
-    return [f"workers={workers}", f"seed={seed}",
-            f"data.global_batch={batch}", f"train.steps={steps}",
-            f"optimizer.warmup_steps={max(1, steps // 7)}",
-            f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
-            f"train.log_every={steps}", *self.overrides]
-
-
 TASKS = {
     "fashion_mnist": Task("fashion_mnist_mlp", "test_accuracy", True,
                           epochs=3),
-    # About 2.5 min a run here: N = 8, one seed, the telling variants.
+    # About 3.3 min a run here: N = 8, one seed, the telling variants.
     "charlm": Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
                    steps=300, local_batch=8, only_workers=(8,), max_seeds=1,
                    only_variants=(
@@ -117,42 +77,16 @@ TASKS = {
 }
 
 
-def _settings(overrides: dict) -> list[str]:
-  return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-
-
 def run_one(task: Task, variant: str, workers: int, seed: int) -> dict:
   """Trains one (variant, N, seed); returns its metric and bits sent."""
-  # pylint: disable=g-import-not-at-top
-  from dlion_jax.train import cli
-  from dlion_jax.train import trainer
-  from dlion_jax.train.config import load_config
-  overrides = task.overrides_for(workers, seed) + _settings(VARIANTS[variant])
-  with tempfile.TemporaryDirectory() as run_dir:
-    cfg = load_config(cli.resolve_config(task.config),
-                      overrides + [f"run_dir={run_dir}"])
-    start = time.perf_counter()
-    summary = trainer.train(cfg, progress=False, log=lambda *_: None)[
-        "summary"]
-    seconds = time.perf_counter() - start
-  value = summary[task.metric] if task.metric in summary else (
-      summary["test_loss"] / math.log(2))
-  return {"variant": variant, "workers": workers, "seed": seed,
-          "metric": value, "bits": summary["sent_bits_per_param"],
-          "steps": cfg.train.steps, "seconds": seconds}
-
-
-def _mean_spread(values):
-  mean = statistics.fmean(values)
-  spread = (max(values) - min(values)) / 2
-  return mean, spread
+  return {"variant": variant,
+          **study.train(task, VARIANTS[variant], workers, seed)}
 
 
 def summarize(results: list[dict], task: Task, workers: list[int],
               variants: list[str]) -> str:
   """Markdown table: metric (mean +- half-range over seeds) and bits."""
-  scale = 100 if task.metric == "test_accuracy" else 1
-  unit = "accuracy %" if scale == 100 else "bits/byte"
+  scale, unit = task.scale, task.unit
   headers = ["variant"]
   for n in workers:
     headers += [f"N={n}: test {unit}", f"N={n}: vs global Lion",
@@ -168,7 +102,7 @@ def summarize(results: list[dict], task: Task, workers: list[int],
       if not mine:
         row += ["-", "-", "-"]
         continue
-      mean, spread = _mean_spread([r["metric"] * scale for r in mine])
+      mean, spread = study.mean_spread([r["metric"] * scale for r in mine])
       gap = (f"{mean - statistics.fmean(base) * scale:+.2f}" if base
              else "-")
       row += [f"{mean:.2f} ± {spread:.2f}", gap,
@@ -182,7 +116,7 @@ def _points(results, variant, workers, scale):
           and r["workers"] == workers]
   if not mine:
     return None
-  mean, spread = _mean_spread([r["metric"] * scale for r in mine])
+  mean, spread = study.mean_spread([r["metric"] * scale for r in mine])
   return statistics.fmean(r["bits"] for r in mine), mean, spread
 
 
@@ -196,7 +130,7 @@ def plot(results: list[dict], task: Task, workers: list[int], path: str):
   import matplotlib
   from matplotlib import ticker
   from matplotlib.figure import Figure
-  scale = 100 if task.metric == "test_accuracy" else 1
+  scale = task.scale
   worse = -1 if task.higher_is_better else 1
   far = 3.0 if scale == 100 else 0.3      # accuracy points / bits per byte
   fig = Figure(figsize=(5.5 * len(workers) + 3.5, 4.8), layout="constrained")
@@ -322,27 +256,9 @@ def step_cost(workers: int, reps: int, *, dim: int = 256,
 
 
 def write_report(text: str, path: str | None, section: str) -> str:
-  """Prints ``text``; writes it to ``path``, between the markers
-  ``<!-- bench.lioncub SECTION: begin/end -->`` when the file has them (so
-  the prose around the figures survives), else as the whole file."""
-  print(text)
-  if not path:
-    return text
-  begin, end = (f"<!-- bench.lioncub {section}: {edge} -->"
-                for edge in ("begin", "end"))
-  try:
-    with open(path, encoding="utf-8") as f:
-      old = f.read()
-  except FileNotFoundError:
-    old = ""
-  if begin in old and end in old:
-    body = (old[:old.index(begin) + len(begin)] + "\n" + text + "\n"
-            + old[old.index(end):])
-  else:
-    body = text + "\n"
-  with open(path, "w", encoding="utf-8") as f:
-    f.write(body)
-  return text
+  """Prints ``text`` and writes it into ``path``'s ``section`` (between the
+  ``<!-- bench.lioncub SECTION: begin/end -->`` markers)."""
+  return study.write_section(text, path, f"bench.lioncub {section}")
 
 
 def report(results: list[dict], args, heading: str) -> str:
@@ -379,10 +295,7 @@ def main(argv=None) -> str:
   args = parser.parse_args(argv)
   start = time.perf_counter()
   if args.from_json:
-    results = []
-    for path in args.from_json:
-      with open(path, encoding="utf-8") as f:
-        results += json.load(f)
+    results = study.load_runs(args.from_json)
     return write_report(report(results, args, (
         f"Runs read from {', '.join(args.from_json)} "
         f"({len(results)} runs, {sum(r['seconds'] for r in results) / 60:.0f}"
@@ -400,9 +313,7 @@ def main(argv=None) -> str:
   results = []
   for t, v, n, s in bench.progress(jobs, len(jobs), "lioncub runs"):
     results.append({"task": t, **run_one(TASKS[t], v, n, s)})
-  if args.json:
-    with open(args.json, "w", encoding="utf-8") as f:
-      json.dump(results, f, indent=1)
+    study.save_runs(args.json, results)
   return write_report(report(results, args, (
       f"Measured with `python -m dlion_jax.bench.lioncub --tasks "
       f"{' '.join(args.tasks)} --workers {' '.join(map(str, args.workers))} "

@@ -1,0 +1,145 @@
+"""What the training studies share: tasks, one training run, saved runs.
+
+:mod:`dlion_jax.bench.lioncub` and :mod:`dlion_jax.bench.convergence` train a
+shipped config (``configs/*.yaml``) many times with overrides and report the
+test metric against what was sent. A :class:`Task` fixes the config, the
+metric and the run length; :func:`train` runs one (overrides, N, seed).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import statistics
+import tempfile
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """A training task: a shipped config, its metric and its length."""
+  config: str
+  metric: str                # key of the trainer's summary
+  higher_is_better: bool
+  epochs: float | None       # None: fixed ``steps``
+  steps: int = 0
+  overrides: tuple = ()
+  train_size: int = 60_000
+  local_batch: int = 32      # examples (sequences for the LM) per worker
+  # Limits for tasks too slow to run every combination (None: no limit).
+  only_workers: tuple | None = None
+  max_seeds: int | None = None
+  only_variants: tuple | None = None
+
+  @property
+  def scale(self) -> int:
+    """100 for accuracies (reported in %), else 1."""
+    return 100 if self.metric == "test_accuracy" else 1
+
+  @property
+  def unit(self) -> str:
+    return "accuracy %" if self.scale == 100 else "bits/byte"
+
+  def jobs(self, workers, variants, seeds) -> list[tuple[str, int, int]]:
+    """The (variant, N, seed) runs of this task among those asked for."""
+    workers = [n for n in workers
+               if self.only_workers is None or n in self.only_workers]
+    variants = [v for v in variants
+                if self.only_variants is None or v in self.only_variants]
+    seeds = list(seeds)[:self.max_seeds]
+    return [(v, n, s) for n in workers for v in variants for s in seeds]
+
+  def overrides_for(self, workers: int, seed: int) -> list[str]:
+    """A fixed local batch: the global batch and the step count follow N."""
+    batch = self.local_batch * workers
+    steps = (self.steps if self.epochs is None
+             else max(1, round(self.epochs * self.train_size / batch)))
+    return [f"workers={workers}", f"seed={seed}",
+            f"data.global_batch={batch}", f"train.steps={steps}",
+            f"optimizer.warmup_steps={max(1, steps // 7)}",
+            f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+            f"train.log_every={steps}", *self.overrides]
+
+
+def settings(overrides: dict) -> list[str]:
+  """``{'optimizer.name': 'lion'}`` -> ``['optimizer.name="lion"']``."""
+  return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+
+
+def train(task: Task, overrides: dict, workers: int, seed: int) -> dict:
+  """Trains ``task`` once; returns its metric, the bits sent and the time.
+
+  ``metric`` is the task's summary value (bits per byte for the LM: the
+  test loss over ln 2), or the worst value (-inf / +inf) when the run
+  diverged (``diverged`` is then True); ``bits`` is what each worker sent
+  per parameter per step, read off the compiled train step.
+  """
+  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import cli
+  from dlion_jax.train import trainer
+  from dlion_jax.train.config import load_config
+  with tempfile.TemporaryDirectory() as run_dir:
+    cfg = load_config(cli.resolve_config(task.config),
+                      task.overrides_for(workers, seed) + settings(overrides)
+                      + [f"run_dir={run_dir}"])
+    start = time.perf_counter()
+    try:
+      summary = trainer.train(cfg, progress=False, log=lambda *_: None)[
+          "summary"]
+    except FloatingPointError:     # the loss became NaN or Inf
+      summary = {"test_loss": math.nan, "sent_bits_per_param": math.nan}
+    seconds = time.perf_counter() - start
+  value = summary[task.metric] if task.metric in summary else (
+      summary["test_loss"] / math.log(2))
+  if not math.isfinite(value):   # a diverged run ranks last, not first
+    value = -math.inf if task.higher_is_better else math.inf
+  return {"workers": workers, "seed": seed, "metric": value,
+          "bits": summary["sent_bits_per_param"], "steps": cfg.train.steps,
+          "seconds": seconds, "diverged": not math.isfinite(value)}
+
+
+def mean_spread(values) -> tuple[float, float]:
+  """Mean and half the range (the spread over a handful of seeds)."""
+  values = list(values)
+  return statistics.fmean(values), (max(values) - min(values)) / 2
+
+
+def load_runs(paths) -> list[dict]:
+  """Runs saved by :func:`save_runs`, concatenated."""
+  runs = []
+  for path in paths:
+    with open(path, encoding="utf-8") as f:
+      runs += json.load(f)
+  return runs
+
+
+def save_runs(path: str | None, runs: list[dict]) -> None:
+  """Writes ``runs`` to ``path`` (called after every run, so a study cut
+  short keeps what it finished)."""
+  if path:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(runs, f, indent=1)
+
+
+def write_section(text: str, path: str | None, marker: str) -> str:
+  """Prints ``text``; writes it to ``path`` between the lines
+  ``<!-- MARKER: begin -->`` and ``<!-- MARKER: end -->`` when the file has
+  them (so the prose around the figures survives), else as the whole file."""
+  print(text)
+  if not path:
+    return text
+  begin, end = (f"<!-- {marker}: {edge} -->" for edge in ("begin", "end"))
+  try:
+    with open(path, encoding="utf-8") as f:
+      old = f.read()
+  except FileNotFoundError:
+    old = ""
+  if begin in old and end in old:
+    body = (old[:old.index(begin) + len(begin)] + "\n" + text + "\n"
+            + old[old.index(end):])
+  else:
+    body = text + "\n"
+  with open(path, "w", encoding="utf-8") as f:
+    f.write(body)
+  return text
