@@ -577,12 +577,16 @@ def headline(configs: list[dict]) -> list[str]:
 
 def plot(configs: list[dict], path: str) -> None:
   """Optimizer and end-to-end step time against rate, one panel per N."""
-  from matplotlib.figure import Figure  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  import matplotlib
+  from matplotlib.figure import Figure
   procs = sorted({c["procs"] for c in configs})
   rates = list(dict.fromkeys(c["rate"] for c in configs))
-  fig = Figure(figsize=(6 * len(procs), 9), layout="constrained")
+  fig = Figure(figsize=(5.5 * len(procs) + 3, 9), layout="constrained")
   axes = fig.subplots(2, len(procs), squeeze=False)
   names = list(dict.fromkeys(n for c in configs for n in c["rows"]))
+  colors = {name: matplotlib.colormaps["tab20"](k % 20)
+            for k, name in enumerate(names)}
   for j, n in enumerate(procs):
     for i, (key, what) in enumerate((("opt_s", "optimizer step"),
                                      ("e2e_s", "end-to-end step"))):
@@ -593,13 +597,18 @@ def plot(configs: list[dict], path: str) -> None:
         if pts:
           style = "-" if name.startswith("global") else "--" if (
               name.startswith("dlion")) else ":"
-          ax.plot(*zip(*pts), style, marker="o", label=name)
+          ax.plot(*zip(*pts), style, marker="o", label=name,
+                  color=colors[name])
       ax.set_yscale("log")
       ax.set_xticks(range(len(rates)), rates)
       ax.set_title(f"{what}, {n} processes")
       ax.set_ylabel("ms (median)")
       ax.grid(True, which="both", alpha=0.3)
-  axes[0][-1].legend(fontsize=7, loc="upper right")
+  handles = {}
+  for ax in axes.flat:
+    handles.update(zip(*reversed(ax.get_legend_handles_labels())))
+  fig.legend([handles[n] for n in names], names, loc="outside right center",
+             fontsize=8)
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
 
@@ -658,6 +667,9 @@ def parse_args(argv):
   parser.add_argument("--out", default=None, help="also write markdown here")
   parser.add_argument("--plot", default=None, help="write the PNG here")
   parser.add_argument("--json", default=None, help="write raw results here")
+  parser.add_argument("--from-json", metavar="FILE", default=None,
+                      help="report (and plot) results saved by --json "
+                      "instead of running")
   parser.add_argument("--worker", metavar="SPEC", help=argparse.SUPPRESS)
   return parser.parse_args(argv)
 
@@ -682,10 +694,16 @@ def main(argv=None) -> str:
     worker(json.loads(pathlib.Path(args.worker).read_text()))
     return ""
   start = time.perf_counter()
-  rates, shaped, notes = plan(args)
   base = {"size": dataclasses.asdict(PRESETS[args.params]), "text": args.text,
           "steps": args.steps, "warmup": args.warmup, "seed": args.seed,
           "init_timeout": 120}
+  if args.from_json:
+    saved = json.loads(pathlib.Path(args.from_json).read_text())
+    if args.plot:
+      plot(saved["configs"], args.plot)
+    return bench.emit(report(saved["configs"], saved["spec"],
+                             saved["elapsed"], saved["notes"]), args.out)
+  rates, shaped, notes = plan(args)
   notes.append(f"load average before: {_load()}")
   configs = []
   for procs in args.procs:
@@ -698,10 +716,12 @@ def main(argv=None) -> str:
   notes.append(f"load average after: {_load()}")
   if args.plot:
     plot(configs, args.plot)
+  elapsed = time.perf_counter() - start
   if args.json:
-    pathlib.Path(args.json).write_text(json.dumps(configs, indent=1))
-  return bench.emit(report(configs, base, time.perf_counter() - start, notes),
-                    args.out)
+    pathlib.Path(args.json).write_text(json.dumps(
+        {"configs": configs, "spec": base, "elapsed": elapsed,
+         "notes": notes}, indent=1))
+  return bench.emit(report(configs, base, elapsed, notes), args.out)
 
 
 if __name__ == "__main__":
