@@ -81,6 +81,13 @@ def test_resume_trains_nothing_twice_and_from_json_rerenders(study, tmp_path,
   assert body.startswith("before\n") and body.endswith("after\n")
 
 
+def test_a_study_cut_short_still_reports(study):
+  _, runs, _ = study
+  tuned_only = [r for r in runs if r["phase"] == "tune"][:4]
+  text = convergence.report(tuned_only, "partial")
+  assert "tuned only" in text and "Grid (N=2, seed 100)" in text
+
+
 def test_a_diverged_run_ranks_last():
   task = convergence.TASKS["digits"].task
   run = convergence.study.train(task, {"optimizer.name": "sgd",

@@ -175,6 +175,8 @@ def summary_table(runs: list[dict], task: str) -> str:
   scale = conv.task.scale
   workers = sorted({r["workers"] for r in runs
                     if r["task"] == task and r["phase"] == "eval"})
+  if not workers:
+    return "(tuned only: no run at the picked settings yet)"
   rows = [row for row in ROWS if any(
       r["task"] == task and r["row"] == row for r in runs)]
   headers = (["optimizer"] + [f"N={n}: test {conv.task.unit}"
