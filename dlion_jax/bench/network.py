@@ -687,8 +687,14 @@ def plan(args) -> tuple[list[str], bool, list[str]]:
   return kept or ["none"], False, [note]
 
 
+def _write(text: str, out: str | None) -> str:
+  """Prints the report; writes it into ``out`` (between its
+  ``<!-- bench.network: begin/end -->`` markers, if it has them)."""
+  from dlion_jax.bench import study  # pylint: disable=g-import-not-at-top
+  return study.write_section(text, out, "bench.network")
+
+
 def main(argv=None) -> str:
-  from dlion_jax import bench  # pylint: disable=g-import-not-at-top
   args = parse_args(argv)
   if args.worker:
     worker(json.loads(pathlib.Path(args.worker).read_text()))
@@ -701,8 +707,8 @@ def main(argv=None) -> str:
     saved = json.loads(pathlib.Path(args.from_json).read_text())
     if args.plot:
       plot(saved["configs"], args.plot)
-    return bench.emit(report(saved["configs"], saved["spec"],
-                             saved["elapsed"], saved["notes"]), args.out)
+    return _write(report(saved["configs"], saved["spec"], saved["elapsed"],
+                         saved["notes"]), args.out)
   rates, shaped, notes = plan(args)
   notes.append(f"load average before: {_load()}")
   configs = []
@@ -721,7 +727,7 @@ def main(argv=None) -> str:
     pathlib.Path(args.json).write_text(json.dumps(
         {"configs": configs, "spec": base, "elapsed": elapsed,
          "notes": notes}, indent=1))
-  return bench.emit(report(configs, base, elapsed, notes), args.out)
+  return _write(report(configs, base, elapsed, notes), args.out)
 
 
 if __name__ == "__main__":
