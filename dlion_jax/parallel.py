@@ -16,17 +16,19 @@ Each worker differentiates its local loss only: no gradient all-reduce is
 issued, the optimizer's vote exchange is the step's only communication (plus
 one scalar ``pmean`` of the loss).
 
-On hosts that simulate many devices on few cores (``XLA_FLAGS=
---xla_force_host_platform_device_count=8``) block on each step's output
-(``float(loss)``) before dispatching the next: queuing many steps with
-collectives can starve XLA's rendezvous.
+On the CPU backend the steps these helpers build keep at most
+:data:`MAX_IN_FLIGHT` steps queued (:func:`limit_in_flight`): queuing more
+deadlocks XLA:CPU's collectives, so a loop need not block on each step.
 """
 
 from __future__ import annotations
 
+import collections
+import functools
 from typing import Any, Callable
 
 import jax
+import jax.extend.core as jex
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -36,6 +38,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 LossFn = Callable[[Any, Any], jax.Array]
+
+# Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
+# itself admits 32 executions per device.
+MAX_IN_FLIGHT = 8
 
 
 def use_cpu_devices(num_devices: int) -> None:
@@ -203,6 +209,130 @@ def global_array(value: Any, sharding: NamedSharding) -> Any:
   return jax.tree.map(place, value)
 
 
+class _InFlightLimit:
+  """``fn`` that waits for its oldest queued call once ``limit`` are queued."""
+
+  def __init__(self, fn: Callable, limit: int):
+    functools.update_wrapper(self, fn)
+    self._fn, self._limit = fn, limit
+    self._queued = collections.deque()
+
+  def __call__(self, *args, **kwargs):
+    out = self._fn(*args, **kwargs)
+    self._queued.append(out)
+    while len(self._queued) > self._limit:
+      # Donated outputs (params fed to the next step) are gone; any of the
+      # others is ready once that whole execution has finished.
+      oldest = [x for x in jax.tree.leaves(self._queued.popleft())
+                if isinstance(x, jax.Array) and not x.is_deleted()]
+      jax.block_until_ready(oldest)
+    return out
+
+  def __getattr__(self, name):         # lower, trace, eval_shape, ...
+    return getattr(self._fn, name)
+
+
+def limit_in_flight(fn: Callable, max_in_flight: int = MAX_IN_FLIGHT, *,
+                    devices=None) -> Callable:
+  """Keeps at most ``max_in_flight`` calls of ``fn`` queued on the CPU backend.
+
+  JAX dispatches asynchronously: a loop that does not read each step's
+  result queues steps faster than they run. On XLA:CPU that deadlocks a
+  step with collectives once enough are queued (more than about 50 steps
+  here; the process aborts after 40 s with "Expected 8 threads to join the
+  rendezvous, but only 7 of them arrived"). The CPU client runs every
+  device's part of a step on one thread pool of ``max(cores, devices)``
+  threads and admits at most 32 executions per device: the launch of the
+  33rd waits for a free slot *on a pool thread*. A few such waiting
+  launches leave fewer free threads than the devices whose parts of an
+  earlier step must meet in the collective's rendezvous, and none can go
+  on. Waiting here, on the calling thread, for the oldest queued call keeps
+  the pool free; the steps still overlap with the Python loop.
+
+  Accelerator backends queue steps on streams, not on such a pool, and get
+  ``fn`` back unchanged. :func:`make_train_step` and
+  :func:`make_pmap_train_step` apply this already; use it for a step you
+  write yourself.
+
+  Args:
+    fn: a jitted step (``lower`` and the other attributes still work).
+    max_in_flight: calls queued before the next call waits for the oldest.
+    devices: the devices ``fn`` runs on (default: ``jax.devices()``).
+
+  Returns:
+    ``fn``, or on CPU a callable that waits for the oldest of its queued
+    results before returning once more than ``max_in_flight`` are queued.
+
+  Example:
+    >>> import jax, jax.numpy as jnp
+    >>> from dlion_jax import parallel
+    >>> step = parallel.limit_in_flight(jax.jit(lambda x: x + 1), 2)
+    >>> x = jnp.zeros(3)
+    >>> for _ in range(100):   # no float(...) needed on each step
+    ...   x = step(x)
+    >>> x
+    Array([100., 100., 100.], dtype=float32)
+  """
+  max_in_flight = _positive_int("max_in_flight", max_in_flight)
+  devices = list(jax.devices() if devices is None else devices)
+  if devices[0].platform != "cpu":
+    return fn
+  return _InFlightLimit(fn, max_in_flight)
+
+
+def _positive_int(name: str, value: Any) -> int:
+  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+      or value < 1):
+    raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
+  return int(value)
+
+
+# Primitives that move data between the workers of a named axis.
+_COLLECTIVES = frozenset({
+    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "pbroadcast",
+    "all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all",
+    "reduce_scatter"})
+
+
+def _communicates(jaxpr, axis_name) -> bool:
+  """Whether ``jaxpr`` (or one nested in it) has a collective over the axis."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name in _COLLECTIVES:
+      axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+      if axis_name in (axes if isinstance(axes, (tuple, list)) else (axes,)):
+        return True
+  return any(_communicates(sub, axis_name) for sub in jex.subjaxprs(jaxpr))
+
+
+def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
+                      *args) -> Any:
+  """``fn(*args)``, traced once; raises if it never communicates over the
+  axis, since each worker would then apply an update of its own data only.
+  """
+  closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+  if num_workers > 1 and not _communicates(closed.jaxpr, axis_name):
+    raise ValueError(
+        f"The optimizer exchanges nothing over axis {axis_name!r}: each of "
+        f"its {num_workers} workers would apply an update computed from its "
+        "own batch alone, and the replicated params would silently differ "
+        "from worker to worker. Build the optimizer with "
+        f"axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
+        f"axis_name={axis_name!r})), or chain a global optimizer after "
+        f"dl.parallel.pmean_gradients({axis_name!r}).")
+  flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+  return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
+
+
+def _learn(loss_fn, tx, has_aux, micro_batches):
+  """One worker's loss, gradients and update: what must hold an exchange."""
+  def learn(params, local_params, state, batch):
+    loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
+                                  micro_batches)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss
+  return learn
+
+
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     mesh: Mesh, *, axis_name: str = "data",
                     check_vma: bool = False, donate: bool = True,
@@ -249,21 +379,19 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     9.0
   """
   n = _axis_size(mesh, axis_name)
-  if not isinstance(micro_batches, int) or micro_batches < 1:
-    raise ValueError(f"micro_batches must be a positive int, got "
-                     f"micro_batches={micro_batches!r}.")
+  micro_batches = _positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
+
+  learn = _learn(loss_fn, tx, has_aux, micro_batches)
 
   def local_step(params, state, batch):
     state = jax.tree.map(lambda x: x[0], state)
     local_params = (lax.pcast(params, axis_name, to="varying")
                     if check_vma else params)
-    loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
-                                  micro_batches)
-    updates, state = tx.update(grads, state, params)
-    params = optax.apply_updates(params, updates)
+    params, state, loss = _require_exchange(learn, axis_name, n, params,
+                                            local_params, state, batch)
     state = jax.tree.map(lambda x: x[None], state)
     return params, state, lax.pmean(loss, axis_name)
 
@@ -277,7 +405,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     _check_worker_states(state, n)
     return step(params, state, batch)
 
-  return jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
+  return limit_in_flight(
+      jax.jit(checked_step, donate_argnums=(0, 1) if donate else ()),
+      devices=mesh.devices.flat)
 
 
 def _check_worker_states(state: Any, n: int) -> None:
@@ -348,12 +478,14 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     ``[N]`` (equal entries).
   """
 
-  def local_step(params, state, batch):
-    loss, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
-                                  micro_batches)
-    updates, state = tx.update(grads, state, params)
-    return (optax.apply_updates(params, updates), state,
-            lax.pmean(loss, axis_name))
+  learn = _learn(loss_fn, tx, has_aux, micro_batches)
 
-  return jax.pmap(local_step, axis_name=axis_name, devices=devices,
+  def local_step(params, state, batch):
+    params, state, loss = _require_exchange(
+        learn, axis_name, lax.axis_size(axis_name), params, params, state,
+        batch)
+    return params, state, lax.pmean(loss, axis_name)
+
+  step = jax.pmap(local_step, axis_name=axis_name, devices=devices,
                   donate_argnums=(0, 1) if donate else ())
+  return limit_in_flight(step, devices=devices)
