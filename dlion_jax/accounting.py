@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 import re
 from typing import Sequence
 
 import jax.numpy as jnp
+import numpy as np
 
 from dlion_jax import packing
 from dlion_jax import sync
@@ -195,18 +197,75 @@ def cheapest_comm(num_workers: int, *, aggregation: str,
       num_workers, aggregation=aggregation, vote=vote, comm=c), 9))
 
 
+def _positive_int(name: str, value, fix: str) -> int:
+  """``value`` as an int >= 1 (numpy integers too, never bools)."""
+  value = static_int(name, value)
+  if (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+    raise ValueError(
+        f"{name} must be a positive int ({fix}), got {name}={value!r}.")
+  return value
+
+
+def _fraction(name: str, value, what: str) -> float:
+  """``value`` as a float in [0, 1] (never a bool)."""
+  if (not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_))
+      or not 0 <= value <= 1):
+    raise ValueError(
+        f"{name} must be in [0, 1] ({what}), got {name}={value!r}.")
+  return float(value)
+
+
+def max_workers(vote: VoteCode = "binary") -> int:
+  """Largest N the vote exchange supports: ``(2**31 - 1) // (2 L)``.
+
+  ``L`` is the largest level of a vote (1 for sign votes). Every strategy
+  decodes the votes into int32 values up to ``2 N L`` (counts of codes, or
+  sums of levels in ``[-N L, N L]`` offset by ``N L``), so ``2 N L`` must
+  fit an int32; the packed ``psum`` counters, of radix at most
+  ``2 N L + 1``, then fit their uint32 word too. That is about 1.07e9
+  workers for sign votes, 8.45e6 for 255 levels (``bits=8``).
+
+  Example:
+    >>> from dlion_jax import accounting
+    >>> accounting.max_workers(), accounting.max_workers(255)
+    (1073741823, 8454660)
+  """
+  return (2**31 - 1) // (2 * vote_max(vote))
+
+
+def _check_workers(num_workers, vote: VoteCode) -> int:
+  n = _positive_int("num_workers", num_workers,
+                    "the size of the data-parallel axis")
+  if n > max_workers(vote):
+    raise ValueError(
+        f"num_workers={n} is more than the vote exchange supports: at most "
+        f"{max_workers(vote)} workers for {vote_radix(vote)}-level votes "
+        "(2 N L, twice the largest sum of levels, must fit an int32; see "
+        "dlion_jax.accounting.max_workers). Use fewer workers or fewer "
+        "levels.")
+  return n
+
+
 def momentum_sync_bits(num_workers: int, momentum_sync, *,
                        steps: int | None = None, mu_dtype=jnp.float32,
                        synced_fraction: float = 1.0) -> float:
   """Bits per parameter per step that momentum syncs add, on average.
 
   Each sync is a ring all-reduce of the synced momenta in ``mu_dtype``;
-  ``synced_fraction`` is the share of parameters its mask selects. A period
-  ``k`` costs ``1/k`` of that per step; other schedules are averaged over
-  the first ``steps`` updates.
+  ``synced_fraction`` (in [0, 1]) is the share of parameters its mask
+  selects. A period ``k`` costs ``1/k`` of that per step; other schedules
+  are averaged over the first ``steps`` updates (a positive int).
   """
+  n = _positive_int("num_workers", num_workers,
+                    "the size of the data-parallel axis")
   schedule = sync.as_schedule(momentum_sync)
-  if schedule is None or num_workers == 1:
+  if steps is not None:
+    steps = _positive_int(
+        "steps", steps, "the number of updates to average the sync cost "
+        "over, e.g. the length of the run")
+  synced_fraction = _fraction("synced_fraction", synced_fraction,
+                              "the share of parameters the sync mask selects")
+  if schedule is None or n == 1:
     return 0.0
   if schedule.period is not None and steps is None:
     rate = 1 / schedule.period
@@ -216,7 +275,7 @@ def momentum_sync_bits(num_workers: int, momentum_sync, *,
         "steps=, the number of updates to average its cost over.")
   else:
     rate = schedule.count(steps) / steps
-  return allreduce_bits(num_workers, mu_dtype) * synced_fraction * rate
+  return allreduce_bits(n, mu_dtype) * synced_fraction * rate
 
 
 def wire_bits(num_workers: int, *, aggregation: str = "mavo",
@@ -227,7 +286,8 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
   """Bits each worker sends per parameter per step (ignoring padding).
 
   Args:
-    num_workers: size of the data-parallel axis, N.
+    num_workers: size of the data-parallel axis, N: an int from 1 to
+      :func:`max_workers` (about 1.07e9 for sign votes).
     aggregation: ``'mavo'`` or ``'avg'``.
     vote: ``'binary'`` or ``'ternary'`` (for ``quantizer='sign'``).
     comm: a strategy of :mod:`dlion_jax.exchange`, or ``'auto'`` for the
@@ -238,9 +298,11 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
     momentum_sync: ``None``, a period ``k`` or a
       :class:`dlion_jax.sync.SyncSchedule`; adds the amortized cost of
       all-reducing the momenta (:func:`momentum_sync_bits`).
-    steps: updates to average a non-periodic sync schedule over.
+    steps: updates to average a non-periodic sync schedule over (a
+      positive int).
     mu_dtype: dtype of the synced momenta.
-    synced_fraction: share of the parameters the sync mask selects.
+    synced_fraction: share of the parameters the sync mask selects, in
+      [0, 1].
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -260,23 +322,21 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
   check_choice("aggregation", aggregation, AGGREGATIONS)
   check_choice("comm", comm, COMMS + ("auto",))
   code = vote_code(quantizer, vote=vote, bits=bits)
-  if (not isinstance(num_workers, int) or isinstance(num_workers, bool)
-      or num_workers < 1):
-    raise ValueError(
-        f"num_workers must be a positive int, got num_workers={num_workers!r}.")
-  n = num_workers
+  n = _check_workers(num_workers, code)
+  sync_bits = momentum_sync_bits(n, momentum_sync, steps=steps,
+                                 mu_dtype=mu_dtype,
+                                 synced_fraction=synced_fraction)
   if n == 1:
     return 0.0
   if comm == "auto":
     comm = cheapest_comm(n, aggregation=aggregation, vote=code)
-  return vote_bits(n, aggregation=aggregation, vote=code, comm=comm) + (
-      momentum_sync_bits(n, momentum_sync, steps=steps, mu_dtype=mu_dtype,
-                         synced_fraction=synced_fraction))
+  return vote_bits(n, aggregation=aggregation, vote=code, comm=comm) + sync_bits
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:
   """Bits per parameter a ring all-reduce of ``dtype`` gradients sends."""
-  n = num_workers
+  n = _positive_int("num_workers", num_workers,
+                    "the size of the data-parallel axis")
   return 2 * (n - 1) / n * jnp.dtype(dtype).itemsize * 8
 
 
@@ -295,20 +355,32 @@ _OPS = {
 # Async starts (GPU) whose result is the tuple (operands, results, ...): only
 # the second element is what the collective produces.
 _OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
-_INSTR = re.compile(
-    r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(?P<shape>.+?)\s+"
-    r"(?P<op>all-reduce-start|all-reduce|all-gather-start|all-gather|"
-    r"all-to-all|reduce-scatter|collective-permute-start|"
-    r"collective-permute)\(")
+# An instruction ``%name = shape opcode(operands), attributes``: the opcode
+# is the first word right after a space and before a parenthesis (tuple
+# shapes hold no such word; TPU layouts' ``T(8,128)`` follow no space).
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
+    r"(?P<op>[a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
 _NUM_DEVICES = re.compile(r"(?:num_partitions|replica_count)=(\d+)")
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*\(.*\{\s*$")
-_BRANCHES = re.compile(
-    r"(?:branch_computations=\{(?P<list>[^}]*)\}|"
-    r"true_computation=%?(?P<true>[\w.\-]+)|"
-    r"false_computation=%?(?P<false>[\w.\-]+))")
+# ``%name (params) -> result {`` compiled, ``name {`` in lowered HLO text.
+_COMPUTATION = re.compile(
+    r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+# Attributes naming the computations an instruction runs.
+_CALLEES = re.compile(
+    r"\b(?P<key>calls|to_apply|body|condition|true_computation|"
+    r"false_computation)=%?(?P<one>[\w.\-]+)|"
+    r"\b(?P<keys>branch_computations|called_computations)="
+    r"\{(?P<many>[^}]*)\}")
+_BRANCH_KEYS = ("branch_computations", "true_computation", "false_computation")
+# XLA's while loop analysis writes this into a compiled while's backend_config.
+_TRIP_COUNT = re.compile(
+    r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(?P<n>\d+)')
+# These name the computation their async-start already ran.
+_NOT_CALLING = ("async-update", "async-done")
 
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
@@ -351,12 +423,35 @@ def _result_shape(op: str, shape: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Collective:
-  """One collective instruction of a compiled module."""
+  """One collective instruction of a compiled module.
+
+  ``sent_bytes`` is what one run of the instruction sends; ``count`` how
+  often it runs per call of the module (the product of the trip counts of
+  the loops around it), so it sends ``bytes_per_call`` in all.
+  """
   op: str            # all-reduce, all-gather, all-to-all, reduce-scatter, ...
   result_bytes: int  # bytes of the result (all tuple elements)
   group_size: int    # workers taking part
-  sent_bytes: float  # bytes each worker sends, by the conventions above
+  sent_bytes: float  # bytes each worker sends per run, by the conventions above
   conditional: bool = False  # in a branch of a conditional (lax.cond)
+  count: int = 1     # runs per call: trip counts of the enclosing loops
+
+  @property
+  def bytes_per_call(self) -> float:
+    """``sent_bytes * count``: what it sends per call of the module."""
+    return self.sent_bytes * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """An instruction that runs other computations (while, call, fusion, ...).
+
+  ``callees`` holds ``(computation, runs per run of the instruction or None
+  when unknown, whether it is a branch of a conditional)``.
+  """
+  instruction: str
+  op: str
+  callees: tuple[tuple[str, int | None, bool], ...]
 
 
 def _sent(op: str, result_bytes: int, n: int) -> float:
@@ -371,55 +466,147 @@ def _sent(op: str, result_bytes: int, n: int) -> float:
   return (n - 1) / n * result_bytes
 
 
-def _branch_computations(hlo_text: str) -> set[str]:
-  """Names of the computations that conditionals branch to."""
-  names = set()
-  for m in _BRANCHES.finditer(hlo_text):
-    if m["list"] is not None:
-      names.update(n.strip().lstrip("%") for n in m["list"].split(","))
-    names.update(n for n in (m["true"], m["false"]) if n)
-  return names
+def _collective(m: re.Match, line: str, default_n: int) -> Collective:
+  """The :class:`Collective` of a matched collective instruction line."""
+  op = _OPS[m["op"]]
+  shape = _result_shape(m["op"], m["shape"])
+  g = _GROUPS_LIST.search(line)
+  if g:
+    n = len([d for d in g["first"].split(",") if d])
+  else:
+    iota = _GROUPS_IOTA.search(line)
+    n = int(iota["size"]) if iota else default_n
+  size = _shape_bytes(shape)
+  return Collective(op, size, n, _sent(op, size, n))
+
+
+def _call(m: re.Match, line: str) -> _Call | None:
+  """The computations an instruction runs, and how often (None: none)."""
+  if m["op"] in _NOT_CALLING:
+    return None
+  trips = _TRIP_COUNT.search(line) if m["op"] == "while" else None
+  trips = int(trips["n"]) if trips else None
+  callees = []
+  for c in _CALLEES.finditer(line):
+    if c["one"]:
+      named = [(c["key"], c["one"])]
+    else:
+      named = [(c["keys"], n.strip().lstrip("%"))
+               for n in c["many"].split(",") if n.strip()]
+    for key, name in named:
+      runs = 1
+      if m["op"] == "while" and key == "body":
+        runs = trips
+      elif m["op"] == "while" and key == "condition":
+        runs = None if trips is None else trips + 1
+      callees.append((name, runs, key in _BRANCH_KEYS))
+  return _Call(m["name"], m["op"], tuple(callees)) if callees else None
+
+
+def _parse(hlo_text: str) -> tuple[dict, list]:
+  """Computations (name -> its collectives and calls, in order) and roots.
+
+  Lines before any computation header (a snippet) form computation None.
+  The roots are the computations nothing calls: ENTRY, and None.
+  """
+  devices = _NUM_DEVICES.findall(hlo_text)
+  default_n = max((int(d) for d in devices), default=1)
+  computations, current, called = {None: []}, None, set()
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header["name"]
+      computations[current] = []
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    line = _METADATA.sub("", line)
+    if m["op"] in _OPS:
+      computations[current].append(_collective(m, line, default_n))
+    call = _call(m, line)
+    if call:
+      computations[current].append(call)
+      called.update(name for name, _, _ in call.callees)
+  return computations, [c for c in computations if c not in called]
+
+
+def _sending(computations: dict) -> set:
+  """Computations that run a collective, themselves or through callees."""
+  sending = {name for name, items in computations.items()
+             if any(isinstance(i, Collective) for i in items)}
+  grew = True
+  while grew:
+    grew = False
+    for name, items in computations.items():
+      if name not in sending and any(
+          callee in sending for i in items if isinstance(i, _Call)
+          for callee, _, _ in i.callees):
+        sending.add(name)
+        grew = True
+  return sending
+
+
+def _unknown_trips(call: _Call, callee: str) -> ValueError:
+  return ValueError(
+      f"Cannot count the collectives in %{callee}, run by while loop "
+      f"%{call.instruction}: the HLO gives no known_trip_count for it, so how "
+      "often they run depends on data (a lax.while_loop with a traced bound) "
+      "or the text was not compiled. Pass the compiled HLO "
+      "(jit(f).lower(...).compile()), loop with lax.scan or lax.fori_loop "
+      "over static bounds, or compile one step without the loop and multiply "
+      "its bytes by the number of steps.")
+
+
+def _walk(computations: dict, sending: set, name, count: int,
+          conditional: bool, seen: frozenset):
+  """Yields the collectives ``name`` runs, each with its runs per call."""
+  for item in computations.get(name, ()):
+    if isinstance(item, Collective):
+      yield dataclasses.replace(item, conditional=conditional, count=count)
+      continue
+    for callee, runs, branch in item.callees:
+      if callee in seen or callee not in sending:
+        continue
+      if runs is None:
+        raise _unknown_trips(item, callee)
+      yield from _walk(computations, sending, callee, count * runs,
+                       conditional or branch, seen | {callee})
 
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Lists the collectives of an HLO module's text.
 
+  Collectives in a while loop (``lax.scan``, ``lax.fori_loop``) run once
+  per trip (its condition: trips + 1 times): their ``count`` is the product
+  of the trip counts of the loops around them, which XLA writes into each
+  compiled loop's ``backend_config`` (``"known_trip_count":{"n":"10"}``).
+
   Args:
     hlo_text: ``jitted.lower(*args).compile().as_text()``.
 
   Returns:
-    One :class:`Collective` per instruction, in program order; those in a
-    branch of a conditional (e.g. a scheduled momentum sync) are marked
+    One :class:`Collective` per instruction and way to reach it from the
+    entry, in program order; those in a branch of a conditional (e.g. a
+    scheduled momentum sync), also inside loops, are marked
     ``conditional``: they run only on the steps that take that branch.
+
+  Raises:
+    ValueError: a while loop whose trip count XLA does not know (a
+      ``lax.while_loop`` with a data-dependent bound) runs collectives.
   """
-  devices = _NUM_DEVICES.findall(hlo_text)
-  default_n = max((int(d) for d in devices), default=1)
-  branches = _branch_computations(hlo_text)
-  found, computation = [], None
-  for line in hlo_text.splitlines():
-    header = _COMPUTATION.match(line)
-    if header:
-      computation = header["name"]
-      continue
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    op = _OPS[m["op"]]
-    shape = _result_shape(m["op"], m["shape"])
-    g = _GROUPS_LIST.search(line)
-    if g:
-      n = len([d for d in g["first"].split(",") if d])
-    else:
-      iota = _GROUPS_IOTA.search(line)
-      n = int(iota["size"]) if iota else default_n
-    size = _shape_bytes(shape)
-    found.append(Collective(op, size, n, _sent(op, size, n),
-                            conditional=computation in branches))
-  return found
+  computations, roots = _parse(hlo_text)
+  sending = _sending(computations)
+  return [c for root in roots
+          for c in _walk(computations, sending, root, 1, False,
+                         frozenset([root]))]
 
 
 def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
   """Bytes each worker sends per call of a compiled function.
+
+  A collective in a loop counts once per trip (``lax.scan`` over 10 steps:
+  10 steps' bytes); a loop whose trip count is not static is refused.
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled`` (``jit(f).lower(...).compile()``)
@@ -429,9 +616,13 @@ def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
       taking no such branch sends.
 
   Returns:
-    The sum of :attr:`Collective.sent_bytes` over the module.
+    The sum of :attr:`Collective.bytes_per_call` over the module.
+
+  Raises:
+    ValueError: collectives in a while loop of unknown trip count (see
+      :func:`collectives`).
   """
   text = compiled_or_text if isinstance(compiled_or_text, str) else (
       compiled_or_text.as_text())
-  return sum(c.sent_bytes for c in collectives(text)
+  return sum(c.bytes_per_call for c in collectives(text)
              if conditional or not c.conditional)

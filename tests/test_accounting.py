@@ -8,6 +8,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from jax import lax
 from jax.sharding import Mesh
@@ -294,3 +295,203 @@ def test_ignores_non_collectives_and_done_ops():
   ])
   assert accounting.collectives(text) == []
   assert accounting.collective_bytes(text) == 0
+
+
+# --- collectives(): loops count once per trip --------------------------------
+
+
+def compile_steps(num_workers, steps, **options):
+  """Compiled shard_map of ``steps`` distributed Lion updates: one plain
+  update for ``steps=None``, else a ``lax.scan`` over ``steps`` (never run)."""
+  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  tx = dl.distributed_lion(1e-3, axis_name=AXIS, **options)
+
+  def update(carry, grads):
+    params, state = carry
+    updates, state = tx.update(grads, state, params)
+    return (optax.apply_updates(params, updates), state), None
+
+  def local(params, state, grads):   # the state out too: syncs stay live
+    grads = _first(grads)
+    if steps is None:
+      return update((params, state), grads)[0]
+    return lax.scan(update, (params, state), grads)[0]
+
+  fn = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P(AXIS)),
+                             out_specs=(P(), P()), check_vma=False))
+  params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
+  lead = (num_workers,) if steps is None else (num_workers, steps)
+  grads = {k: jax.ShapeDtypeStruct(lead + s, jnp.float32)
+           for k, s in SHAPES.items()}
+  return fn.lower(params, jax.eval_shape(tx.init, params), grads).compile()
+
+
+@pytest.mark.parametrize("comm", COMMS)
+def test_scan_of_k_steps_sends_k_steps_bytes(comm):
+  one = accounting.collective_bytes(compile_steps(4, None, comm=comm))
+  scanned = compile_steps(4, 10, comm=comm)
+  assert one > 0
+  assert accounting.collective_bytes(scanned) == pytest.approx(10 * one,
+                                                               rel=1e-12)
+  assert {c.count for c in accounting.collectives(scanned.as_text())} == {10}
+
+
+def test_scan_keeps_momentum_syncs_conditional():
+  """A momentum sync (lax.cond) in a scanned step: conditional, k times."""
+  kw = dict(comm="alltoall", momentum_sync=3)
+  one, scanned = compile_steps(8, None, **kw), compile_steps(8, 10, **kw)
+  found = accounting.collectives(scanned.as_text())
+  synced = [c for c in found if c.conditional]
+  assert [(c.op, c.count) for c in synced] == [("all-reduce", 10)]
+  assert synced[0].bytes_per_call == 10 * synced[0].sent_bytes
+  for conditional in (True, False):
+    assert accounting.collective_bytes(
+        scanned, conditional=conditional) == pytest.approx(
+            10 * accounting.collective_bytes(one, conditional=conditional))
+
+
+def _psums(x, times):
+  """``times`` psums of x, in a lax.scan."""
+  return lax.scan(lambda c, _: (lax.psum(c, AXIS) / 8, None), x, None,
+                  length=times)[0]
+
+
+def test_nested_scans_multiply():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  fn = lambda x: lax.scan(lambda c, _: (_psums(c, 4), None), x, None,
+                          length=3)[0]
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  c = _one(text, "all-reduce")
+  assert (c.count, c.conditional) == (12, False)
+  assert accounting.collective_bytes(text) == 12 * 2 * 7 / 8 * 256
+
+
+def test_scan_inside_cond_stays_conditional():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  fn = lambda x: lax.cond(x[0] > 0, lambda y: _psums(y, 5), lambda y: y, x)
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  c = _one(text, "all-reduce")
+  assert (c.count, c.conditional) == (5, True)
+  assert accounting.collective_bytes(text) == 5 * 2 * 7 / 8 * 256
+  assert accounting.collective_bytes(text, conditional=False) == 0
+
+
+def test_fori_loop_with_static_bounds_counts_each_trip():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  fn = lambda x: lax.fori_loop(0, 7, lambda i, y: lax.psum(y, AXIS) / 8, x)
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  assert _one(text, "all-reduce").count == 7
+  assert accounting.collective_bytes(text) == 7 * 2 * 7 / 8 * 256
+
+
+def test_dynamic_loop_without_collectives_is_fine():
+  """An unknown trip count only matters when the loop sends something."""
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  def fn(x):
+    halve = lambda c: (c[0] + 1, c[1] / 2)
+    _, y = lax.while_loop(lambda c: c[0] < x[0].astype(jnp.int32), halve,
+                          (0, x))
+    return lax.psum(y, AXIS)
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  assert '"known_trip_count"' not in text
+  assert _one(text, "all-reduce").count == 1
+
+
+_LOOP_MODULE = """HloModule m, num_partitions=8
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  ROOT %ag = f32[16]{0} all-gather(%p), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+%sync (q: f32[16]) -> f32[16] {
+  %q = f32[16]{0} parameter(0)
+  ROOT %ar = f32[16]{0} all-reduce(%q), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%keep (r: f32[16]) -> f32[16] {
+  ROOT %r = f32[16]{0} parameter(0)
+}
+
+%body (t: (s32[], f32[16])) -> (s32[], f32[16]) {
+  %t = (s32[], f32[16]{0}) parameter(0)
+  %x = f32[16]{0} get-tuple-element(%t), index=1
+  %c = f32[16]{0} call(%x), to_apply=%inner
+  %pr = pred[] constant(true)
+  %d = f32[16]{0} conditional(%pr, %c, %c), true_computation=%sync, false_computation=%keep, metadata={op_name="while/body/cond"}
+  %i = s32[] get-tuple-element(%t), index=0
+  ROOT %o = (s32[], f32[16]{0}) tuple(%i, %d)
+}
+
+%cond (u: (s32[], f32[16])) -> pred[] {
+  %u = (s32[], f32[16]{0}) parameter(0)
+  %v = f32[16]{0} get-tuple-element(%u), index=1
+  %cp = f32[16]{0} collective-permute(%v), source_target_pairs={{0,1},{1,0}}
+  ROOT %w = pred[] constant(false)
+}
+
+ENTRY %main (x: f32[16]) -> (s32[], f32[16]) {
+  %x = f32[16]{0} parameter(0)
+  %z = s32[] constant(0)
+  %init = (s32[], f32[16]{0}) tuple(%z, %x)
+  ROOT %loop = (s32[], f32[16]{0}) while(%init), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"6"}}
+}
+"""
+
+
+def test_handwritten_loop_module():
+  """Calls inside a loop body multiply; its condition runs trips + 1 times;
+  a conditional in the body stays conditional."""
+  found = accounting.collectives(_LOOP_MODULE)
+  assert [(c.op, c.count, c.conditional) for c in found] == [
+      ("collective-permute", 7, False),
+      ("all-gather", 6, False),
+      ("all-reduce", 6, True),
+  ]
+  sent = 7 * 64 + 6 * 7 / 8 * 64
+  assert accounting.collective_bytes(_LOOP_MODULE,
+                                     conditional=False) == pytest.approx(sent)
+  assert accounting.collective_bytes(_LOOP_MODULE) == pytest.approx(
+      sent + 6 * 2 * 7 / 8 * 64)
+
+
+def test_async_wrapper_counts_once():
+  text = _HEADER + """
+%wrapped (p: u8[64]) -> u8[64] {
+  %p = u8[64]{0} parameter(0)
+  ROOT %a2a = u8[64]{0} all-to-all(%p), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+ENTRY %main (x: u8[64]) -> u8[64] {
+  %x = u8[64]{0} parameter(0)
+  %start = ((u8[64]{0}), u8[64]{0}, u32[]) async-start(%x), calls=%wrapped
+  ROOT %done = u8[64]{0} async-done(%start), calls=%wrapped
+}
+"""
+  (c,) = accounting.collectives(text)
+  assert (c.op, c.count, c.sent_bytes) == ("all-to-all", 1, 56)
+
+
+def test_lowered_text_marks_conditionals_and_refuses_loops():
+  """Lowered HLO (``name {`` headers, no % signs) reads like compiled HLO,
+  but its loops carry no trip count yet."""
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mapped = lambda fn: jax.jit(jax.shard_map(
+      fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
+  arg = jax.ShapeDtypeStruct((8 * 64,), jnp.float32)
+  cond = lambda x: lax.cond(x[0] > 0, lambda y: lax.psum(y, AXIS),
+                            lambda y: y, x)
+  text = mapped(cond).lower(arg).as_text(dialect="hlo")
+  c = _one(text, "all-reduce")
+  assert (c.conditional, c.count) == (True, 1)
+  assert accounting.collective_bytes(text, conditional=False) == 0
+  lowered = mapped(lambda x: _psums(x, 5)).lower(arg)
+  with pytest.raises(ValueError, match="known_trip_count"):
+    accounting.collective_bytes(lowered.as_text(dialect="hlo"))
+  assert accounting.collective_bytes(lowered.compile()) == 5 * 2 * 7 / 8 * 256

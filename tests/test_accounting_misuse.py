@@ -1,0 +1,130 @@
+"""Misuse of the wire accounting: each error names the argument, the value
+it got and how to fix it (issue #16)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import accounting
+from dlion_jax import parallel
+
+AXIS = "data"
+GROWING = dl.sync.growing_intervals(2)
+
+
+# --- numpy integers are ints -------------------------------------------------
+
+
+def test_numpy_integers_are_accepted():
+  assert dl.wire_bits(np.int64(8)) == dl.wire_bits(8)
+  assert dl.wire_bits(np.int32(8), quantizer="pbit_l1", bits=np.int64(4)) == (
+      dl.wire_bits(8, quantizer="pbit_l1", bits=4))
+  assert dl.wire_bits(np.int64(8), momentum_sync=GROWING,
+                      steps=np.int64(100)) == dl.wire_bits(
+                          8, momentum_sync=GROWING, steps=100)
+  assert accounting.momentum_sync_bits(np.int64(8), np.int64(4)) == (
+      accounting.momentum_sync_bits(8, 4))
+  assert dl.allreduce_bits(np.int64(8)) == dl.allreduce_bits(8) == 56.0
+
+
+@pytest.mark.parametrize("value", [True, np.bool_(True), 8.0, "8", 0, -3])
+def test_num_workers_must_be_a_positive_int(value):
+  message = (r"num_workers must be a positive int \(the size of the "
+             rf"data-parallel axis\), got num_workers={value!r}\.")
+  with pytest.raises(ValueError, match=message):
+    dl.wire_bits(value)
+  with pytest.raises(ValueError, match=message):
+    accounting.momentum_sync_bits(value, 4)
+  with pytest.raises(ValueError, match=message):
+    dl.allreduce_bits(value)
+
+
+# --- synced_fraction -------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [-1, 1.5, float("nan"), True, "0.5"])
+def test_synced_fraction_must_be_in_0_1(value):
+  message = (r"synced_fraction must be in \[0, 1\] \(the share of parameters "
+             rf"the sync mask selects\), got synced_fraction={value!r}\.")
+  with pytest.raises(ValueError, match=message):
+    dl.wire_bits(8, momentum_sync=4, synced_fraction=value)
+  with pytest.raises(ValueError, match=message):
+    accounting.momentum_sync_bits(8, 4, synced_fraction=value)
+
+
+def test_synced_fraction_bounds_are_valid():
+  assert dl.wire_bits(8, momentum_sync=56, synced_fraction=0) == (
+      dl.wire_bits(8))
+  assert dl.wire_bits(8, momentum_sync=56, synced_fraction=np.float32(1)) == (
+      dl.wire_bits(8, momentum_sync=56))
+
+
+# --- steps -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", [0, -5, 2.5, True])
+def test_steps_must_be_a_positive_int(value):
+  message = (r"steps must be a positive int \(the number of updates to "
+             r"average the sync cost over, e.g. the length of the run\), "
+             rf"got steps={value!r}\.")
+  with pytest.raises(ValueError, match=message):
+    dl.wire_bits(8, momentum_sync=GROWING, steps=value)
+  with pytest.raises(ValueError, match=message):
+    accounting.momentum_sync_bits(8, GROWING, steps=value)
+
+
+# --- the largest N -----------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs,limit", [
+    (dict(), 2**30 - 1),
+    (dict(vote="ternary"), 2**30 - 1),
+    (dict(quantizer="pbit_l1", bits=8), 8454660),
+])
+def test_num_workers_up_to_max_workers(kwargs, limit):
+  code = accounting.vote_code(kwargs.get("quantizer", "sign"),
+                              vote=kwargs.get("vote", "binary"),
+                              bits=kwargs.get("bits"))
+  assert accounting.max_workers(code) == limit
+  for comm in accounting.COMMS + ("auto",):
+    assert dl.wire_bits(limit, comm=comm, **kwargs) > 0
+    message = (rf"num_workers={limit + 1} is more than the vote exchange "
+               rf"supports: at most {limit} workers")
+    with pytest.raises(ValueError, match=message):
+      dl.wire_bits(limit + 1, comm=comm, **kwargs)
+
+
+def test_num_workers_2_to_the_40_blames_num_workers():
+  with pytest.raises(ValueError, match=(
+      r"num_workers=1099511627776 is more than the vote exchange supports: "
+      r"at most 1073741823 workers for 2-level votes")):
+    dl.wire_bits(2**40)
+
+
+# --- collectives in loops of unknown trip count ------------------------------
+
+
+def test_dynamic_while_loop_with_collectives_is_refused():
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+
+  def fn(x):
+    step = lambda c: (c[0] + 1, lax.psum(c[1], AXIS) / 8)
+    return lax.while_loop(lambda c: c[0] < x[0].astype(jnp.int32), step,
+                          (0, x))[1]
+
+  mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS),
+                         check_vma=False)
+  compiled = jax.jit(mapped).lower(
+      jax.ShapeDtypeStruct((8 * 64,), jnp.float32)).compile()
+  message = (r"Cannot count the collectives in %[\w.\-]+, run by while loop "
+             r"%[\w.\-]+: the HLO gives no known_trip_count for it.*compile "
+             r"one step without the loop and multiply its bytes by the number "
+             r"of steps\.")
+  with pytest.raises(ValueError, match=message):
+    dl.collective_bytes(compiled)
+  with pytest.raises(ValueError, match=message):
+    accounting.collectives(compiled.as_text())
