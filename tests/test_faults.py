@@ -9,6 +9,7 @@ must end bit-identical to an uninterrupted run.
 
 import os
 import pathlib
+import shutil
 import signal
 import subprocess
 import sys
@@ -193,11 +194,13 @@ def test_half_written_checkpoint_is_never_restored(tmp_path):
   from dlion_jax.train import cli  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
   from dlion_jax.train.config import load_config  # pylint: disable=g-import-not-at-top
-  overrides = ["train.steps=4", "train.checkpoint_every=2",
-               "train.eval_every=0", "model.hidden=[8]", f"run_dir={tmp_path}"]
+  overrides = ["train.steps=6", "train.checkpoint_every=2",
+               "train.keep_checkpoints=3", "train.eval_every=0",
+               "model.hidden=[8]", f"run_dir={tmp_path}"]
   cfg = load_config(cli.resolve_config("quickstart"), overrides)
   trainer.train(cfg, progress=False, log=lambda *_: None)
   ckpts = tmp_path / "checkpoints"
+  shutil.rmtree(ckpts / "6")            # killed while saving step 6
   partial = ckpts / f"6{TMP}"
   partial.mkdir()
   (partial / "state").mkdir()
@@ -209,7 +212,5 @@ def test_half_written_checkpoint_is_never_restored(tmp_path):
   ckpt.close()
   assert meta["step"] == 4 and state["params"]
   lines = []
-  trainer.train(load_config(cli.resolve_config("quickstart"),
-                            overrides + ["train.steps=6"]),
-                resume=True, progress=False, log=lines.append)
+  trainer.train(cfg, resume=True, progress=False, log=lines.append)
   assert "resumed from step 4" in lines

@@ -50,10 +50,15 @@ def test_two_processes_match_one_process_bit_for_bit(tmp_path):
 
   assert "xla_force_host_platform_device_count=8" in os.environ["XLA_FLAGS"]
   multi = tmp_path / "multi"
+  # An earlier run's leftovers, which --overwrite must clear before either
+  # process opens the checkpoints.
+  (multi / "checkpoints" / "999").mkdir(parents=True)
+  (multi / "metrics.jsonl").write_text('{"step": 999, "loss": 0.0}\n')
   sets = [a for s in SMALL + [f"run_dir={multi}"] for a in ("--set", s)]
   out = _run(LAUNCH + ["-n", "2", "--timeout", "150", "--",
                        PY, "-m", "dlion_jax.train", "--no-progress",
-                       "--init-timeout", "60", *sets], timeout=180)
+                       "--init-timeout", "60", "--overwrite", *sets],
+             timeout=180)
   assert out.returncode == 0, out.stdout + out.stderr
   assert "[0] quickstart: mlp" in out.stdout
   assert "2 workers (cpu; 2 processes, 1 device each)" in out.stdout
@@ -70,6 +75,7 @@ def test_two_processes_match_one_process_bit_for_bit(tmp_path):
   # (written by both processes) with the Checkpointer, into arrays shaped
   # and sharded like the reference's, then compare every bit.
   like = {"params": ref["params"], "opt_state": ref["opt_state"]}
+  assert not (multi / "checkpoints" / "999").exists()
   ckpt = checkpoint.Checkpointer(multi / "checkpoints")
   assert ckpt.latest_step() == 6
   state, meta = ckpt.restore(like)

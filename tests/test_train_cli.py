@@ -84,8 +84,8 @@ def test_resume_checks(tmp_path, capsys):
   assert "no checkpoint" in capsys.readouterr().err
   cfg = quick_config(tmp_path, "train.steps=2", "workers=4")
   trainer.train(cfg, progress=False, log=lambda *_: None)
-  with pytest.raises(ValueError, match="workers=4, this run has workers=8"):
-    trainer.train(quick_config(tmp_path, "train.steps=4"), resume=True,
+  with pytest.raises(ValueError, match="workers=4 there, 8 here"):
+    trainer.train(quick_config(tmp_path, "train.steps=2"), resume=True,
                   progress=False, log=lambda *_: None)
 
 
@@ -110,3 +110,25 @@ def test_pmap_example_script():
       check=True).stdout
   accuracy = float(out.rsplit("test accuracy", 1)[1])
   assert accuracy > 0.6, out
+
+
+def test_help_is_plain_text_listing_configs_and_optimizers(capsys,
+                                                           monkeypatch):
+  from dlion_jax.train.config import OPTIMIZER_NAMES  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("COLUMNS", "80")
+  with pytest.raises(SystemExit) as exit_info:
+    cli.parse_args(["--help"])
+  assert exit_info.value.code == 0
+  text = capsys.readouterr().out
+  assert "``" not in text and "::" not in text
+  assert max(len(line) for line in text.splitlines()) <= 80
+  configs = text.split("shipped configs", 1)[1].split("\n\n", 1)[0]
+  shipped = sorted(cli.CONFIG_DIR.glob("*.yaml"))
+  assert len(configs.splitlines()) == 1 + len(shipped)
+  for path in shipped:
+    summary = cli.config_summary(path)
+    assert summary and f"  {path.stem}" in configs and summary in configs
+  optimizers = text.split("optimizers (", 1)[1].split("\n\n", 1)[0]
+  names = [line.split()[0] for line in optimizers.splitlines()[1:]]
+  assert names == list(OPTIMIZER_NAMES)
+  assert "--overwrite" in text and "--resume" in text

@@ -99,3 +99,76 @@ def test_lion_cub_options_reach_the_optimizer():
   plain = optimizers.analytic_bits_per_param(
       load_config(cli.resolve_config(None), []).optimizer, 8)
   assert bits > plain
+
+
+BROKEN_YAML = [
+    ("name: mine\nmodel:\n  name: mlp\n  hidden: [8\ntrain:\n  steps: 4\n",
+     "line 5, column 6: not valid YAML (expected ',' or ']', but got ':', "
+     "while parsing a flow sequence that starts on line 4)"),
+    ("name: mine\nmodel:\n  name: mlp\n   hidden: 8\n",
+     "line 4, column 10: not valid YAML (mapping values are not allowed "
+     "here)"),
+    ('name: "mine\n', "line 2, column 1: not valid YAML (found unexpected "
+     "end of stream, while scanning a quoted scalar that starts on line 1)"),
+]
+
+
+@pytest.mark.parametrize("text, where", BROKEN_YAML)
+def test_malformed_yaml_names_the_file_and_line(tmp_path, capsys, text,
+                                                where):
+  bad = tmp_path / "bad.yaml"
+  bad.write_text(text)
+  assert cli.main(["--config", str(bad)]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      f"config error: {bad}, {where}. Check the indentation there, the ':' "
+      "after each key, and close brackets and quotes."]
+
+
+def test_malformed_override_is_a_config_error(capsys):
+  assert cli.main(["--set", "model.hidden=[8"]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      "config error: --set 'model.hidden=[8': the value is not valid YAML "
+      "(expected ',' or ']', but got '<stream end>', while parsing a flow "
+      "sequence); close brackets and braces, and quote strings with ':' or "
+      "'#'."]
+
+
+@pytest.mark.parametrize("text, sets, message", [
+    ("name: mine\nmodel:\n  name: mlp\n", [],
+     "{file}, line 2: model.hidden is missing: model 'mlp' needs it. Add it "
+     "to the model section, or pass --set model.hidden=VALUE."),
+    ("name: mine\n", [],
+     "{file}: model.hidden is missing: model 'mlp' needs it. Add it to the "
+     "model section, or pass --set model.hidden=VALUE."),
+    ("model:\n  name: mlp\n  hiden: [8]\n", [],
+     "{file}, line 3: model.hiden is not a setting of model 'mlp'; its "
+     "settings are in_features, hidden, num_classes."),
+    ("model: {name: mlp, hidden: [8]}\n", ["model.hidden=8"],
+     "--set model.hidden=8: model (mlp): hidden must be a sequence of ints "
+     "(e.g. [8]), got the int 8."),
+    ("model: {name: rnn}\n", [],
+     "{file}, line 1: model.name='rnn' is not one of mlp, cnn, vit, gpt."),
+])
+def test_model_mistakes_are_config_errors(tmp_path, capsys, text, sets,
+                                          message):
+  """Found when the model is built (the data supplies some arguments), yet
+  reported like any config error, with where the key is set."""
+  config = tmp_path / "mine.yaml"
+  config.write_text(text)
+  run_dir = tmp_path / "run"
+  argv = ["--config", str(config), "--no-progress",
+          "--set", f"run_dir={run_dir}"]
+  assert cli.main(argv + [a for s in sets for a in ("--set", s)]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      "config error: " + message.format(file=config)]
+  assert not run_dir.exists()            # nothing written
+
+
+def test_locate_finds_keys_and_their_sections(tmp_path):
+  from dlion_jax.train.config import locate  # pylint: disable=g-import-not-at-top
+  path = tmp_path / "c.yaml"
+  path.write_text("seed: 1\n\nmodel:\n  name: mlp\n  hidden: [8]\n")
+  assert locate(path, "model.hidden") == f"{path}, line 5"
+  assert locate(path, "model.dim") == f"{path}, line 3"
+  assert locate(path, "train.steps") is None
+  assert locate(None, "seed") is None

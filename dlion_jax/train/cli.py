@@ -1,13 +1,11 @@
-"""``python -m dlion_jax.train``: train from a YAML config.
+"""python -m dlion_jax.train: train from a YAML config.
 
-Examples::
-
-  python -m dlion_jax.train                      # configs/quickstart.yaml
-  python -m dlion_jax.train --config fashion_mnist_mlp --set train.steps=50
-  python -m dlion_jax.train --config my.yaml --resume
-  # one of two processes (or use python -m dlion_jax.launch -n 2 -- ...):
-  python -m dlion_jax.train --coordinator 127.0.0.1:1234 \\
-      --num-processes 2 --process-id 0
+The command-line front of :func:`dlion_jax.train.trainer.train`: reads a
+shipped config or a YAML file, applies ``--set`` overrides, starts jax
+(several processes with ``--coordinator``), trains, and turns every expected
+failure into one line on stderr: ``config error: ...`` (exit 2), ``error:
+...`` (exit 1), or, on Ctrl-C, the step reached and how to resume (exit
+130).
 """
 
 from __future__ import annotations
@@ -17,12 +15,16 @@ import errno
 import math
 import os
 import pathlib
+import shlex
 import socket
 import sys
 import threading
 
+from dlion_jax.train import rundir
 from dlion_jax.train.config import ConfigError
 from dlion_jax.train.config import load_config
+from dlion_jax.train.config import locate
+from dlion_jax.train.config import OPTIMIZER_NAMES
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 
@@ -42,11 +44,57 @@ def resolve_config(name: str | None) -> pathlib.Path:
                     f"of that name (shipped: {known}).")
 
 
+PROG = "python -m dlion_jax.train"
+OPTIMIZERS = {
+    "dlion": "Distributed Lion: workers exchange 1-bit sign votes",
+    "signum": "majority-vote Signum: D-Lion with b1 = b2 = "
+              "optimizer.momentum",
+    "lion": "global Lion (all-reduces fp32 gradients)",
+    "adamw": "AdamW (all-reduces fp32 gradients)",
+    "sgd": "SGD with momentum (all-reduces fp32 gradients)",
+}
+EXAMPLES = f"""\
+examples:
+  {PROG}                 # configs/quickstart.yaml
+  {PROG} --config fashion_mnist_mlp --set train.steps=50
+  {PROG} --config my.yaml --resume
+  {PROG} --set optimizer.name=lion \\
+      --set run_dir=runs/quickstart-lion
+  python -m dlion_jax.launch -n 2 -- {PROG} \\
+      --set workers=2 --set run_dir=runs/quickstart-2proc   # 2 processes
+"""
+RUN_DIR_NOTE = """\
+A run writes config.json, metrics.jsonl, summary.json, curves.png and
+checkpoints to run_dir (default runs/<name>). A new run refuses a directory
+that holds an earlier run: --resume continues that run, --overwrite deletes
+it, --set run_dir=DIR puts this run elsewhere."""
+
+
+def config_summary(path: pathlib.Path) -> str:
+  """The first comment line of a YAML config: what it trains."""
+  for line in path.read_text(encoding="utf-8").splitlines():
+    if line.startswith("#"):
+      return line.lstrip("#").strip()
+  return ""
+
+
+def help_epilog() -> str:
+  """Examples, the shipped configs and the optimizers, as plain text."""
+  configs = sorted(CONFIG_DIR.glob("*.yaml"))
+  width = max(len(p.stem) for p in configs) + 2
+  lines = [EXAMPLES, "shipped configs (--config NAME; times on 2 CPU cores):"]
+  lines += [f"  {p.stem:<{width}}{config_summary(p)}" for p in configs]
+  lines += ["", "optimizers (--set optimizer.name=NAME):"]
+  lines += [f"  {n:<8}{OPTIMIZERS[n]}" for n in OPTIMIZER_NAMES]
+  return "\n".join(lines + ["", RUN_DIR_NOTE])
+
+
 def parse_args(argv=None) -> argparse.Namespace:
   parser = argparse.ArgumentParser(
-      prog="python -m dlion_jax.train", description=__doc__.split("\n")[0],
+      prog=PROG, description="Train from a YAML config, a shipped one "
+      "(below) or a file of yours,\nany key overridden with --set.",
       formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog=__doc__.split("\n", 2)[2])
+      epilog=help_epilog())
   parser.add_argument("--config", help="YAML file or shipped config name "
                       "(default: quickstart)")
   parser.add_argument("--set", dest="overrides", action="append", default=[],
@@ -54,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                       help="override a config key, e.g. train.steps=100")
   parser.add_argument("--resume", action="store_true",
                       help="continue from the run directory's last checkpoint")
+  parser.add_argument("--overwrite", action="store_true",
+                      help="delete an earlier run in the run directory "
+                      "(its checkpoints, metrics, summary) before starting")
   parser.add_argument("--no-progress", action="store_true",
                       help="no progress bar (metrics still go to JSON lines)")
   env = os.environ.get
@@ -183,20 +234,34 @@ def _start_jax(cfg, args) -> None:
 
 
 def main(argv=None) -> int:
+  argv = sys.argv[1:] if argv is None else list(argv)
   args = parse_args(argv)
+  path = None
   try:
-    cfg = load_config(resolve_config(args.config), args.overrides)
+    path = resolve_config(args.config)
+    cfg = load_config(path, args.overrides)
+    if args.resume and args.overwrite:
+      raise ConfigError("--resume continues the run in the run directory, "
+                        "--overwrite deletes it: pass one of them.")
   except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+    return config_error(e, path, args.overrides)
   try:
     _start_jax(cfg, args)
+    return _train(cfg, args)
   except ConfigError as e:
-    print(f"config error: {e}", file=sys.stderr)
-    return 2
+    return config_error(e, path, args.overrides)
+  except KeyboardInterrupt as e:
+    return _interrupted(e, cfg, args, argv)
+
+
+def _train(cfg, args) -> int:
+  """Trains; reports an expected failure as one ``error:`` line (exit 1)."""
   from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
   try:
-    trainer.train(cfg, resume=args.resume, progress=not args.no_progress)
+    trainer.train(cfg, resume=args.resume, overwrite=args.overwrite,
+                  progress=not args.no_progress)
+  except ConfigError:
+    raise
   except Exception as e:  # pylint: disable=broad-except
     if args.num_processes > 1 and lost_peer(e):
       _exit_lost_peer(e, cfg, args)
@@ -205,6 +270,57 @@ def main(argv=None) -> int:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0
+
+
+def config_error(error: ConfigError, path=None, overrides=()) -> int:
+  """Prints ``error`` as one line, led by where its key was set (the
+  ``--set`` that set it, or the config file and line); returns 2."""
+  where = None
+  if error.key:
+    given = [o for o in overrides
+             if _related(o.partition("=")[0].strip(), error.key)]
+    where = f"--set {given[-1]}" if given else (
+        locate(path, error.key) or (str(path) if path else None))
+  print(f"config error: {where + ': ' if where else ''}{error}",
+        file=sys.stderr)
+  return 2
+
+
+def _related(a: str, b: str) -> bool:
+  """Whether dotted keys ``a`` and ``b`` are equal or one contains the
+  other."""
+  return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
+def _interrupted(error: KeyboardInterrupt, cfg, args, argv) -> int:
+  """Reports Ctrl-C in one line: the step reached, the last checkpoint and
+  how to continue. Returns 130 (exits at once in a multi-process run, as
+  jax's shutdown barrier would wait for the others)."""
+  step = getattr(error, "step", None)
+  reached = ("before training started" if step is None else
+             f"at step {step} of {cfg.train.steps}")
+  print(f"interrupted {reached}; {_how_to_continue(cfg, args, argv)}",
+        file=sys.stderr, flush=True)
+  if args.num_processes > 1:
+    sys.stdout.flush()
+    os._exit(130)  # pylint: disable=protected-access
+  return 130
+
+
+def _how_to_continue(cfg, args, argv) -> str:
+  steps = rundir.checkpoint_steps(cfg.run_path)
+  again = shlex.join([*PROG.split(), *[a for a in argv if a not in (
+      "--resume", "--overwrite")]])
+  every = " on every process" if args.num_processes > 1 else ""
+  if not steps:
+    return (f"no checkpoint was written yet. Start again{every} with: "
+            f"{again} --overwrite")
+  where = f"step {steps[-1]} in {cfg.run_path / 'checkpoints'}"
+  if steps[-1] >= cfg.train.steps:
+    return (f"training had finished (checkpoint {where}) but summary.json "
+            "or curves.png may be missing.")
+  return (f"the last checkpoint is {where}. Continue{every} with: {again} "
+          "--resume")
 
 
 # What jax, gloo and the coordination service say when a peer is gone.
@@ -228,12 +344,10 @@ def lost_peer(error: BaseException) -> bool:
 
 
 def last_checkpoint_step(run_dir: pathlib.Path) -> int | None:
-  """The newest finished checkpoint step in ``run_dir`` (orbax names each
-  finished one by its step; unfinished ones carry a ``.orbax-checkpoint-tmp``
-  suffix), read off the directory names without orbax."""
-  steps = [int(p.name) for p in (run_dir / "checkpoints").glob("*")
-           if p.is_dir() and p.name.isdigit()]
-  return max(steps, default=None)
+  """The newest finished checkpoint step in ``run_dir`` (read off the
+  directory names, without orbax)."""
+  steps = rundir.checkpoint_steps(run_dir)
+  return steps[-1] if steps else None
 
 
 def _exit_lost_peer(error: BaseException, cfg, args) -> None:

@@ -30,7 +30,16 @@ from dlion_jax import accounting
 
 
 class ConfigError(ValueError):
-  """A config key is unknown, or its value has the wrong type or range."""
+  """A config key is unknown, or its value has the wrong type or range.
+
+  Attributes:
+    key: the dotted key at fault where known (the CLI then says where the
+      config file sets it), else None.
+  """
+
+  def __init__(self, message: str, key: str | None = None):
+    super().__init__(message)
+    self.key = key
 
 
 @dataclasses.dataclass
@@ -106,9 +115,10 @@ class Config:
     return pathlib.Path(self.run_dir or f"runs/{self.name}")
 
 
+OPTIMIZER_NAMES = ("dlion", "lion", "adamw", "signum", "sgd")
 _CHOICES = {
     "data.name": ("digits", "fashion_mnist", "text"),
-    "optimizer.name": ("dlion", "lion", "adamw", "signum", "sgd"),
+    "optimizer.name": OPTIMIZER_NAMES,
     "optimizer.schedule": ("cosine", "constant"),
     "optimizer.aggregation": ("mavo", "avg"),
     "optimizer.vote": ("binary", "ternary"),
@@ -228,7 +238,13 @@ def parse_override(text: str) -> tuple[str, Any]:
   key, sep, raw = text.partition("=")
   if not sep or not key:
     raise ConfigError(f"--set expects key=value, got {text!r}.")
-  value = yaml.safe_load(raw) if raw else None
+  try:
+    value = yaml.safe_load(raw) if raw else None
+  except yaml.YAMLError as e:
+    raise ConfigError(
+        f"--set {text!r}: the value is not valid YAML ({_yaml_problem(e)}); "
+        "close brackets and braces, and quote strings with ':' or '#'."
+    ) from None
   if isinstance(value, str) and _looks_numeric(value):
     value = float(value)   # YAML 1.1 reads "1e-3" as a string
   return key.strip(), value
@@ -266,10 +282,61 @@ def load_config(path: str | pathlib.Path | None = None,
     path = pathlib.Path(path)
     if not path.is_file():
       raise ConfigError(f"Config file {str(path)!r} does not exist.")
-    tree = _numbers_from_yaml(yaml.safe_load(path.read_text()) or {})
+    tree = _numbers_from_yaml(_read_yaml(path) or {})
   for text in overrides:
     _set_dotted(tree, *parse_override(text))
   return validate(_build(Config, tree, ""))
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+  """What the YAML parser objects to, without its excerpt of the text."""
+  problem = getattr(error, "problem", None)
+  if not problem:
+    return str(error).splitlines()[0]
+  context, opened = getattr(error, "context", None), getattr(
+      error, "context_mark", None)
+  mark = getattr(error, "problem_mark", None)
+  if context and opened and mark and opened.line != mark.line:
+    context += f" that starts on line {opened.line + 1}"
+  return f"{problem}, {context}" if context else problem
+
+
+def _read_yaml(path: pathlib.Path) -> Any:
+  try:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+  except UnicodeDecodeError as e:
+    raise ConfigError(f"{path}: not a UTF-8 text file (byte {e.start}); "
+                      "--config takes a YAML file.") from None
+  except yaml.YAMLError as e:
+    mark = getattr(e, "problem_mark", None)
+    where = (f"{path}, line {mark.line + 1}, column {mark.column + 1}"
+             if mark else str(path))
+    raise ConfigError(
+        f"{where}: not valid YAML ({_yaml_problem(e)}). Check the "
+        "indentation there, the ':' after each key, and close brackets and "
+        "quotes.") from None
+
+
+def locate(path: str | pathlib.Path | None, key: str) -> str | None:
+  """``'FILE, line N'``: where the YAML file sets ``key`` (dotted), or
+  opens its closest enclosing section (``model:`` for a missing
+  ``model.hidden``); None if it does neither.
+  """
+  if path is None or not pathlib.Path(path).is_file():
+    return None
+  try:
+    node = yaml.compose(pathlib.Path(path).read_text(encoding="utf-8"))
+  except yaml.YAMLError:
+    return None
+  line = None
+  for part in key.split("."):
+    if not isinstance(node, yaml.MappingNode):
+      break
+    found = [(k, v) for k, v in node.value if k.value == part]
+    if not found:
+      break
+    line, node = found[0][0].start_mark.line + 1, found[0][1]
+  return None if line is None else f"{path}, line {line}"
 
 
 def to_dict(config: Config) -> dict:

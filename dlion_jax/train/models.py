@@ -342,6 +342,30 @@ MODELS: dict[str, type[nnx.Module]] = {
     "mlp": MLP, "cnn": CNN, "vit": ViT, "gpt": GPT}
 
 
+def model_arguments(name: str) -> tuple[list[str], list[str]]:
+  """The keyword arguments of model ``name``: all of them, and those
+  without a default.
+
+  Raises:
+    ValueError: for an unknown ``name``.
+
+  Example:
+
+  >>> valid, required = model_arguments("cnn")
+  >>> required
+  ['in_channels', 'num_classes']
+  """
+  if name not in MODELS:
+    raise ValueError(
+        f"Unknown model name={name!r}. Valid names are: "
+        f"{', '.join(repr(n) for n in MODELS)}.")
+  params = inspect.signature(MODELS[name].__init__).parameters
+  valid = [p for p in params if p not in ("self", "rngs")]
+  required = [p for p in valid
+              if params[p].default is inspect.Parameter.empty]
+  return valid, required
+
+
 def build_model(name: str, *, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
   """Builds ``MODELS[name](**kwargs, rngs=rngs)``, checking the keywords.
 
@@ -365,20 +389,14 @@ def build_model(name: str, *, rngs: nnx.Rngs, **kwargs: Any) -> nnx.Module:
   >>> type(model).__name__
   'CNN'
   """
-  if name not in MODELS:
-    raise ValueError(
-        f"Unknown model name={name!r}. Valid names are: "
-        f"{', '.join(repr(n) for n in MODELS)}.")
+  valid, required = model_arguments(name)
   cls = MODELS[name]
-  params = inspect.signature(cls.__init__).parameters
-  valid = [p for p in params if p not in ("self", "rngs")]
   for key in kwargs:
     if key not in valid:
       raise TypeError(
           f"Model {name!r} ({cls.__name__}) got an unexpected keyword "
           f"argument {key!r}. Valid keywords are: {', '.join(valid)}.")
-  missing = [p for p in valid if params[p].default is inspect.Parameter.empty
-             and p not in kwargs]
+  missing = [p for p in required if p not in kwargs]
   if missing:
     raise TypeError(
         f"Model {name!r} ({cls.__name__}) is missing required keyword "

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
+from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -31,10 +32,24 @@ from dlion_jax.train import checkpoint
 from dlion_jax.train import data as data_lib
 from dlion_jax.train import models
 from dlion_jax.train import optimizers
+from dlion_jax.train import rundir
 from dlion_jax.train.config import Config
+from dlion_jax.train.config import ConfigError
 from dlion_jax.train.config import to_dict
 
 AXIS = "data"
+
+
+class Interrupted(KeyboardInterrupt):
+  """Ctrl-C during :func:`train`.
+
+  Attributes:
+    step: the last training step that finished.
+  """
+
+  def __init__(self, step: int):
+    super().__init__(step)
+    self.step = step
 
 
 def _model_kwargs(cfg: Config, dataset) -> dict:
@@ -166,75 +181,198 @@ def wire_report(cfg: Config, sent_bytes: float, num_params: int,
   }
 
 
-def train(cfg: Config, *, resume: bool = False, progress: bool = True,
-          log: Callable[[str], None] = print) -> dict:
-  """Runs ``cfg``; returns the final metrics (test metrics, wire bytes)."""
+def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
+          progress: bool = True, log: Callable[[str], None] = print) -> dict:
+  """Runs ``cfg``; returns the final metrics (test metrics, wire bytes).
+
+  Args:
+    cfg: the run's configuration.
+    resume: continue from the run directory's last checkpoint.
+    overwrite: delete an earlier run found in the run directory (without
+      it, a fresh run refuses such a directory).
+    progress: show a progress bar.
+    log: where the run's report lines go (process 0 only).
+
+  Raises:
+    rundir.RunDirError: the run directory holds another run (fresh run),
+      or its checkpoint is of another config (``resume``).
+    Interrupted: on Ctrl-C, with the last step that finished.
+  """
+  if resume and overwrite:
+    raise ValueError("resume=True continues the run in the run directory, "
+                     "overwrite=True deletes it: pass one of them.")
   main_process = jax.process_index() == 0
   say = log if main_process else (lambda *_: None)
-  run_dir = cfg.run_path
-  if main_process:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.json").write_text(json.dumps(to_dict(cfg), indent=2))
+  _prepare_run_dir(cfg, resume=resume, overwrite=overwrite,
+                   main_process=main_process)
   mesh = parallel.data_mesh(cfg.workers, axis_name=AXIS)
-  replicated, per_worker = NamedSharding(mesh, P()), NamedSharding(
-      mesh, P(AXIS))
+  run = _setup(cfg, mesh)
+  start = 0
+  if resume:
+    (run.params, run.opt_state), start = _resume(
+        run.ckpt, cfg, (run.params, run.opt_state), run.batches)
+    say(f"resumed from step {start}")
+  if main_process:
+    _start_files(cfg, start)
+  run.step = start
+  try:
+    return _train_from(cfg, run, say=say, progress=progress and main_process,
+                       main_process=main_process)
+  except KeyboardInterrupt:
+    raise Interrupted(run.step) from None
 
+
+def _prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool,
+                     main_process: bool) -> None:
+  """Refuses (or, with ``overwrite``, clears) an earlier run in a fresh
+  run's directory, before any process writes there."""
+  if not resume:
+    rundir.check_fresh(cfg.run_path, overwrite=overwrite)
+  if overwrite and not resume and main_process:
+    rundir.clear(cfg.run_path)
+  if overwrite and jax.process_count() > 1:
+    # No process may open the checkpoints while process 0 deletes them.
+    multihost_utils.sync_global_devices("dlion_jax.train: run_dir cleared")
+
+
+def _start_files(cfg: Config, start: int) -> None:
+  """config.json, and a metrics log that holds each step once."""
+  cfg.run_path.mkdir(parents=True, exist_ok=True)
+  (cfg.run_path / "config.json").write_text(json.dumps(to_dict(cfg),
+                                                       indent=2))
+  metrics = cfg.run_path / "metrics.jsonl"
+  if start:
+    rundir.trim_metrics(metrics, start)
+  else:
+    metrics.unlink(missing_ok=True)
+
+
+@dataclasses.dataclass
+class _Run:
+  """What a run trains with, built by :func:`_setup`."""
+  mesh: Any
+  dataset: Any
+  graphdef: Any
+  params: Any
+  opt_state: Any
+  num_params: int
+  tx: Any
+  batches: Any
+  ckpt: Any
+  step: int = 0                     # the last step done
+
+
+def _setup(cfg: Config, mesh) -> _Run:
   dataset = _load_data(cfg)
-  model = models.build_model(cfg.model["name"], rngs=nnx.Rngs(cfg.seed),
-                             **_model_kwargs(cfg, dataset))
+  model = _build_model(cfg, dataset)
   graphdef, params = models.split_params(model)
-  num_params = models.count_params(params)
   tx = optimizers.build_optimizer(cfg.optimizer,
                                   total_steps=cfg.train.steps, axis_name=AXIS)
-  params = parallel.global_array(params, replicated)
+  params = parallel.global_array(params, NamedSharding(mesh, P()))
   opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   batches = data_lib.Batches(dataset.train, global_batch=cfg.data.global_batch,
                              seed=cfg.seed, kind=dataset.kind,
                              seq_len=(cfg.data.seq_len if dataset.kind == "lm"
                                       else None))
-
-  ckpt = checkpoint.Checkpointer(run_dir / "checkpoints",
+  ckpt = checkpoint.Checkpointer(cfg.run_path / "checkpoints",
                                  keep=cfg.train.keep_checkpoints)
-  start = 0
-  if resume:
-    (params, opt_state), start = _resume(ckpt, cfg, (params, opt_state),
-                                         batches)
-    say(f"resumed from step {start}")
+  return _Run(mesh, dataset, graphdef, params, opt_state,
+              models.count_params(params), tx, batches, ckpt)
 
-  step_fn = parallel.make_train_step(make_loss_fn(graphdef), tx, mesh,
-                                     axis_name=AXIS, has_aux=True)
-  position = batches.state()
-  example = parallel.global_array(next(batches), per_worker)
-  batches.restore(position)
-  compiled = step_fn.lower(params, opt_state, example).compile()
+
+def _build_model(cfg: Config, dataset):
+  """The config's model, its mistakes reported as ConfigErrors naming the
+  key (``model.hidden`` missing, an unknown key, a bad value)."""
+  name = cfg.model["name"]
+  try:
+    valid, required = models.model_arguments(name)
+  except ValueError:
+    raise ConfigError(
+        f"model.name={name!r} is not one of {', '.join(models.MODELS)}.",
+        key="model.name") from None
+  kwargs = _model_kwargs(cfg, dataset)
+  for key in kwargs:
+    if key not in valid:
+      raise ConfigError(
+          f"model.{key} is not a setting of model {name!r}; its settings "
+          f"are {', '.join(valid)}.", key=f"model.{key}")
+  for key in required:
+    if key not in kwargs:
+      raise ConfigError(
+          f"model.{key} is missing: model {name!r} needs it. Add it to the "
+          f"model section, or pass --set model.{key}=VALUE.",
+          key=f"model.{key}")
+  try:
+    return models.build_model(name, rngs=nnx.Rngs(cfg.seed), **kwargs)
+  except (TypeError, ValueError) as e:
+    raise ConfigError(f"model ({name}): {e}", key="model") from None
+
+
+def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
+                main_process: bool) -> dict:
+  """Compiles the step, trains from ``run.step`` on, evaluates, saves and
+  reports."""
+  per_worker = NamedSharding(run.mesh, P(AXIS))
+  step_fn = parallel.make_train_step(make_loss_fn(run.graphdef), run.tx,
+                                     run.mesh, axis_name=AXIS, has_aux=True)
+  position = run.batches.state()
+  example = parallel.global_array(next(run.batches), per_worker)
+  run.batches.restore(position)
+  compiled = step_fn.lower(run.params, run.opt_state, example).compile()
   sent = sent_bytes_per_step(cfg, compiled, cfg.train.steps)
-  eval_step = make_eval_step(graphdef, mesh)
+  kind = run.dataset.kind
   run_eval = functools.partial(
-      evaluate, eval_step, split=dataset.test,
-      batch_size=cfg.data.eval_batch, workers=cfg.workers,
-      sharding=per_worker,
-      seq_len=cfg.data.seq_len if dataset.kind == "lm" else None)
+      evaluate, make_eval_step(run.graphdef, run.mesh),
+      split=run.dataset.test, batch_size=cfg.data.eval_batch,
+      workers=cfg.workers, sharding=per_worker,
+      seq_len=cfg.data.seq_len if kind == "lm" else None)
+  say(_headline(cfg, run.num_params))
+  writer = _Writer(cfg.run_path / "metrics.jsonl", main_process)
+  bar = _progress(cfg.train.steps, run.step, progress)
+  try:
+    _loop(cfg, run, compiled, writer=writer, bar=bar, run_eval=run_eval,
+          per_worker=per_worker)
+  finally:
+    if bar is not None:
+      bar.close()
+  final = {"step": cfg.train.steps, **run_eval(run.params)}
+  writer.write(final)
+  _save(run.ckpt, cfg.train.steps, run.params, run.opt_state, run.batches,
+        cfg)
+  run.ckpt.close()
+  wire = wire_report(cfg, sent, run.num_params, cfg.train.steps)
+  summary = {**final, **wire, "num_params": run.num_params, "kind": kind}
+  if main_process:
+    (cfg.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
+    _plot(cfg.run_path, kind)
+  say(_summary_text(summary, cfg))
+  return {"summary": summary, "params": run.params,
+          "opt_state": run.opt_state}
+
+
+def _headline(cfg: Config, num_params: int) -> str:
   where = jax.devices()[0].platform
   if jax.process_count() > 1:
     k = jax.local_device_count()
     where += (f"; {jax.process_count()} processes, {k} device"
               f"{'s' if k > 1 else ''} each")
-  say(f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
-      f"{cfg.optimizer.name} on {cfg.workers} workers "
-      f"({where}), {cfg.data.global_batch} examples a "
-      f"step ({cfg.data.global_batch // cfg.workers} per worker)")
+  return (f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
+          f"{cfg.optimizer.name} on {cfg.workers} workers ({where}), "
+          f"{cfg.data.global_batch} examples a step "
+          f"({cfg.data.global_batch // cfg.workers} per worker)")
 
-  writer = _Writer(run_dir / "metrics.jsonl", main_process)
-  if main_process and not resume:
-    writer.path.unlink(missing_ok=True)   # a fresh run starts a fresh log
-  bar = _progress(cfg.train.steps, start, progress and main_process)
+
+def _loop(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
+          per_worker) -> None:
+  """Steps ``run.step`` to ``train.steps``: logs, evaluates, checkpoints."""
   schedule = optimizers.make_schedule(cfg.optimizer, cfg.train.steps)
-  tic, last_step = time.perf_counter(), start
-  for step in range(start, cfg.train.steps):
-    batch = parallel.global_array(next(batches), per_worker)
-    params, opt_state, (loss, aux) = compiled(params, opt_state, batch)
+  tic, last_step = time.perf_counter(), run.step
+  for step in range(run.step, cfg.train.steps):
+    batch = parallel.global_array(next(run.batches), per_worker)
+    run.params, run.opt_state, (loss, aux) = compiled(run.params,
+                                                      run.opt_state, batch)
     loss = float(loss)   # one step at a time (simulated devices deadlock)
-    done = step + 1
+    done = run.step = step + 1
     if not math.isfinite(loss):
       raise FloatingPointError(
           f"loss became {loss} at step {done}; lower optimizer.learning_rate "
@@ -242,11 +380,10 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
     if done % cfg.train.log_every == 0 or done == cfg.train.steps:
       elapsed = time.perf_counter() - tic
       rate = (done - last_step) * cfg.data.global_batch / max(elapsed, 1e-9)
-      record = {"step": done, "loss": loss,
-                "accuracy": float(aux["accuracy"]),
-                "learning_rate": float(schedule(step)),
-                "examples_per_s": rate}
-      writer.write(record)
+      writer.write({"step": done, "loss": loss,
+                    "accuracy": float(aux["accuracy"]),
+                    "learning_rate": float(schedule(step)),
+                    "examples_per_s": rate})
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:,.0f}")
       tic, last_step = time.perf_counter(), done
@@ -254,26 +391,10 @@ def train(cfg: Config, *, resume: bool = False, progress: bool = True,
       bar.update(1)
     if (cfg.train.eval_every and done % cfg.train.eval_every == 0
         and done < cfg.train.steps):
-      record = {"step": done, **run_eval(params)}
-      writer.write(record)
+      writer.write({"step": done, **run_eval(run.params)})
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
         and done < cfg.train.steps):
-      _save(ckpt, done, params, opt_state, batches, cfg)
-  if bar is not None:
-    bar.close()
-
-  final = {"step": cfg.train.steps, **run_eval(params)}
-  writer.write(final)
-  _save(ckpt, cfg.train.steps, params, opt_state, batches, cfg)
-  ckpt.close()
-  wire = wire_report(cfg, sent, num_params, cfg.train.steps)
-  summary = {**final, **wire, "num_params": num_params,
-             "kind": dataset.kind}
-  if main_process:
-    (run_dir / "summary.json").write_text(json.dumps(summary, indent=2))
-    _plot(run_dir, dataset.kind)
-  say(_summary_text(summary, cfg))
-  return {"summary": summary, "params": params, "opt_state": opt_state}
+      _save(run.ckpt, done, run.params, run.opt_state, run.batches, cfg)
 
 
 def _load_data(cfg: Config):
@@ -294,17 +415,21 @@ def _load_data(cfg: Config):
 def _save(ckpt, step, params, opt_state, batches, cfg):
   ckpt.save(step, {"params": params, "opt_state": opt_state},
             {"step": step, "data": batches.state(), "workers": cfg.workers,
-             "seed": cfg.seed})
+             "seed": cfg.seed, "config": rundir.comparable(cfg)})
 
 
 def _resume(ckpt, cfg, like, batches):
   latest = ckpt.latest_step()
   if latest is None:
+    started = (cfg.run_path / "metrics.jsonl").is_file()
     raise FileNotFoundError(
-        f"--resume: no checkpoint in {ckpt.directory}; run without --resume "
-        "first (checkpoints are written every train.checkpoint_every steps "
-        "and at the end).")
+        f"--resume: no checkpoint in {ckpt.directory}; " + (
+            "the run there stopped before its first one, so start it again "
+            "with --overwrite instead of --resume" if started else
+            "run without --resume first") + " (checkpoints are written "
+        "every train.checkpoint_every steps and at the end).")
   meta = ckpt.metadata(latest)
+  rundir.check_resume(meta.get("config"), cfg, latest, ckpt.directory)
   if meta["workers"] != cfg.workers:
     raise ValueError(
         f"The checkpoint at step {latest} was written with "
@@ -312,6 +437,7 @@ def _resume(ckpt, cfg, like, batches):
         "each worker's momentum is saved, so resume with the same count.")
   state, meta = ckpt.restore({"params": like[0], "opt_state": like[1]},
                              latest)
+  rundir.check_unfinished(cfg, latest, ckpt.directory)
   batches.restore(meta["data"])
   return (state["params"], state["opt_state"]), int(meta["step"])
 
