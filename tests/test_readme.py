@@ -1,11 +1,17 @@
-"""The README's example runs as written and trains."""
+"""The README's example runs as written and trains; its commands work as a
+reader runs them, one after the other."""
 
+import os
 import pathlib
 import re
+import shlex
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+PACKAGE = "dlion_jax"
 
 
 def test_readme_example_runs(tmp_path):
@@ -19,3 +25,73 @@ def test_readme_example_runs(tmp_path):
   assert loss < 1.0, out           # starts near 340
   bits = float(re.search(r"sent (\S+) bits/param/step", out).group(1))
   assert 2.2 < bits < 3.0, out     # votes (+ padding and the loss mean)
+  # The README explains the figure it prints beside the example.
+  assert f"sent {bits:.2f} bits/param/step" in readme.replace("\n", " ")
+
+
+def _clone_folder(readme: str) -> str:
+  """The folder the README's ``git clone ... && cd ...`` line creates."""
+  line = re.search(r"^git clone .*$", readme, re.M).group(0)
+  clone, _, cd = line.partition("&&")
+  folder = shlex.split(clone)[-1]
+  # Without a folder argument git names it after the repository: dlion_jax.
+  assert not re.search(r"[/:>]", folder), f"name the folder in {line!r}"
+  assert shlex.split(cd) == ["cd", folder], line
+  return folder
+
+
+def test_clone_folder_does_not_shadow_the_package(tmp_path):
+  """A folder named like the package, in the directory a script runs from,
+  is imported as an empty namespace package instead of the installed one."""
+  folder = _clone_folder((ROOT / "README.md").read_text())
+  env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+
+  def probe(parent):
+    return subprocess.run(
+        [sys.executable, "-c",
+         f"import {PACKAGE}; print({PACKAGE}.distributed_lion.__name__)"],
+        cwd=parent, capture_output=True, text=True, timeout=120, env=env)
+  (tmp_path / "empty").mkdir()
+  if "ModuleNotFoundError" in probe(tmp_path / "empty").stderr:
+    pytest.skip(f"{PACKAGE} is not installed (pip install -e .)")
+  (tmp_path / folder / PACKAGE).mkdir(parents=True)    # the clone's layout
+  ran = probe(tmp_path)
+  assert ran.returncode == 0, ran.stderr
+  # The probe does detect shadowing: next to a folder named like the package.
+  (tmp_path / "shadow" / PACKAGE / PACKAGE).mkdir(parents=True)
+  shadowed = probe(tmp_path / "shadow")
+  assert shadowed.returncode != 0 and "AttributeError" in shadowed.stderr
+
+
+def _train_commands(text: str) -> list[list[str]]:
+  """The ``python -m dlion_jax.train`` commands of a doc's bash blocks, as
+  arguments after ``dlion_jax.train``."""
+  commands = []
+  for block in re.findall(r"```bash\n(.*?)```", text, re.S):
+    for line in block.splitlines():
+      line = line.split("#", 1)[0]
+      if "-m dlion_jax.train" in line and "--help" not in line:
+        commands.append(shlex.split(line.split("-m dlion_jax.train", 1)[1]))
+  return commands
+
+
+def _run_dir(args: list[str]) -> str:
+  sets = [args[i + 1] for i, a in enumerate(args) if a == "--set"]
+  dirs = [s.split("=", 1)[1] for s in sets if s.startswith("run_dir=")]
+  if dirs:
+    return dirs[-1]
+  config = args[args.index("--config") + 1] if "--config" in args else (
+      "quickstart")
+  return f"runs/{config}"
+
+
+def test_doc_commands_run_in_order_never_reuse_a_run_dir():
+  """A reader running the README's (or docs/training.md's) commands one
+  after the other: each new run has its own run_dir (a run refuses one
+  that holds another), unless it continues or overwrites it."""
+  for doc in (ROOT / "README.md", ROOT / "docs" / "training.md"):
+    commands = _train_commands(doc.read_text())
+    assert commands, doc
+    fresh = [_run_dir(c) for c in commands
+             if "--resume" not in c and "--overwrite" not in c]
+    assert len(fresh) == len(set(fresh)), (doc.name, fresh)
