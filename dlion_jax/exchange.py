@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from dlion_jax import accounting
 from dlion_jax import packing
@@ -71,18 +72,22 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
                  vote: accounting.VoteCode,
-                 leaf_sizes: Sequence[int] | None = None) -> str:
+                 leaf_sizes: Sequence[int] | None = None,
+                 gathers: bool = True) -> str:
   """Maps ``comm='auto'`` to the strategy that sends the fewest bytes.
 
   With ``leaf_sizes`` the exact message sizes, padding included, decide (on
   a small model padding can outweigh the asymptotic figure); without, the
   bits per parameter of :func:`dlion_jax.accounting.vote_bits`. Ties go to
-  the strategy with fewer collectives (less latency).
+  the strategy with fewer collectives (less latency). ``gathers=False``
+  leaves out the strategies that all_gather (see :func:`can_gather`).
   """
   check_choice("comm", comm, COMM_CHOICES)
   if comm != "auto":
     return comm
   by_latency = ("allgather", "psum", "alltoall", "psum_int8")
+  if not gathers:
+    by_latency = ("psum", "psum_int8")
   def cost(c):
     if leaf_sizes is not None:
       return accounting.message_bytes(leaf_sizes, num_workers,
@@ -91,6 +96,16 @@ def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
     return round(accounting.vote_bits(num_workers, aggregation=aggregation,
                                       vote=vote, comm=c), 9)
   return min(by_latency, key=cost)
+
+
+def can_gather(axis_name: AxisName) -> bool:
+  """Whether ``all_gather``/``all_to_all`` run over ``axis_name``: not over a
+  tuple of several axes of which some are bound by ``vmap`` (mesh axes
+  under ``shard_map`` and a single vmapped axis are fine)."""
+  if not isinstance(axis_name, tuple) or len(axis_name) < 2:
+    return True
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  return all(a in manual for a in axis_name)
 
 
 def _signed_sum(code_sum: jax.Array, num_workers: int,
@@ -210,8 +225,16 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     ``s`` in ``[-N L, N L]``, or ``sign(s)`` (majority vote through
     ``alltoall``).
   """
+  gathers = can_gather(axis_name)
+  if not gathers and comm in ("alltoall", "allgather"):
+    raise ValueError(
+        f"comm={comm!r} cannot vote over axis_name={axis_name!r}, a tuple of "
+        "axes bound by nested jax.vmap: jax's all_gather and all_to_all take "
+        "one vmapped axis at a time (they fail with 'axis size doesn't "
+        "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
+        "or vote over mesh axes inside jax.shard_map.")
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote,
-                      leaf_sizes=[c.size for c in codes])
+                      leaf_sizes=[c.size for c in codes], gathers=gathers)
   parts = [_message_part(c, comm, num_workers, vote) for c in codes]
   # Written in place into a zero (padded) buffer rather than concatenated:
   # XLA:CPU fuses a concatenate with the packing into one slow loop.
@@ -251,16 +274,22 @@ def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str,
 
 def sign_of_mean(leaves: list[jax.Array], *,
                  axis_name: AxisName) -> list[jax.Array]:
-  """``sign(sum_i c_i)`` per leaf through one float32 ``psum``: exact Lion.
+  """``sign(sum_i c_i)`` per leaf through one ``psum``: exact Lion.
 
   Used for leaves too small for packing to pay (``min_compress_size``).
+  Summed in float32, float64 leaves in float64 (a second ``psum``).
   """
-  flat = jnp.concatenate([x.astype(jnp.float32).ravel() for x in leaves])
-  total = jnp.sign(lax.psum(flat, axis_name))
-  out, offset = [], 0
-  for x in leaves:
-    out.append(total[offset:offset + x.size].reshape(x.shape).astype(x.dtype))
-    offset += x.size
+  out = [None] * len(leaves)
+  for dtype in sorted({quantize.scale_dtype(x.dtype) for x in leaves}, key=str):
+    group = [i for i, x in enumerate(leaves)
+             if quantize.scale_dtype(x.dtype) == dtype]
+    flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in group])
+    total = jnp.sign(lax.psum(flat, axis_name))
+    offset = 0
+    for i in group:
+      x = leaves[i]
+      out[i] = total[offset:offset + x.size].reshape(x.shape).astype(x.dtype)
+      offset += x.size
   return out
 
 
@@ -281,15 +310,34 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
   voted = [i for i, x in enumerate(leaves)
            if x.size > 0 and x.size >= min_compress_size]
   if exact:
-    for i, d in zip(exact, sign_of_mean([leaves[i] for i in exact],
+    for i, d in zip(exact, sign_of_mean([_whole(leaves[i]) for i in exact],
                                         axis_name=axis_name)):
-      out[i] = d
+      out[i] = _like(d, leaves[i])
   if voted:
-    codes = [quantize.encode(leaves[i].ravel(), vote) for i in voted]
+    codes = [_whole(quantize.encode(leaves[i], vote)).ravel() for i in voted]
     sums = exchange_votes(codes, axis_name=axis_name, num_workers=num_workers,
                           vote=vote, aggregation=aggregation, comm=comm)
     for i, s in zip(voted, sums):
       x = leaves[i]
-      out[i] = _finalize(s, num_workers, aggregation, vote,
-                         x.dtype).reshape(x.shape)
+      out[i] = _like(_finalize(s, num_workers, aggregation, vote,
+                               x.dtype).reshape(x.shape), x)
   return jax.tree.unflatten(treedef, out)
+
+
+def _explicit_spec(x: jax.Array):
+  """The leaf's partition over explicitly sharded mesh axes, or None."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  return spec if spec is not None and any(p is not None for p in spec) else None
+
+
+def _whole(x: jax.Array) -> jax.Array:
+  """``x`` gathered over the explicit mesh axes it is sharded on (a model
+  axis beside the data axis): a worker votes on whole leaves. Codes are
+  gathered rather than gradients, at a byte per parameter."""
+  return x if _explicit_spec(x) is None else jax.sharding.reshard(x, P())
+
+
+def _like(d: jax.Array, x: jax.Array) -> jax.Array:
+  """The update ``d`` sharded as its leaf ``x`` (see :func:`_whole`)."""
+  spec = _explicit_spec(x)
+  return d if spec is None else jax.sharding.reshard(d, spec)

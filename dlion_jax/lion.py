@@ -69,9 +69,15 @@ def _min_compress_size(value) -> int:
 
 
 def _residual(p, d, dtype):
-  """``p - mean|p| * D``: what the worker meant minus what was applied."""
+  """``p - mean|p| * D``: what the worker meant minus what was applied.
+
+  A non-finite ``p`` leaves a residual of 0 rather than one that would
+  feed the NaN back on every later step.
+  """
+  wide = quantize.scale_dtype(p.dtype)
   scale = quantize.l1_scale(p)
-  return (p.astype(jnp.float32) - scale * d.astype(jnp.float32)).astype(dtype)
+  residual = p.astype(wide) - scale * d.astype(wide)
+  return jnp.where(jnp.isfinite(residual), residual, 0).astype(dtype)
 
 
 def scale_by_distributed_lion(
@@ -213,8 +219,10 @@ def scale_by_distributed_lion(
     check_float_leaves(params, "params")
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     count = jnp.zeros([], jnp.int32)
-    if error_feedback:
-      return ErrorFeedbackState(count=count, mu=mu, error=mu)
+    if error_feedback:   # a buffer of its own, so the state can be donated
+      return ErrorFeedbackState(
+          count=count, mu=mu,
+          error=optax.tree.zeros_like(params, dtype=mu_dtype))
     return DistributedLionState(count=count, mu=mu)
 
   def vote(pre_sign, num_workers):

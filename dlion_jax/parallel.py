@@ -90,8 +90,13 @@ def _axis_size(mesh: Mesh, axis_name: str) -> int:
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
-  """Places ``tree`` on every device of ``mesh`` (``P()``)."""
-  return jax.device_put(tree, NamedSharding(mesh, P()))
+  """A copy of ``tree`` on every device of ``mesh`` (``P()``).
+
+  Always a copy, never the caller's own buffers: the steps of this module
+  donate their params, which would otherwise delete the caller's arrays
+  (say, initial params meant for a second run).
+  """
+  return jax.device_put(tree, NamedSharding(mesh, P()), may_alias=False)
 
 
 def shard_batch(batch: Any, mesh: Mesh, *, axis_name: str = "data") -> Any:
@@ -179,15 +184,26 @@ def apply_if_finite(inner: optax.GradientTransformation,
   def update_fn(updates, state, params=None, **extra_args):
     local_ok = jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+    _check_bound(axis_name)
     bad_workers = lax.psum((~local_ok).astype(jnp.int32), axis_name)
     isfinite = bad_workers == 0
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
                                 optax.safe_increment(state.notfinite_count))
+    # Traced once; the skip branch returns zeros typed like the inner
+    # update, which may differ from the gradients (bf16 params, f32 mu).
+    args = (updates, state.inner_state, params, extra_args)
+    closed, out_shape = jax.make_jaxpr(
+        lambda u, s, p, e: inner.update(u, s, p, **e),
+        return_shape=True)(*args)
+    def apply():
+      flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+      return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
+    def skip():
+      zeros = jax.tree.map(lambda g, u: jnp.zeros_like(g, dtype=u.dtype),
+                           updates, out_shape[0])
+      return zeros, state.inner_state
     updates, inner_state = lax.cond(
-        isfinite | (notfinite_count > max_consecutive_errors),
-        lambda: inner.update(updates, state.inner_state, params,
-                             **extra_args),
-        lambda: (optax.tree.zeros_like(updates), state.inner_state))
+        isfinite | (notfinite_count > max_consecutive_errors), apply, skip)
     return updates, optax.ApplyIfFiniteState(
         notfinite_count=notfinite_count, last_finite=isfinite,
         total_notfinite=jnp.where(isfinite, state.total_notfinite,
@@ -195,6 +211,19 @@ def apply_if_finite(inner: optax.GradientTransformation,
         inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _check_bound(axis_name) -> None:
+  """Raises a NameError saying which argument names the unbound axis."""
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    raise NameError(
+        f"dl.apply_if_finite: axis_name={axis_name!r} is not bound here. "
+        "It must be the axis the workers share, the one the guarded "
+        "optimizer votes over: pass it, e.g. dl.apply_if_finite(tx, 5, "
+        "axis_name='batch') for dl.distributed_lion(lr, axis_name='batch')."
+    ) from None
 
 
 def global_array(value: Any, sharding: NamedSharding) -> Any:
@@ -410,16 +439,23 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       devices=mesh.devices.flat)
 
 
-def _check_worker_states(state: Any, n: int) -> None:
-  """Raises a ValueError unless every state leaf has a leading axis of n."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
+                        fix: str) -> None:
+  """Raises a ValueError naming the first leaf without a leading axis n."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
     shape = np.shape(leaf)
     if not shape or shape[0] != n:
       raise ValueError(
-          f"optimizer state leaf {jax.tree_util.keystr(path) or '<root>'} "
-          f"has shape {shape}; the step wants every worker's state stacked "
-          f"on a leading axis of size {n}. Build it with "
-          "parallel.init_worker_states(tx, params, mesh), not tx.init(params).")
+          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+          f"{shape}; the step wants {wants} on a leading axis of size {n}. "
+          f"{fix}")
+
+
+def _check_worker_states(state: Any, n: int) -> None:
+  _check_leading_axis(
+      state, n, "optimizer state", "every worker's state stacked",
+      "Build it with parallel.init_worker_states(tx, params, mesh), not "
+      "tx.init(params).")
 
 
 def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
@@ -488,4 +524,19 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   step = jax.pmap(local_step, axis_name=axis_name, devices=devices,
                   donate_argnums=(0, 1) if donate else ())
-  return limit_in_flight(step, devices=devices)
+  n = jax.local_device_count() if devices is None else len(devices)
+
+  @functools.wraps(step)          # keeps pmap's lower, trace, ...
+  def checked_step(params, state, batch):
+    stacked = "a copy for each of its devices stacked"
+    _check_leading_axis(
+        params, n, "params", stacked,
+        f"Build it with parallel.replicate_for_pmap(params, {n}).")
+    _check_leading_axis(state, n, "optimizer state", stacked,
+                        "Build it with parallel.init_pmap_states(tx, params, "
+                        f"{n}).")
+    _check_leading_axis(batch, n, "batch", "each device's batch",
+                        f"Reshape it to [{n}, local_batch, ...].")
+    return step(params, state, batch)
+
+  return limit_in_flight(checked_step, devices=devices)

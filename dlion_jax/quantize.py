@@ -16,9 +16,10 @@ A worker's vote on one parameter is a *level* ``q`` and travels as the digit
 The scale ``a`` is computed per worker and per leaf and is not sent: the
 vote sums levels, ``D = sign(sum_i q_i)`` (MaVo) or
 ``D = sum_i q_i / (N L)`` (Avg, in ``[-1, 1]`` like Lion's update).
-Non-finite entries abstain (``q = 0``) except under the binary sign vote,
-where NaN votes ``-1``; a non-finite entry makes ``a`` non-finite, so the
-worker abstains on that whole leaf.
+The scale counts non-finite entries as 0, so they touch only their own
+coordinates: NaN abstains (``q = 0``; the binary sign vote sends ``-1``),
+``+-Inf`` sends ``+-L`` (the sign vote ``+-1``). ``a`` is taken in float32,
+or in float64 for float64 leaves.
 
 Reference: Ishikawa, Ben-Nun, Van Essen, Yokota, Dryden, `Lion Cub:
 Minimizing Communication Overhead in Distributed Lion
@@ -47,15 +48,23 @@ def vote_code(quantizer: str = "sign", *, vote: str = "binary",
   return accounting.vote_code(quantizer, vote=vote, bits=bits)
 
 
-def l1_scale(c: jax.Array) -> jax.Array:
-  """Mean absolute value of a leaf, in float32 (the per-leaf scale ``a``).
+def scale_dtype(dtype) -> jnp.dtype:
+  """float32, or the leaf's own dtype where that is wider (float64)."""
+  return jnp.promote_types(dtype, jnp.float32)
 
-  ``sum |c|`` times the float32 constant ``1 / size``: a fixed rounding that
-  a reference can reproduce (a division by the size may or may not be turned
+
+def l1_scale(c: jax.Array) -> jax.Array:
+  """Mean absolute value of a leaf, non-finite entries counted as 0 (the
+  per-leaf scale ``a``), in :func:`scale_dtype`.
+
+  ``sum |c|`` times the constant ``1 / size``: a fixed rounding that a
+  reference can reproduce (a division by the size may or may not be turned
   into that product by the compiler).
   """
-  x = jnp.abs(c.astype(jnp.float32))
-  return jnp.sum(x) * jnp.float32(1.0 / max(x.size, 1))
+  dtype = scale_dtype(c.dtype)
+  x = jnp.abs(c.astype(dtype))
+  x = jnp.where(jnp.isfinite(x), x, 0)
+  return jnp.sum(x) * dtype.type(1.0 / max(x.size, 1))
 
 
 def sign_codes(c: jax.Array, vote: str) -> jax.Array:
@@ -73,10 +82,12 @@ def sign_codes(c: jax.Array, vote: str) -> jax.Array:
 
 
 def l1_levels(c: jax.Array, max_level: int) -> jax.Array:
-  """``clip(round(L * c / mean|c|), -L, L)`` as float32; 0 where undefined."""
-  x = c.astype(jnp.float32)
+  """``clip(round(L * c / mean|c|), -L, L)`` in :func:`scale_dtype`; 0 where
+  undefined (NaN, or a leaf whose finite entries are all 0)."""
+  dtype = scale_dtype(c.dtype)
+  x = c.astype(dtype)
   scale = l1_scale(x)
-  ratio = x * (jnp.float32(max_level) / scale)
+  ratio = x * (dtype.type(max_level) / scale)
   q = jnp.clip(jnp.round(ratio), -max_level, max_level)
   return jnp.where(jnp.isnan(q) | ~(scale > 0), 0.0, q)
 

@@ -4,8 +4,11 @@ Distributed Lion keeps one momentum per worker and never sends it; the
 momenta drift apart, each following its own data. Lion Cub (Ishikawa et al.,
 ICML 2025) averages them now and then: at the steps of a schedule, every
 worker replaces (some of) its momentum leaves by their mean over the workers,
-a ``pmean`` in ``mu_dtype``. A schedule says at which steps ``t = 1, 2, ...``
-(the t-th update, counted on every worker alike) that happens:
+a ``pmean`` in ``mu_dtype``. Non-finite entries count as 0 in that mean, so a
+sync repairs a worker whose momentum a NaN or Inf gradient has spoiled
+instead of spreading it to every worker. A schedule says at which steps
+``t = 1, 2, ...`` (the t-th update, counted on every worker alike) that
+happens:
 
 * :func:`every_k_steps` ``(k)``: ``t = k, 2k, 3k, ...``
 * :func:`growing_intervals` ``(k)``: ``T_0 = 1``,
@@ -141,9 +144,14 @@ def resolve_mask(mask: Any, tree: Any) -> list[bool]:
   try:
     flags = treedef.flatten_up_to(mask)
   except (ValueError, TypeError) as e:
+    single = jax.tree_util.treedef_is_leaf(jax.tree.structure(mask))
+    hint = (" Under optax.inject_hyperparams a function is taken for a "
+            "schedule and called with the step count: list it in "
+            "static_args, e.g. static_args=('momentum_sync_mask',)."
+            if single else "")
     raise ValueError(
         "momentum_sync_mask must have the structure of the params (or be a "
-        f"function of the params returning one): {e}") from None
+        f"function of the params returning one): {e}{hint}") from None
   for flag in flags:
     if not isinstance(flag, (bool, np.bool_)):
       raise TypeError(
@@ -162,8 +170,14 @@ def _varying_axes(x: jax.Array) -> frozenset:
 
 
 def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
-  """``pmean`` typed like its inputs (per-worker under ``check_vma``)."""
-  means = jax.lax.pmean(xs, axis_name)
+  """``pmean`` with non-finite entries counted as 0, typed like its inputs
+  (per-worker under ``check_vma``).
+
+  A worker whose momentum went NaN or Inf (a bad gradient) would otherwise
+  hand it to every worker for good; this way the sync repairs it.
+  """
+  means = jax.lax.pmean([jnp.where(jnp.isfinite(x), x, 0) for x in xs],
+                        axis_name)
   out = []
   for x, m in zip(xs, means):
     lost = tuple(_varying_axes(x) - _varying_axes(m))

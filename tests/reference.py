@@ -60,6 +60,13 @@ def max_level(quantizer: str, bits: int | None) -> int:
   return 1
 
 
+def _l1_scale(x: np.ndarray) -> np.float32:
+  """mean |x| with non-finite entries counted as 0: float32 sum * (1/size)."""
+  finite = np.where(np.isfinite(x), np.abs(x), 0)
+  total = np.float32(np.sum(finite, dtype=np.float64))
+  return total * np.float32(1.0 / max(x.size, 1))
+
+
 def l1_vote(c: np.ndarray, level: int) -> np.ndarray:
   """clip(round(L c / a), -L, L), a = mean |c| as float32 sum * (1 / size).
 
@@ -67,8 +74,7 @@ def l1_vote(c: np.ndarray, level: int) -> np.ndarray:
   values on a coarse dyadic grid so that it is).
   """
   x = np.asarray(c, np.float32)
-  total = np.float32(np.sum(np.abs(x), dtype=np.float64))
-  scale = total * np.float32(1.0 / max(x.size, 1))
+  scale = _l1_scale(x)
   if not scale > 0:
     return np.zeros(x.shape, np.int64)
   with np.errstate(invalid="ignore"):
@@ -138,13 +144,15 @@ class DistributedLionReference:
     """p_i = c_i + e_i before the vote; e_i <- p_i - mean|p_i| * D after."""
     for i, c in enumerate(cs):
       p = np.asarray(c, np.float32)
-      scale = np.float32(np.sum(np.abs(p), dtype=np.float64) / max(p.size, 1))
-      self.error[i][k] = (p - scale * d.astype(np.float32)).astype(
+      with np.errstate(invalid="ignore"):
+        e = p - _l1_scale(p) * d.astype(np.float32)
+      self.error[i][k] = np.where(np.isfinite(e), e, 0).astype(
           self.error[i][k].dtype)
 
   def sync(self):
     for k in self.sync_leaves:
-      mean = np.mean([m[k].astype(np.float64) for m in self.mu], axis=0)
+      mean = np.mean([np.where(np.isfinite(m[k]), m[k], 0).astype(np.float64)
+                      for m in self.mu], axis=0)
       for m in self.mu:
         m[k] = mean.astype(m[k].dtype)
 

@@ -144,3 +144,88 @@ def test_chain_with_clipping(comm):
   for k in SHAPES:
     assert all(np.array_equal(p[k][0], p[k][i]) for i in range(N))
     np.testing.assert_allclose(p[k][0], ref.params[k], rtol=1e-6)
+
+
+def test_error_feedback_state_can_be_donated():
+  """Was: init put the same zeros array in mu and error, and
+  ``jit(..., donate_argnums=...)`` refused to donate it twice."""
+  tx = dl.distributed_lion(0.1, error_feedback=True)
+  params = {"w": jnp.ones(5)}
+
+  def step(p, s, g):
+    u, s = tx.update(g, s, p)
+    return optax.apply_updates(p, u), s
+  state = tx.init(params)
+  assert state[0].mu["w"] is not state[0].error["w"]
+  p, _ = jax.jit(step, donate_argnums=(0, 1))(params, state, {"w": jnp.ones(5)})
+  np.testing.assert_allclose(p["w"], 0.8999, rtol=1e-6)
+
+
+@pytest.mark.parametrize("comm", ["alltoall", "allgather", "psum",
+                                  "psum_int8", "auto"])
+def test_explicit_data_by_model_mesh(comm):
+  """Gradients sharded over an Explicit "model" axis beside the vote's
+  "data" axis (``shard_map(axis_names={"data"})``). Was: ShardingTypeError
+  from the message assembly (or the reshape of a sharded leaf). Now every
+  strategy votes on whole leaves and hands the update back sharded like
+  the leaf, equal to the vote of the same gradients unsharded."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  mesh = jax.make_mesh((4, 2), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2)
+  specs = {"w": P("data", None, "model"), "v": P("data", "model"),
+           "b": P("data")}
+  rng = np.random.default_rng(0)
+  grads = {"w": rng.normal(size=(4, 6, 10)), "v": rng.normal(size=(4, 14)),
+           "b": rng.normal(size=(4, 7))}
+  grads = {k: v.astype(np.float32) for k, v in grads.items()}
+  for aggregation in ("mavo", "avg"):
+    tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
+                                      aggregation=aggregation, b1=0.0,
+                                      min_compress_size=8)
+
+    def local(g):
+      g = jax.tree.map(lambda x: x[0], g)
+      u, _ = tx.update(g, tx.init(jax.tree.map(jnp.zeros_like, g)))
+      return jax.tree.map(lambda x: x[None], u)
+    with jax.set_mesh(mesh):
+      sharded = {k: jax.device_put(v, NamedSharding(mesh, specs[k]))
+                 for k, v in grads.items()}
+      out = jax.jit(jax.shard_map(
+          local, mesh=mesh, in_specs=P("data"), out_specs=P("data"),
+          axis_names={"data"}))(sharded)
+    assert jax.typeof(out["w"]).sharding.spec == specs["w"]
+    ref = jax.vmap(lambda g: dl.scale_by_distributed_lion(
+        axis_name="data", comm="psum", aggregation=aggregation, b1=0.0,
+        min_compress_size=8).update(g, tx.init(g))[0], axis_name="data")(
+            grads)
+    for k in grads:
+      np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(ref[k]),
+                                    err_msg=f"{aggregation} {k}")
+
+
+@pytest.mark.parametrize("comm", ["psum", "psum_int8", "auto"])
+def test_tuple_axis_under_nested_vmap(comm):
+  """jax's all_gather/all_to_all take one vmapped axis at a time: the psum
+  strategies vote over nested vmaps, and 'auto' picks one of them even
+  where the message would favour alltoall."""
+  rng = np.random.default_rng(0)
+  g = rng.normal(size=(2, 3, 4096)).astype(np.float32)
+  tx = dl.scale_by_distributed_lion(axis_name=("a", "b"), comm=comm, b1=0.0)
+  u = jax.vmap(jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name="b"),
+               axis_name="a")(g)
+  want = np.sign(np.where(g > 0, 1, -1).sum((0, 1)))
+  np.testing.assert_array_equal(np.asarray(u).reshape(6, -1),
+                                np.broadcast_to(want, (6, 4096)))
+  assert dl.exchange.resolve_comm("auto", 6, aggregation="mavo",
+                                  vote="binary", leaf_sizes=[4096]) == (
+                                      "alltoall")
+
+
+@pytest.mark.parametrize("comm", ["alltoall", "allgather"])
+def test_tuple_axis_under_nested_vmap_refuses_gathers(comm):
+  tx = dl.scale_by_distributed_lion(axis_name=("a", "b"), comm=comm)
+  with pytest.raises(ValueError, match=(
+      rf"comm='{comm}' cannot vote over axis_name=\('a', 'b'\), a tuple of "
+      r"axes bound by nested jax.vmap.*Use comm='psum'")):
+    jax.vmap(jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name="b"),
+             axis_name="a")(jnp.ones((2, 3, 5)))

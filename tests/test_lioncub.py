@@ -342,3 +342,49 @@ def test_shape_options_under_inject_hyperparams_need_static_args():
   np.testing.assert_array_equal(
       run(static(learning_rate=0.1, axis_name=AXIS, quantizer="pbit_l1",
                  bits=4)), run(plain))
+
+
+def test_sync_mask_function_under_inject_hyperparams_says_static_args():
+  """inject_hyperparams takes a callable for a schedule and calls it with
+  the step count; the error says to list the mask in static_args, and with
+  it listed the mask works."""
+  params = {"embed": jnp.ones(3), "w": jnp.ones(4)}
+  grads = jax.tree.map(lambda x: jnp.stack([x, -x]), params)
+
+  def run(static_args):
+    tx = optax.inject_hyperparams(dl.distributed_lion,
+                                  static_args=static_args)(
+        learning_rate=0.1, axis_name="d", momentum_sync=1,
+        momentum_sync_mask=dl.sync.leaves_matching("embed"))
+    return jax.vmap(lambda g: tx.update(g, tx.init(params), params)[1],
+                    axis_name="d")(grads)
+  with pytest.raises(ValueError, match=(
+      r"momentum_sync_mask must have the structure of the params.*Under "
+      r"optax.inject_hyperparams a function is taken for a schedule.*"
+      r"static_args=\('momentum_sync_mask',\)")):
+    run(())
+  mu = run(("momentum_sync_mask",)).inner_state[0].mu
+  np.testing.assert_array_equal(mu["embed"], 0.0)         # synced: +g - g
+  assert (np.asarray(mu["w"][0]) > 0).all()               # not synced
+
+
+def test_float64_leaves_are_scaled_and_summed_in_float64():
+  """Was: exact small leaves were summed in float32 (0.1 + 1e-12 against
+  -0.1 gave D = 0; 3e38-sized values gave NaN) and the L1 scale was taken in
+  float32 (a finite 1e300 made the worker abstain on the whole leaf)."""
+  with jax.enable_x64(True):
+    exact = jnp.array([[0.1 + 1e-12, 1e300, 3e38, 2.0],
+                       [-0.1, -1e300, 3e38, 1.0]], jnp.float64)
+    tx = dl.scale_by_distributed_lion(axis_name="w", b1=0.0,
+                                      min_compress_size=10)
+    d = jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name="w")(exact)
+    np.testing.assert_array_equal(d[0], [1.0, 0.0, 1.0, 1.0])
+    assert d.dtype == jnp.float64
+    big = jnp.array([[1e300, 1.0, -1.0, 2.0]] * 3, jnp.float64)
+    for quantizer, bits in (("ternary_l1", None), ("pbit_l1", 4)):
+      tx = dl.scale_by_distributed_lion(axis_name="w", b1=0.0, bits=bits,
+                                        quantizer=quantizer,
+                                        aggregation="avg")
+      d = jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name="w")(big)
+      # mean |c| = 2.5e299: 1e300 saturates, the small entries round to 0.
+      np.testing.assert_array_equal(d[0], [1.0, 0.0, 0.0, 0.0])

@@ -192,3 +192,77 @@ def test_unguarded_nan_in_an_exact_small_leaf_reaches_every_worker():
   assert np.isfinite(params["w"]).all()               # 15 >= 10: voted
   np.testing.assert_array_equal(np.isnan(params["b"][0]),
                                 np.isnan(params["b"][BAD_WORKER]))
+
+
+def _nan_once_then_ones(steps, bad=np.nan):
+  """Worker 1's gradient is ``bad`` at w[0, 0] on step 1; every gradient is
+  +1 otherwise, so every coordinate should fall at the same pace."""
+  seq = [{k: np.ones((N,) + s, np.float32) for k, s in SHAPES.items()}
+         for _ in range(steps)]
+  seq[0]["w"][BAD_WORKER, 0, 0] = bad
+  return seq
+
+
+@pytest.mark.parametrize("vote", ["binary", "ternary"])
+def test_momentum_sync_repairs_a_nan_momentum_instead_of_spreading_it(vote):
+  """Was: the sync averaged worker 1's NaN into every worker's momentum, so
+  from then on every worker voted -1 (binary) or abstained (ternary) there
+  for good: after 21 steps w[0, 0] was at +1.9 while the rest were at -2.1.
+  Now a non-finite entry counts as 0 in the mean and the momenta heal."""
+  seq = _nan_once_then_ones(21)
+  tx = dl.distributed_lion(0.1, weight_decay=0.0, axis_name=AXIS, vote=vote,
+                           momentum_sync=1)
+  params, state, updates = run_on_mesh({"t": tx}, _params(), seq, N)["t"]
+  ref = DistributedLionReference(_params(), N, learning_rate=0.1,
+                                 weight_decay=0.0, vote=vote,
+                                 sync_steps=range(1, 22))
+  for g in seq:
+    ref.step([{k: v[i] for k, v in g.items()} for i in range(N)])
+  for u in updates[1:]:                          # every step after the NaN
+    np.testing.assert_array_equal(u["w"][:, 0, 0], np.float32(-0.1))  # as
+  assert np.isfinite(state[0].mu["w"]).all()     # the rest; healed
+  for i in range(N):
+    np.testing.assert_array_equal(params["w"][i], ref.params["w"])
+    np.testing.assert_array_equal(state[0].mu["w"][i], ref.mu[i]["w"])
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf])
+def test_error_feedback_keeps_a_bad_entry_to_its_coordinate(bad):
+  """Was: one NaN/+Inf made worker 1's L1 scale non-finite, its whole error
+  buffer NaN for good, and D = 1/3 instead of 1 on every coordinate (avg,
+  N = 3). Now the scale ignores it and the residual there is 0."""
+  seq = _nan_once_then_ones(6, bad)
+  tx = dl.distributed_lion(0.1, weight_decay=0.0, axis_name=AXIS,
+                           aggregation="avg", error_feedback=True)
+  _, state, updates = run_on_mesh({"t": tx}, _params(), seq, N)["t"]
+  assert np.isfinite(state[0].error["w"]).all()
+  assert np.isfinite(state[0].error["b"]).all()
+  last = updates[-1]["w"][0] / np.float32(-0.1)     # D, every coordinate
+  np.testing.assert_array_equal(last.ravel()[1:], 1.0)
+  assert last[0, 0] == (1.0 if bad == np.inf else 0.5)   # NaN momentum: -1
+
+
+def test_guard_accepts_bf16_params_with_float32_momentum():
+  """Was: the update came out float32 and the skip branch returned bf16
+  zeros, so lax.cond raised 'branches must have equal output types'."""
+  params = {k: v.astype(jax.numpy.bfloat16) for k, v in _params().items()}
+  tx = dl.apply_if_finite(dl.distributed_lion(LR, axis_name=AXIS,
+                                              mu_dtype=np.float32), 3)
+  seq = [{k: v.astype(jax.numpy.bfloat16) for k, v in g.items()}
+         for g in (_grads(1), _grads(2, np.nan), _grads(3))]
+  out, state, updates = run_on_mesh({"t": tx}, params, seq, N)["t"]
+  assert updates[0]["w"].dtype == np.float32
+  np.testing.assert_array_equal(updates[1]["w"], 0.0)       # skipped
+  assert int(state.total_notfinite[0]) == 1
+  assert out["w"].dtype == jax.numpy.bfloat16 and np.isfinite(
+      out["w"].astype(np.float32)).all()
+
+
+def test_guard_on_another_axis_names_the_argument():
+  tx = dl.apply_if_finite(dl.distributed_lion(LR, axis_name="w"), 3)
+  p = _params()
+  with pytest.raises(NameError, match=(
+      r"dl.apply_if_finite: axis_name='data' is not bound here\. It must be "
+      r"the axis the workers share")):
+    jax.vmap(lambda g: tx.update(g, tx.init(p), p), axis_name="w")(
+        _grads(0))

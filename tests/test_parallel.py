@@ -272,3 +272,39 @@ def test_limit_in_flight_waits_for_the_oldest_call():
 
 class _FakeGpu:
   platform = "gpu"
+
+
+def test_replicate_copies_so_a_donating_step_spares_the_callers_arrays():
+  """Was: ``replicate`` of arrays already placed so returned the caller's
+  own buffers; the step donated them and the caller's initial params were
+  deleted ("Array has been deleted" when reused for a second run)."""
+  params, batches = make_problem()
+  mesh = parallel.data_mesh(N)
+  initial = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+  for _ in range(2):                           # two runs from the same start
+    tx = dl.distributed_lion(1e-2, axis_name="data")
+    p = parallel.replicate(initial, mesh)
+    state = parallel.init_worker_states(tx, p, mesh)
+    step = parallel.make_train_step(loss_fn, tx, mesh)
+    p, state, loss = step(p, state, parallel.shard_batch(batches[0], mesh))
+    assert np.isfinite(float(loss))
+  assert not any(x.is_deleted() for x in jax.tree.leaves(initial))
+
+
+def test_pmap_step_on_fewer_devices_names_the_stacking():
+  """Was: jax's "cannot select an axis to squeeze out" when params were
+  stacked for all 8 devices and the step maps over 4."""
+  params, batches = make_problem()
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  step = parallel.make_pmap_train_step(loss_fn, tx, devices=jax.devices()[:N])
+  local = jax.tree.map(lambda x: x.reshape((N, -1) + x.shape[1:]), batches[0])
+  with pytest.raises(ValueError, match=(
+      r"params leaf \['b'\] has shape \(8,\); the step wants a copy for each "
+      r"of its devices stacked on a leading axis of size 4\. Build it with "
+      r"parallel.replicate_for_pmap\(params, 4\)\.")):
+    step(parallel.replicate_for_pmap(params),
+         parallel.init_pmap_states(tx, params, N), local)
+  with pytest.raises(ValueError, match=r"batch leaf \['x'\] has shape "
+                     r"\(32, 37\).*Reshape it to \[4, local_batch, \.\.\.\]"):
+    step(parallel.replicate_for_pmap(params, N),
+         parallel.init_pmap_states(tx, params, N), batches[0])
