@@ -64,6 +64,15 @@ def test_resume_equals_uninterrupted(tmp_path):
   assert not np.array_equal(first[0], first[1])   # per-worker momenta saved
 
 
+def test_two_runs_are_bit_identical(tmp_path):
+  """The README's claim: on one machine, the same config trains the same
+  parameters to the last bit (seeded split, data order and weights)."""
+  runs = [trainer.train(quick_config(tmp_path / name), progress=False,
+                        log=lambda *_: None) for name in ("a", "b")]
+  chex.assert_trees_all_equal(runs[0]["params"], runs[1]["params"])
+  assert runs[0]["summary"] == runs[1]["summary"]
+
+
 @pytest.mark.parametrize("name", ["lion", "adamw", "sgd", "signum"])
 def test_every_optimizer_trains(tmp_path, name):
   cfg = quick_config(tmp_path, f"optimizer.name={name}", "train.steps=6",

@@ -172,3 +172,12 @@ def test_locate_finds_keys_and_their_sections(tmp_path):
   assert locate(path, "model.dim") == f"{path}, line 3"
   assert locate(path, "train.steps") is None
   assert locate(None, "seed") is None
+
+
+def test_binary_config_file_is_a_config_error(tmp_path, capsys):
+  binary = tmp_path / "model.bin"
+  binary.write_bytes(b"name: x\n\xff\xfe")
+  assert cli.main(["--config", str(binary)]) == 2
+  assert capsys.readouterr().err.splitlines() == [
+      f"config error: {binary}: not a UTF-8 text file (byte 8); --config "
+      "takes a YAML file."]
