@@ -323,31 +323,84 @@ _COLLECTIVES = frozenset({
     "reduce_scatter"})
 
 
-def _communicates(jaxpr, axis_name) -> bool:
-  """Whether ``jaxpr`` (or one nested in it) has a collective over the axis."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name in _COLLECTIVES:
-      axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-      if axis_name in (axes if isinstance(axes, (tuple, list)) else (axes,)):
-        return True
-  return any(_communicates(sub, axis_name) for sub in jex.subjaxprs(jaxpr))
+def _exchanges(eqn, axis_name) -> bool:
+  """Whether ``eqn`` is, or holds, a collective over ``axis_name``."""
+  if eqn.primitive.name in _COLLECTIVES:
+    axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+    if axis_name in (axes if isinstance(axes, (tuple, list)) else (axes,)):
+      return True
+  return any(_exchanges(inner, axis_name)
+             for sub in jex.jaxprs_in_params(eqn.params) for inner in sub.eqns)
+
+
+def _depends_on_exchange(jaxpr, outvars, axis_name) -> bool:
+  """Whether ``outvars`` of ``jaxpr`` are computed from a collective over
+  ``axis_name`` (a backward walk over the equations that produce them)."""
+  needed = {v for v in outvars if isinstance(v, jex.Var)}
+  for eqn in reversed(jaxpr.eqns):
+    if not needed.intersection(eqn.outvars):
+      continue
+    if _exchanges(eqn, axis_name):
+      return True
+    needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
+  return False
+
+
+def _exchange_error(axis_name, num_workers) -> ValueError:
+  return ValueError(
+      f"The optimizer exchanges nothing over axis {axis_name!r}: each of "
+      f"its {num_workers} workers would apply an update computed from its "
+      "own batch alone, and the replicated params would silently differ "
+      "from worker to worker. Build the optimizer with "
+      f"axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
+      f"axis_name={axis_name!r})), or chain a global optimizer after "
+      f"dl.parallel.pmean_gradients({axis_name!r}).")
+
+
+class _ExchangeCheck:
+  """A jitted ``shard_map`` step that, when first traced, checks that its
+  new params depend on a collective over the axis. It reads the trace jit
+  caches anyway, so the check costs no second trace."""
+
+  def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
+    functools.update_wrapper(self, jitted)
+    self._jitted, self._axis, self._n = jitted, axis_name, num_workers
+    self._checked = num_workers == 1
+
+  def trace(self, params, *args):
+    traced = self._jitted.trace(params, *args)
+    if not self._checked:
+      body = next(e for e in traced.jaxpr.jaxpr.eqns
+                  if e.primitive.name == "shard_map").params["jaxpr"]
+      new_params = body.outvars[:len(jax.tree.leaves(params))]
+      if not _depends_on_exchange(body, new_params, self._axis):
+        raise _exchange_error(self._axis, self._n)
+      self._checked = True
+    return traced
+
+  def lower(self, *args):
+    return self.trace(*args).lower()
+
+  def __call__(self, *args):
+    if not self._checked:
+      self.trace(*args)
+    return self._jitted(*args)
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
 
 
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                       *args) -> Any:
-  """``fn(*args)``, traced once; raises if it never communicates over the
-  axis, since each worker would then apply an update of its own data only.
-  """
+  """``fn(*args)``, traced once; raises if its first output (the new
+  params) does not depend on a collective over the axis. For ``pmap``,
+  which offers no trace to read: the jaxpr is evaluated in place of a
+  second trace."""
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  if num_workers > 1 and not _communicates(closed.jaxpr, axis_name):
-    raise ValueError(
-        f"The optimizer exchanges nothing over axis {axis_name!r}: each of "
-        f"its {num_workers} workers would apply an update computed from its "
-        "own batch alone, and the replicated params would silently differ "
-        "from worker to worker. Build the optimizer with "
-        f"axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
-        f"axis_name={axis_name!r})), or chain a global optimizer after "
-        f"dl.parallel.pmean_gradients({axis_name!r}).")
+  new_params = closed.jaxpr.outvars[:len(jax.tree.leaves(out_shape[0]))]
+  if num_workers > 1 and not _depends_on_exchange(closed.jaxpr, new_params,
+                                                  axis_name):
+    raise _exchange_error(axis_name, num_workers)
   flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
@@ -419,8 +472,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     state = jax.tree.map(lambda x: x[0], state)
     local_params = (lax.pcast(params, axis_name, to="varying")
                     if check_vma else params)
-    params, state, loss = _require_exchange(learn, axis_name, n, params,
-                                            local_params, state, batch)
+    params, state, loss = learn(params, local_params, state, batch)
     state = jax.tree.map(lambda x: x[None], state)
     return params, state, lax.pmean(loss, axis_name)
 
@@ -434,9 +486,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     _check_worker_states(state, n)
     return step(params, state, batch)
 
-  return limit_in_flight(
-      jax.jit(checked_step, donate_argnums=(0, 1) if donate else ()),
-      devices=mesh.devices.flat)
+  jitted = jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
+  return limit_in_flight(_ExchangeCheck(jitted, axis_name, n),
+                         devices=mesh.devices.flat)
 
 
 def _check_leading_axis(tree: Any, n: int, what: str, wants: str,

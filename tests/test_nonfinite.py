@@ -9,7 +9,8 @@
 * Unguarded: the vote treats non-finite entries deterministically (binary:
   NaN votes -1, +Inf +1, -Inf -1; ternary: NaN abstains), so replicas stay
   bit-identical and equal the numpy reference; only the bad worker's own
-  momentum turns non-finite.
+  momentum turns non-finite. A momentum sync repairs it (non-finite entries
+  count as 0 in the mean) and error feedback keeps it to its coordinate.
 """
 
 import subprocess
