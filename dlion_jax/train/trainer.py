@@ -371,7 +371,7 @@ def _loop(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     batch = parallel.global_array(next(run.batches), per_worker)
     run.params, run.opt_state, (loss, aux) = compiled(run.params,
                                                       run.opt_state, batch)
-    loss = float(loss)   # one step at a time (simulated devices deadlock)
+    loss = float(loss)   # read every step: a NaN stops the run at once
     done = run.step = step + 1
     if not math.isfinite(loss):
       raise FloatingPointError(
