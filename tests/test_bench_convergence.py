@@ -1,4 +1,4 @@
-"""bench.convergence's machinery on a seconds-long task (digits)."""
+"""benchmarks.convergence's machinery on a seconds-long task (digits)."""
 
 import json
 
@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("flax", reason="the study trains with the [examples] "
                     "extra (flax, orbax-checkpoint, pyyaml, scikit-learn)")
 
-from dlion_jax.bench import convergence  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import convergence  # noqa: E402  pylint: disable=g-import-not-at-top
 
 ROWS = ["SGD momentum", "D-Lion MaVo", "global Lion"]
 

@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("flax", reason="the study trains with the [examples] "
                     "extra (flax, orbax-checkpoint, pyyaml, scikit-learn)")
 
-from dlion_jax.bench import lioncub  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import lioncub  # noqa: E402  pylint: disable=g-import-not-at-top
 
 
 def table_rows(text):

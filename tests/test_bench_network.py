@@ -1,4 +1,4 @@
-"""bench.network (multi-process, shaped loopback) and bench.wire's plot."""
+"""benchmarks.network (multi-process, shaped loopback) and the wire plot."""
 
 import json
 import math
@@ -9,7 +9,7 @@ import pytest
 
 import dlion_jax as dl
 from dlion_jax import accounting
-from dlion_jax.bench import network
+from benchmarks import network
 from dlion_jax.bench import wire
 
 ROWS = ["global lion fp32", "global lion bf16", "dlion mavo auto",
@@ -137,5 +137,5 @@ def test_docs_quote_network_bench():
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   with open(os.path.join(root, "docs", "benchmarks.md"), encoding="utf-8") as f:
     doc = f.read()
-  assert "python -m dlion_jax.bench.network" in doc
+  assert "python -m benchmarks.network" in doc
   assert "img/wire_bits_vs_n.png" in doc

@@ -2,6 +2,7 @@
 stays flat. CI runs 200 steps; ``-m slow`` runs the 10k-step command."""
 
 import json
+import pathlib
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import parallel
-from dlion_jax.bench import soak
+from benchmarks import soak
 
 # RSS may wobble by allocator pages; a leak of one pytree copy a step would
 # grow it by gigabytes over 10k steps.
@@ -60,8 +61,9 @@ def test_usage_errors():
 @pytest.mark.slow
 def test_ten_thousand_steps(tmp_path):
   out = tmp_path / "soak.json"
-  run = subprocess.run([sys.executable, "-m", "dlion_jax.bench.soak",
-                        "--steps", "10000", "--json", str(out)],
+  root = pathlib.Path(__file__).resolve().parents[1]   # has benchmarks/
+  run = subprocess.run([sys.executable, "-m", "benchmarks.soak",
+                        "--steps", "10000", "--json", str(out)], cwd=root,
                        capture_output=True, text=True, timeout=1800)
   assert run.returncode == 0, run.stderr[-3000:]
   figures = json.loads(out.read_text())

@@ -8,7 +8,8 @@
   vmapped on one device (GPU kernel timings where a GPU is present).
 
 Results and the commands that produced them are in ``docs/benchmarks.md``.
-This module holds the few helpers both share.
+This module holds the few helpers they share with the studies and maintainer
+runs of a checkout's ``benchmarks/`` (not installed).
 """
 
 from __future__ import annotations

@@ -16,8 +16,9 @@ Variants:
   exchange at all (the floor; workers drift apart, so not a usable optimizer).
 
 Repetitions are interleaved (every variant once per round) and every step is
-blocked on before the next starts (DESIGN.md section 5). Prints medians and
-ratios as a markdown table.
+blocked on before the next starts, so that each time is one step's and no
+collectives queue up on the simulated devices (README, "Things to know").
+Prints medians and ratios as a markdown table.
 
 ``--profile`` also traces a few steps of D-Lion (auto, MaVo) and the two
 ``optax.lion`` variants with :func:`jax.profiler.trace` and lists the HLO

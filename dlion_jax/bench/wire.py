@@ -197,7 +197,7 @@ def mismatches(dlion: list[Measurement], tol: float = 0.02) -> list[str]:
   return out
 
 
-def target_lines(dlion: list[Measurement]) -> list[str]:
+def headline_lines(dlion: list[Measurement]) -> list[str]:
   """The N = 8 headline figures, when N = 8 was measured."""
   auto = {(m.aggregation, m.vote): m for m in dlion
           if m.num_workers == 8 and m.comm == "auto"}
@@ -227,7 +227,7 @@ def report(dlion, baselines, elapsed: float) -> str:
       "",
       allreduce_table(baselines),
       "",
-      *[f"- {line}" for line in target_lines(dlion)],
+      *[f"- {line}" for line in headline_lines(dlion)],
       f"- HLO vs analytic mismatches (> 2%, or compiled != lowered, or auto "
       f"!= its pick): {len(problems)}",
       *[f"  - {p}" for p in problems],

@@ -21,10 +21,10 @@ default (:data:`TASKS`); ``--workers`` and ``--seeds`` ask for more.
 
 Usage::
 
-  python -m dlion_jax.bench.convergence [--tasks fashion_mnist_mlp ...]
+  python -m benchmarks.convergence [--tasks fashion_mnist_mlp ...]
       [--workers 4 8 16] [--seeds 0 1] [--json runs.json [--resume]]
       [--out docs/benchmarks.md] [--plot docs/img/convergence.png]
-  python -m dlion_jax.bench.convergence --from-json runs.json [--out ...]
+  python -m benchmarks.convergence --from-json runs.json [--out ...]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import pathlib
 import statistics
 import time
 
+from benchmarks import study
+from benchmarks.study import Task
 from dlion_jax import bench
-from dlion_jax.bench import study
-from dlion_jax.bench.study import Task
 
 # row -> config overrides on top of the task's config.
 ROWS = {
@@ -330,7 +330,7 @@ def main(argv=None) -> str:
                                  for n in TASKS[t].workers)]))
     runs = run_study(args.tasks, args.rows, args.workers, args.seeds,
                      args.tune_workers, args.tune_seed, args.json, saved)
-    heading = (f"Measured with `python -m dlion_jax.bench.convergence "
+    heading = (f"Measured with `python -m benchmarks.convergence "
                f"--tasks {' '.join(args.tasks)}"
                + (f" --workers {' '.join(map(str, args.workers))}"
                   if args.workers else "")

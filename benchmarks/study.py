@@ -1,6 +1,6 @@
 """What the training studies share: tasks, one training run, saved runs.
 
-:mod:`dlion_jax.bench.lioncub` and :mod:`dlion_jax.bench.convergence` train a
+:mod:`benchmarks.lioncub` and :mod:`benchmarks.convergence` train a
 shipped config (``configs/*.yaml``) many times with overrides and report the
 test metric against what was sent. A :class:`Task` fixes the config, the
 metric and the run length; :func:`train` runs one (overrides, N, seed).

@@ -20,10 +20,10 @@ was chosen.
 
 Usage::
 
-  python -m dlion_jax.bench.lioncub [--tasks fashion_mnist charlm]
+  python -m benchmarks.lioncub [--tasks fashion_mnist charlm]
       [--workers 8 16] [--seeds 0 1] [--out docs/lioncub.md]
       [--plot docs/img/lioncub.png]
-  python -m dlion_jax.bench.lioncub --step-cost [--workers 8] [--reps 15]
+  python -m benchmarks.lioncub --step-cost [--workers 8] [--reps 15]
 """
 
 from __future__ import annotations
@@ -32,9 +32,9 @@ import argparse
 import statistics
 import time
 
+from benchmarks import study
+from benchmarks.study import Task
 from dlion_jax import bench
-from dlion_jax.bench import study
-from dlion_jax.bench.study import Task
 
 AVG = {"optimizer.aggregation": "avg"}
 PBIT4 = {"optimizer.quantizer": "pbit_l1", "optimizer.bits": 4}
@@ -304,7 +304,7 @@ def main(argv=None) -> str:
   if args.step_cost:
     text = step_cost(max(args.workers), args.reps)
     return write_report(
-        f"Measured with `python -m dlion_jax.bench.lioncub --step-cost "
+        f"Measured with `python -m benchmarks.lioncub --step-cost "
         f"--workers {max(args.workers)} --reps {args.reps}` on "
         f"{bench.machine_line()} in {time.perf_counter() - start:.0f} s. "
         + text, args.out, "step-cost")
@@ -315,7 +315,7 @@ def main(argv=None) -> str:
     results.append({"task": t, **run_one(TASKS[t], v, n, s)})
     study.save_runs(args.json, results)
   return write_report(report(results, args, (
-      f"Measured with `python -m dlion_jax.bench.lioncub --tasks "
+      f"Measured with `python -m benchmarks.lioncub --tasks "
       f"{' '.join(args.tasks)} --workers {' '.join(map(str, args.workers))} "
       f"--seeds {' '.join(map(str, args.seeds))}` on {bench.machine_line()}: "
       f"{len(jobs)} runs in {(time.perf_counter() - start) / 60:.1f} min.")),

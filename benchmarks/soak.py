@@ -12,11 +12,12 @@ Every ``--check-every`` steps and at the end, each device's copy of every
 parameter is read back and compared bit for bit with device 0's; any
 difference stops the soak with an error naming the step and the leaf. The
 resident set size (``VmRSS`` in ``/proc/self/status``) is sampled at the same
-points. Every step is blocked on before the next (DESIGN.md section 5).
+points. Every step is blocked on before the next: steps queued on simulated
+CPU devices can deadlock their collectives (README, "Things to know").
 
 Usage::
 
-  python -m dlion_jax.bench.soak --steps 10000 [--workers 8] [--seed 0]
+  python -m benchmarks.soak --steps 10000 [--workers 8] [--seed 0]
       [--leaves 24] [--max-leaf-size 65536] [--check-every 500]
       [--aggregation mavo] [--vote binary] [--comm auto] [--json FILE]
 """
@@ -165,7 +166,7 @@ def soak(steps: int, *, workers: int = 8, seed: int = 0, leaves: int = 24,
   for step in (bench.progress(items, steps, "soak") if progress else items):
     params, states = step_fn(params, states,
                              jax.device_put(np.int32(step), replicated))
-    jax.block_until_ready(params)   # no queued collectives (DESIGN.md §5)
+    jax.block_until_ready(params)   # no queued collectives (README)
     if step % check_every == 0 or step == steps:
       check_replicas(params, step)
       checks += 1
