@@ -1,5 +1,6 @@
 """The training CLI end to end: quickstart, resume, optimizers, errors."""
 
+import argparse
 import json
 import subprocess
 import sys
@@ -8,6 +9,7 @@ import chex
 import jax
 import numpy as np
 import pytest
+from jax.errors import JaxRuntimeError
 
 pytest.importorskip("flax")
 
@@ -141,3 +143,97 @@ def test_help_is_plain_text_listing_configs_and_optimizers(capsys,
   names = [line.split()[0] for line in optimizers.splitlines()[1:]]
   assert names == list(OPTIMIZER_NAMES)
   assert "--overwrite" in text and "--resume" in text
+
+
+# What a survivor's collectives raise when the other process is gone
+# (docs/reliability.md, section 3; tests/test_faults.py).
+PEER_LOST = [
+    "UNKNOWN: Gloo AllGather failed: [external/gloo/gloo/transport/tcp/"
+    "pair.cc:538] Read error [127.0.0.1]:50397: Connection reset by peer",
+    "UNAVAILABLE: The following tasks are unhealthy (stopped sending "
+    "heartbeats):\n/job:jax_worker/replica:0/task:1",
+    "Terminating process because the JAX distributed service detected fatal "
+    "errors. This most likely indicates that another task died",
+    "INTERNAL: Failed to send RPC to coordination service. Either the leader "
+    "task was preempted/died/restarted unexpectedly",
+    "Gloo all-reduce failed: [pair.cc:589] Socket closed",
+    "UNAVAILABLE: failed to connect to all addresses; last error: "
+    "ipv4:127.0.0.1:4711: Connection refused",
+]
+NOT_PEER_LOST = {
+    "out of memory": JaxRuntimeError(
+        "RESOURCE_EXHAUSTED: Out of memory while trying to allocate "
+        "4294967296 bytes."),
+    "invalid argument": JaxRuntimeError(
+        "INVALID_ARGUMENT: Executable expected shape f32[8,128] for "
+        "argument 0 but got incompatible shape f32[8,64]"),
+    "barrier in another sense": ValueError(
+        "data.barrier must be a fraction in [0, 1], got 3"),
+    "gloo named": ValueError("jax_cpu_collectives_implementation 'gloo2' "
+                             "is not one of ['gloo', 'mpi']"),
+    "own socket": ConnectionRefusedError(111, "Connection refused"),
+}
+
+
+def _raised_from(error, outer):
+  """``outer`` as ``raise outer from error`` leaves it."""
+  try:
+    try:
+      raise error
+    except type(error) as inner:
+      raise outer from inner
+  except type(outer) as caught:
+    return caught
+
+
+@pytest.mark.parametrize("message", PEER_LOST)
+def test_lost_peer_recognises_a_dead_process(message):
+  assert cli.lost_peer(JaxRuntimeError(message))
+  wrapped = _raised_from(JaxRuntimeError(message), RuntimeError("step 7"))
+  assert cli.lost_peer(wrapped)
+
+
+@pytest.mark.parametrize("error", NOT_PEER_LOST.values(),
+                         ids=NOT_PEER_LOST.keys())
+def test_other_errors_are_not_a_lost_peer(error):
+  assert not cli.lost_peer(error)
+  assert not cli.lost_peer(_raised_from(error, RuntimeError("step 7")))
+
+
+def _two_process_run(tmp_path, monkeypatch, error):
+  """cli._train as process 0 of 2 whose training raises ``error``;
+  ``os._exit`` raises SystemExit instead of ending pytest."""
+  def train(*args, **kwargs):
+    raise error
+
+  def exit_now(code):
+    raise SystemExit(f"os._exit({code})")
+
+  monkeypatch.setattr(trainer, "train", train)
+  monkeypatch.setattr(cli.os, "_exit", exit_now)
+  args = argparse.Namespace(num_processes=2, process_id=0, resume=False,
+                            overwrite=False, no_progress=True)
+  return lambda: cli._train(quick_config(tmp_path), args)  # pylint: disable=protected-access
+
+
+def test_cli_reports_other_errors_as_themselves(tmp_path, monkeypatch,
+                                                capsys):
+  oom = NOT_PEER_LOST["out of memory"]
+  with pytest.raises(JaxRuntimeError) as caught:     # with its traceback
+    _two_process_run(tmp_path, monkeypatch, oom)()
+  assert caught.value is oom
+  assert "lost contact" not in capsys.readouterr().err
+  barrier = NOT_PEER_LOST["barrier in another sense"]
+  assert _two_process_run(tmp_path, monkeypatch, barrier)() == 1
+  assert capsys.readouterr().err == f"error: {barrier}\n"
+
+
+def test_cli_reports_a_lost_peer_and_exits_at_once(tmp_path, monkeypatch,
+                                                   capsys):
+  with pytest.raises(SystemExit, match=r"os\._exit\(1\)"):
+    _two_process_run(tmp_path, monkeypatch, JaxRuntimeError(PEER_LOST[0]))()
+  err = capsys.readouterr().err
+  assert err.startswith("error: process 0 of 2 lost contact with the other "
+                        "processes")
+  assert "Connection reset by peer" in err and "restart without --resume" \
+      in err

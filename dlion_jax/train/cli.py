@@ -15,6 +15,7 @@ import errno
 import math
 import os
 import pathlib
+import re
 import shlex
 import socket
 import sys
@@ -323,21 +324,35 @@ def _how_to_continue(cfg, args, argv) -> str:
           "--resume")
 
 
-# What jax, gloo and the coordination service say when a peer is gone.
-_PEER_LOST = ("gloo", "connection reset", "connection refused", "heartbeat",
-              "coordination service", "barrier", "socket closed")
+# What gloo, gRPC and jax's coordination service say when another process
+# died, was killed or became unreachable (docs/reliability.md, section 3),
+# e.g. "Gloo AllGather failed: [...] Read error [...]: Connection reset by
+# peer" or "The following tasks are unhealthy (stopped sending heartbeats)".
+_PEER_LOST = re.compile("|".join((
+    r"connection (?:reset|closed) by peer",
+    r"connection refused",
+    r"socket closed",
+    r"broken pipe",
+    r"gloo\b.*\b(?:read|write) error",
+    r"stopped sending heartbeats",
+    r"heartbeat timeout",
+    r"\btask\b.*\b(?:died|crashed)\b",
+)), re.IGNORECASE)
 
 
 def lost_peer(error: BaseException) -> bool:
-  """Whether ``error`` (or its cause) is a failed cross-process collective:
-  a jax runtime error, or a message naming gloo, heartbeats or barriers
-  (jax raises some collective failures as ValueError)."""
+  """Whether ``error`` (or an error it was raised from) says that another
+  process is gone: a reset, closed or refused connection, a closed socket,
+  missed heartbeats or a task that died.
+
+  Any other error is not, whatever its type (a jax runtime error such as an
+  out-of-memory, a ValueError that mentions a barrier), and neither is a
+  Python ``OSError``: those come from the program's own files and sockets.
+  """
   seen = set()
   while error is not None and id(error) not in seen:
     seen.add(id(error))
-    if type(error).__name__ in ("JaxRuntimeError", "XlaRuntimeError"):
-      return True
-    if any(word in str(error).lower() for word in _PEER_LOST):
+    if not isinstance(error, OSError) and _PEER_LOST.search(str(error)):
       return True
     error = error.__cause__ or error.__context__
   return False
