@@ -1,6 +1,10 @@
-"""8 simulated CPU devices for every test (set before jax is imported)."""
+"""8 simulated CPU devices for every test (set before jax is imported), and
+the test tiers: every test not marked ``integration`` or ``slow`` is
+``core``."""
 
 import os
+
+import pytest
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
@@ -10,3 +14,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 assert jax.device_count() >= 8, jax.devices()
+
+
+@pytest.hookimpl(tryfirst=True)   # before -m deselects by marker
+def pytest_collection_modifyitems(items):
+  """Marks every test not marked ``integration`` or ``slow`` as ``core``:
+  ``python -m pytest -q -m core`` runs the library's correctness tier."""
+  for item in items:
+    if not (item.get_closest_marker("integration")
+            or item.get_closest_marker("slow")):
+      item.add_marker(pytest.mark.core)

@@ -9,6 +9,8 @@ pytest.importorskip("flax", reason="the study trains with the [examples] "
 
 from benchmarks import convergence  # noqa: E402  pylint: disable=g-import-not-at-top
 
+pytestmark = pytest.mark.integration
+
 ROWS = ["SGD momentum", "D-Lion MaVo", "global Lion"]
 
 

@@ -9,6 +9,8 @@ pytest.importorskip("flax", reason="the study trains with the [examples] "
 
 from benchmarks import lioncub  # noqa: E402  pylint: disable=g-import-not-at-top
 
+pytestmark = pytest.mark.integration
+
 
 def table_rows(text):
   """variant -> its cells, from the markdown tables in ``text``."""

@@ -7,10 +7,12 @@ import subprocess
 
 import pytest
 
+from benchmarks import network
 import dlion_jax as dl
 from dlion_jax import accounting
-from benchmarks import network
 from dlion_jax.bench import wire
+
+pytestmark = pytest.mark.integration
 
 ROWS = ["global lion fp32", "global lion bf16", "dlion mavo auto",
         "dlion avg psum", "dlion mavo alltoall"]

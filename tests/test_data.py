@@ -10,6 +10,8 @@ import pytest
 
 from dlion_jax.train import data
 
+pytestmark = pytest.mark.integration
+
 FASHION = data.FASHION_MNIST_PATH
 HAVE_FASHION = all(
     os.path.exists(os.path.join(FASHION, f + ".gz"))

@@ -24,6 +24,8 @@ pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 from dlion_jax import launch  # noqa: E402
 from dlion_jax.train import checkpoint  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 STEPS, EVERY = 40, 10
 CONFIG = ["workers=2", f"train.steps={STEPS}", "model.hidden=[16]",

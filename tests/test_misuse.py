@@ -21,6 +21,8 @@ from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import trainer  # noqa: E402
 from dlion_jax.train.config import load_config  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 TINY = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=0",
         "train.log_every=2", "model.hidden=[8]"]
 

@@ -16,6 +16,8 @@ from jax.sharding import PartitionSpec as P
 from dlion_jax.train import data
 from dlion_jax.train import models
 
+pytestmark = pytest.mark.integration
+
 # Tiny configs: (name, kwargs, example input, expected output shape).
 TINY = {
     "mlp": (dict(in_features=64, hidden=(16, 8), num_classes=10),

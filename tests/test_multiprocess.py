@@ -17,6 +17,8 @@ import jax
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.integration
+
 PY = sys.executable
 LAUNCH = [PY, "-m", "dlion_jax.launch"]
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,6 +7,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.integration
+
 nbformat = pytest.importorskip(
     "nbformat", reason="needs nbformat, nbclient and ipykernel (the [test] "
     "extra) to execute the notebook")

@@ -12,8 +12,10 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import parallel
 from benchmarks import soak
+from dlion_jax import parallel
+
+pytestmark = pytest.mark.integration
 
 # RSS may wobble by allocator pages; a leak of one pytree copy a step would
 # grow it by gigabytes over 10k steps.

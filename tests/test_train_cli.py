@@ -17,6 +17,8 @@ from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import trainer  # noqa: E402
 from dlion_jax.train.config import load_config  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 FAST = ["train.steps=12", "train.log_every=4", "train.eval_every=6",
         "model.hidden=[32]", "optimizer.warmup_steps=2",
         "optimizer.learning_rate=1e-2"]

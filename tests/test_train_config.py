@@ -9,6 +9,8 @@ from dlion_jax.train.config import ConfigError  # noqa: E402
 from dlion_jax.train.config import load_config  # noqa: E402
 from dlion_jax.train.config import parse_override  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 SHIPPED = sorted(p.stem for p in cli.CONFIG_DIR.glob("*.yaml"))
 
 

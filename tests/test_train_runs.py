@@ -19,6 +19,8 @@ from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import data as data_lib  # noqa: E402
 from dlion_jax.train import rundir  # noqa: E402
 
+pytestmark = pytest.mark.integration
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=0",
         "train.log_every=1", "model.hidden=[8]", "train.keep_checkpoints=5"]
