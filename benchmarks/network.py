@@ -50,7 +50,6 @@ import argparse
 import contextlib
 import dataclasses
 import json
-import math
 import os
 import pathlib
 import re
@@ -360,7 +359,6 @@ class Runner:
   """One row's compiled step and replay, its parameters, state and times."""
 
   def __init__(self, row: Row, params0, mesh, grads_like):
-    import jax  # pylint: disable=g-import-not-at-top
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
     from dlion_jax import accounting  # pylint: disable=g-import-not-at-top

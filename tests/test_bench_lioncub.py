@@ -44,11 +44,14 @@ def test_step_cost_table_reads_bytes_off_hlo():
   text = lioncub.step_cost(2, 2, dim=32, depth=1)
   rows = table_rows(text)
   assert set(lioncub.STEP_VARIANTS) <= set(rows)
-  every = {k: float(v[3]) for k, v in rows.items() if k in lioncub.STEP_VARIANTS}
+  every = {k: float(v[3]) for k, v in rows.items()
+           if k in lioncub.STEP_VARIANTS}
   # Exact small leaves cost 64 bits each at N=2 instead of ~1: more bits.
   assert every["MaVo, min_compress_size=1024"] > every[
       "MaVo (min_compress_size=0)"]
-  assert float(rows["MaVo + sync every step"][4]) == pytest.approx(32.0, rel=0.01)   # fp32 pmean, N=2
+  # fp32 pmean at N=2: 2 (N - 1) / N * 32 bits.
+  assert float(rows["MaVo + sync every step"][4]) == pytest.approx(
+      32.0, rel=0.01)
 
 
 def test_report_rewrites_only_its_section(tmp_path):

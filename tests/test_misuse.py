@@ -247,9 +247,9 @@ EXPECTED = {
 CASES = [corrupt_checkpoint, truncated_checkpoint, damaged_checkpoint_metadata,
          deleted_checkpoint_arrays, resume_with_another_model,
          resume_with_another_worker_count, resume_with_another_optimizer,
-         resume_without_checkpoint, loss_becomes_nan, missing_text_file, text_without_path,
-         processes_do_not_divide_workers, bad_heartbeat_timeout,
-         bad_coordinator_address, micro_batches_zero,
+         resume_without_checkpoint, loss_becomes_nan, missing_text_file,
+         text_without_path, processes_do_not_divide_workers,
+         bad_heartbeat_timeout, bad_coordinator_address, micro_batches_zero,
          negative_min_compress_size, params_not_a_float_array,
          state_of_another_options, grads_for_other_params,
          replicated_state_not_per_worker]

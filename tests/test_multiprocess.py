@@ -141,7 +141,7 @@ def test_launcher_forwards_ctrl_c():
                           text=True, cwd=ROOT)
   try:
     lines = []
-    while len([l for l in lines if "ready" in l]) < 2:
+    while sum("ready" in seen for seen in lines) < 2:
       line = proc.stdout.readline()
       assert line, "the launcher ended before its processes were ready"
       lines.append(line)

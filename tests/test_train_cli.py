@@ -33,7 +33,8 @@ def test_quickstart_cli_end_to_end(tmp_path):
   """What a newcomer runs: exit 0, accuracy and wire figures, files."""
   out = subprocess.run(
       [sys.executable, "-m", "dlion_jax.train", "--no-progress",
-       "--set", f"run_dir={tmp_path}", *[a for s in FAST for a in ("--set", s)]],
+       "--set", f"run_dir={tmp_path}",
+       *[a for s in FAST for a in ("--set", s)]],
       capture_output=True, text=True, timeout=300, check=True).stdout
   assert "test accuracy" in out
   assert "bits/param/step" in out and "fp32 gradient all-reduce would send 56" \

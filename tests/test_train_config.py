@@ -1,4 +1,5 @@
-"""Config loading: shipped configs parse, overrides apply, mistakes are named."""
+"""Config loading: shipped configs parse, overrides apply, mistakes are
+named."""
 
 import pytest
 

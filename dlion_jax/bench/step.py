@@ -44,7 +44,6 @@ import time
 from typing import Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax

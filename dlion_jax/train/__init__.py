@@ -1,1 +1,1 @@
-"""Training examples: Flax models, data and the train CLI (extra: [examples])."""
+"""Training examples: Flax models, data, the train CLI (extra: [examples])."""

@@ -17,8 +17,6 @@ import dlion_jax as dl
 from dlion_jax.parallel import pmean_gradients
 from dlion_jax.train.config import OptimizerConfig
 
-VOTING = ("dlion", "signum")
-
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to ``learning_rate``, then cosine (or flat)."""
