@@ -20,17 +20,18 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
   an integer ``psum`` (Lion Cub, Ishikawa et al., 2025): ``2(N-1)/N * bits``.
 * ``psum_int8``: an ``int8`` of the level per parameter, ``psum`` (the
   NeurIPS paper's implementation): ``2(N-1)/N * 8``.
-* ``auto``: the one with the fewest wire bits for the axis size
-  (:func:`dlion_jax.accounting.wire_bits`).
+* ``auto``: the one that sends the fewest bytes for the model
+  (:func:`dlion_jax.message.choose_comm`).
 
-The whole pytree goes through one message: each leaf is packed into whole
-words and the words are laid end to end, so a step issues a fixed number of
-collectives however many leaves the model has.
+The whole pytree goes through one message (:class:`dlion_jax.message.
+MessageLayout`): each leaf starts on a word, the leaves are packed in one
+pass, and a step issues a fixed number of collectives however many leaves
+the model has.
 """
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence
+from typing import Callable, Hashable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -38,14 +39,17 @@ import numpy as np
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import accounting
+from dlion_jax import message as message_lib
 from dlion_jax import packing
 from dlion_jax import quantize
 from dlion_jax._checks import check_choice
+from dlion_jax.message import MessageLayout
+from dlion_jax.message import signed_sum
+from dlion_jax.quantize import VoteCode
 
-AGGREGATIONS = accounting.AGGREGATIONS
-VOTES = accounting.VOTES
-COMM_CHOICES = accounting.COMMS + ("auto",)
+AGGREGATIONS = message_lib.AGGREGATIONS
+VOTES = quantize.VOTES
+COMM_CHOICES = message_lib.COMM_CHOICES
 
 AxisName = Hashable | tuple[Hashable, ...]
 
@@ -71,31 +75,17 @@ def axis_size(axis_name: AxisName | None) -> int:
 
 
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
-                 vote: accounting.VoteCode,
-                 leaf_sizes: Sequence[int] | None = None,
+                 vote: VoteCode, leaf_sizes: Sequence[int] | None = None,
                  gathers: bool = True) -> str:
-  """Maps ``comm='auto'`` to the strategy that sends the fewest bytes.
-
-  With ``leaf_sizes`` the exact message sizes, padding included, decide (on
-  a small model padding can outweigh the asymptotic figure); without, the
-  bits per parameter of :func:`dlion_jax.accounting.vote_bits`. Ties go to
-  the strategy with fewer collectives (less latency). ``gathers=False``
-  leaves out the strategies that all_gather (see :func:`can_gather`).
+  """``comm``, with ``'auto'`` mapped to the strategy that sends the fewest
+  bytes (:func:`dlion_jax.message.choose_comm`, whose arguments these are).
   """
   check_choice("comm", comm, COMM_CHOICES)
   if comm != "auto":
     return comm
-  by_latency = ("allgather", "psum", "alltoall", "psum_int8")
-  if not gathers:
-    by_latency = ("psum", "psum_int8")
-  def cost(c):
-    if leaf_sizes is not None:
-      return accounting.message_bytes(leaf_sizes, num_workers,
-                                      aggregation=aggregation, vote=vote,
-                                      comm=c)
-    return round(accounting.vote_bits(num_workers, aggregation=aggregation,
-                                      vote=vote, comm=c), 9)
-  return min(by_latency, key=cost)
+  return message_lib.choose_comm(num_workers, aggregation=aggregation,
+                                 vote=vote, leaf_sizes=leaf_sizes,
+                                 gathers=gathers)
 
 
 def can_gather(axis_name: AxisName) -> bool:
@@ -106,15 +96,6 @@ def can_gather(axis_name: AxisName) -> bool:
     return True
   manual = jax.sharding.get_abstract_mesh().manual_axes
   return all(a in manual for a in axis_name)
-
-
-def _signed_sum(code_sum: jax.Array, num_workers: int,
-                vote: accounting.VoteCode) -> jax.Array:
-  """Sum of codes -> sum of levels in [-N L, N L] (int32)."""
-  total = code_sum.astype(jnp.int32)
-  if vote == "binary":
-    return 2 * total - num_workers
-  return total - num_workers * accounting.vote_max(vote)
 
 
 def _all_gather(x, axis_name, **kwargs):
@@ -134,24 +115,24 @@ def exchange_alltoall(message, *, axis_name, num_workers, vote, aggregation):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results."""
   n = num_workers
-  up_radix = accounting.vote_radix(vote)
-  down_radix = accounting.alltoall_down_radix(n, aggregation=aggregation,
+  up_radix = quantize.vote_radix(vote)
+  down_radix = message_lib.alltoall_down_radix(n, aggregation=aggregation,
                                               vote=vote)
-  up = message.reshape(n, -1)     # padded by accounting.message_word_multiple
+  up = message.reshape(n, -1)     # MessageLayout.word_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
   code_sum = packing.sum_packed(mine, up_radix)
   if aggregation == "avg":
     down = code_sum                    # exact count, radix (levels-1)*N+1
   elif down_radix == 2:
-    down = _signed_sum(code_sum, n, vote) > 0      # odd N, binary: no ties
+    down = signed_sum(code_sum, n, vote) > 0      # odd N, binary: no ties
   else:
-    down = jnp.sign(_signed_sum(code_sum, n, vote)) + 1
+    down = jnp.sign(signed_sum(code_sum, n, vote)) + 1
   words = packing.pack_digits(down.astype(packing.digit_dtype(down_radix)),
                               down_radix)
   words = _all_gather(words, axis_name, tiled=True)
   result = packing.unpack_digits(words, down_radix).astype(jnp.int32)
   if aggregation == "avg":
-    return _signed_sum(result, n, vote)
+    return signed_sum(result, n, vote)
   return 2 * result - 1 if down_radix == 2 else result - 1
 
 
@@ -159,8 +140,8 @@ def exchange_allgather(message, *, axis_name, num_workers, vote, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
   everyone = _all_gather(message, axis_name)
-  code_sum = packing.sum_packed(everyone, accounting.vote_radix(vote))
-  return _signed_sum(code_sum, num_workers, vote)
+  code_sum = packing.sum_packed(everyone, quantize.vote_radix(vote))
+  return signed_sum(code_sum, num_workers, vote)
 
 
 def exchange_psum(message, *, axis_name, num_workers, vote, aggregation):
@@ -170,9 +151,9 @@ def exchange_psum(message, *, axis_name, num_workers, vote, aggregation):
   workers' digits never carries into the next digit of the word.
   """
   del aggregation
-  radix = accounting.psum_radix(num_workers, vote)
+  radix = message_lib.psum_radix(num_workers, vote)
   code_sum = packing.unpack_digits(lax.psum(message, axis_name), radix)
-  return _signed_sum(code_sum, num_workers, vote)
+  return signed_sum(code_sum, num_workers, vote)
 
 
 def exchange_psum_int8(message, *, axis_name, num_workers, vote, aggregation):
@@ -192,24 +173,13 @@ _EXCHANGES = {
 }
 
 
-def _message_part(codes: jax.Array, comm: str, num_workers: int,
-                  vote: accounting.VoteCode) -> jax.Array:
-  """One leaf's part of the message: packed codes, or ints for psum_int8."""
-  radix = accounting.message_radix(comm, num_workers, vote)
-  if radix is None:
-    dtype = accounting.int_container(num_workers, vote)
-    return _signed_sum(codes, 1, vote).astype(dtype)
-  return packing.pack_digits(codes.astype(packing.digit_dtype(radix)), radix)
-
-
 def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
-                   num_workers: int, vote: accounting.VoteCode,
+                   num_workers: int, vote: VoteCode,
                    aggregation: str, comm: str) -> list[jax.Array]:
   """Votes on a list of code vectors through one strategy, in one message.
 
-  Each leaf is packed on its own (padded to whole words) and the packed
-  words are concatenated: packing before concatenating keeps the packing
-  vectorised and the copy small.
+  The codes are laid out by a :class:`dlion_jax.message.MessageLayout`
+  (each leaf on a word boundary) and packed in one pass.
 
   Args:
     codes: one flat ``uint8`` vector of vote codes per leaf
@@ -225,6 +195,16 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     ``s`` in ``[-N L, N L]``, or ``sign(s)`` (majority vote through
     ``alltoall``).
   """
+  layout, result = _exchange([(c,) for c in codes], lambda c: c, False,
+                             axis_name=axis_name, num_workers=num_workers,
+                             vote=vote, aggregation=aggregation, comm=comm)
+  return layout.split(result)
+
+
+def _exchange(rows, combine, flat, *, axis_name, num_workers, vote,
+              aggregation, comm):
+  """The layout and the per-digit result of voting on ``combine(*row)``
+  for each row of leaves (see :func:`aggregate`)."""
   gathers = can_gather(axis_name)
   if not gathers and comm in ("alltoall", "allgather"):
     raise ValueError(
@@ -233,40 +213,26 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
         "one vmapped axis at a time (they fail with 'axis size doesn't "
         "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
         "or vote over mesh axes inside jax.shard_map.")
+  sizes = [row[0].size for row in rows]
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote,
-                      leaf_sizes=[c.size for c in codes], gathers=gathers)
-  parts = [_message_part(c, comm, num_workers, vote) for c in codes]
-  # Written in place into a zero (padded) buffer rather than concatenated:
-  # XLA:CPU fuses a concatenate with the packing into one slow loop.
-  length = sum(p.shape[0] for p in parts)
-  multiple = accounting.message_word_multiple(
-      comm, num_workers, aggregation=aggregation, vote=vote)
-  message = jnp.zeros(-(-length // multiple) * multiple, parts[0].dtype)
-  offset = 0
-  for part in parts:
-    message = lax.dynamic_update_slice(message, part, (offset,))
-    offset += part.shape[0]
+                      leaf_sizes=sizes, gathers=gathers)
+  layout = MessageLayout(tuple(sizes), num_workers, vote, aggregation, comm)
+  message = layout.pack(_codes(rows, combine, flat, layout, vote))
   result = _EXCHANGES[comm](message, axis_name=axis_name,
                             num_workers=num_workers, vote=vote,
                             aggregation=aggregation)
-  radix = accounting.message_radix(comm, num_workers, vote)
-  per_word = 1 if radix is None else packing.digits_per_word(radix)
-  out, offset = [], 0
-  for c in codes:
-    out.append(result[offset:offset + c.size])
-    offset += -(-c.size // per_word) * per_word
-  return out
+  return layout, result
 
 
 def _finalize(vote_sum: jax.Array, num_workers: int, aggregation: str,
-              vote: accounting.VoteCode, dtype) -> jax.Array:
+              vote: VoteCode, dtype) -> jax.Array:
   if aggregation == "mavo":
     return jnp.sign(vote_sum).astype(dtype)
   # s / (N L) read from a table of correctly rounded quotients: XLA would
   # turn a division by a constant into a multiplication by its inverse and
   # fuse it with the consumers in a strategy-dependent order, breaking
   # bit-identity.
-  top = num_workers * accounting.vote_max(vote)
+  top = num_workers * quantize.vote_max(vote)
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
   quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
   return jnp.asarray(quotients, dtype)[vote_sum + top]
@@ -294,7 +260,7 @@ def sign_of_mean(leaves: list[jax.Array], *,
 
 
 def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
-                      vote: accounting.VoteCode, aggregation: str, comm: str,
+                      vote: VoteCode, aggregation: str, comm: str,
                       min_compress_size: int = 0):
   """Votes on every leaf of ``pre_sign`` and returns the aggregated update.
 
@@ -302,26 +268,85 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
   message, exchanged once and split back: ``sign(s)`` (``mavo``) or
   ``s / (N L)`` (``avg``) in each leaf's dtype. Leaves with fewer than
   ``min_compress_size`` elements skip the vote: ``sign(sum_i c_i)``
-  through one float32 ``psum`` (:func:`sign_of_mean`).
+  through one ``psum`` (:func:`sign_of_mean`).
   """
-  leaves, treedef = jax.tree.flatten(pre_sign)
-  out = [jnp.zeros_like(x) for x in leaves]
+  return aggregate(lambda c: c, pre_sign, axis_name=axis_name,
+                   num_workers=num_workers, vote=vote,
+                   aggregation=aggregation, comm=comm,
+                   min_compress_size=min_compress_size)
+
+
+def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
+              num_workers: int, vote: VoteCode, aggregation: str, comm: str,
+              min_compress_size: int = 0):
+  """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
+  ``trees`` (Lion passes the gradients, the momenta and
+  ``c = (1 - b1) g + b1 m``).
+
+  For sign votes the leaves of each dtype are laid end to end first and
+  ``combine`` and the encoding run once on the whole message: a handful
+  of operations however many leaves there are, where computing ``c`` leaf
+  by leaf would cost XLA a kernel a leaf to compile. Lion Cub's L1-scaled
+  votes need each leaf's own scale and encode leaf by leaf.
+  """
+  leaves, treedef = jax.tree.flatten(trees[0])
+  columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
+  rows = list(zip(*columns))
+  out = [x if x.size == 0 else None for x in leaves]
   exact = [i for i, x in enumerate(leaves) if 0 < x.size < min_compress_size]
   voted = [i for i, x in enumerate(leaves)
            if x.size > 0 and x.size >= min_compress_size]
   if exact:
-    for i, d in zip(exact, sign_of_mean([_whole(leaves[i]) for i in exact],
-                                        axis_name=axis_name)):
+    values = [_whole(combine(*rows[i])) for i in exact]
+    for i, d in zip(exact, sign_of_mean(values, axis_name=axis_name)):
       out[i] = _like(d, leaves[i])
-  if voted:
-    codes = [_whole(quantize.encode(leaves[i], vote)).ravel() for i in voted]
-    sums = exchange_votes(codes, axis_name=axis_name, num_workers=num_workers,
-                          vote=vote, aggregation=aggregation, comm=comm)
-    for i, s in zip(voted, sums):
-      x = leaves[i]
-      out[i] = _like(_finalize(s, num_workers, aggregation, vote,
-                               x.dtype).reshape(x.shape), x)
+  if not voted:
+    return jax.tree.unflatten(treedef, out)
+  flat = vote in VOTES and not any(_explicit_spec(x) is not None
+                                   for x in leaves)
+  if flat:       # grouped by dtypes, so that each group concatenates
+    voted.sort(key=lambda i: tuple(str(x.dtype) for x in rows[i]))
+  layout, result = _exchange(
+      [rows[i] for i in voted], combine, flat, axis_name=axis_name,
+      num_workers=num_workers, vote=vote, aggregation=aggregation, comm=comm)
+  # D for the whole message once per dtype (that of c), then a slice per
+  # leaf.
+  dtypes, updates = {}, {}
+  for i, start in zip(voted, layout.offsets):
+    x, key = leaves[i], _dtypes(rows[i])
+    if key not in dtypes:
+      dtypes[key] = jax.eval_shape(
+          combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
+    dtype = dtypes[key]
+    if dtype not in updates:
+      updates[dtype] = _finalize(result, num_workers, aggregation, vote,
+                                 dtype)
+    part = updates[dtype][start:start + x.size]
+    out[i] = _like(part.reshape(x.shape), x)
   return jax.tree.unflatten(treedef, out)
+
+
+def _codes(rows, combine, flat, layout, vote) -> jax.Array:
+  """The message's digits: every leaf's vote codes at its offset."""
+  if not flat:
+    return layout.concatenate(
+        [_whole(quantize.encode(combine(*row), vote)).ravel()
+         for row in rows])
+  groups, start = [], 0
+  for k in range(1, len(rows) + 1):
+    if k == len(rows) or _dtypes(rows[k]) != _dtypes(rows[start]):
+      groups.append((start, k))
+      start = k
+  digits = []
+  for start, stop in groups:
+    inputs = [layout.concatenate([row[j].ravel() for row in rows[start:stop]],
+                                 start) for j in range(len(rows[start]))]
+    digits.append(quantize.encode(combine(*inputs), vote))
+  return digits[0] if len(digits) == 1 else jnp.concatenate(digits)
+
+
+def _dtypes(row) -> tuple:
+  return tuple(x.dtype for x in row)
 
 
 def _explicit_spec(x: jax.Array):

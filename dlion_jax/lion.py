@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from dlion_jax import accounting
 from dlion_jax import exchange
 from dlion_jax import quantize
 from dlion_jax import sync
@@ -208,7 +207,7 @@ def scale_by_distributed_lion(
   """
   check_choice("aggregation", aggregation, exchange.AGGREGATIONS)
   check_choice("comm", comm, exchange.COMM_CHOICES)
-  code = accounting.vote_code(quantizer, vote=vote, bits=bits)
+  code = quantize.vote_code(quantizer, vote=vote, bits=bits)
   schedule = sync.as_schedule(momentum_sync)
   min_compress_size = _min_compress_size(min_compress_size)
   state_type = ErrorFeedbackState if error_feedback else DistributedLionState
@@ -225,10 +224,13 @@ def scale_by_distributed_lion(
           error=optax.tree.zeros_like(params, dtype=mu_dtype))
     return DistributedLionState(count=count, mu=mu)
 
-  def vote(pre_sign, num_workers):
-    return exchange.aggregate_updates(
-        pre_sign, axis_name=axis_name, num_workers=num_workers, vote=code,
-        aggregation=aggregation, comm=comm,
+  def pre_sign(g, m):
+    return (1.0 - b1) * g + b1 * m
+
+  def vote(combine, num_workers, *trees):
+    return exchange.aggregate(
+        combine, *trees, axis_name=axis_name, num_workers=num_workers,
+        vote=code, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size)
 
   def update_fn(updates, state, params=None):
@@ -236,21 +238,21 @@ def scale_by_distributed_lion(
     _check_state(state, state_type)
     check_same_structure(updates, state.mu)
     check_float_leaves(updates, "gradient")
-    pre_sign = jax.tree.map(lambda g, m: (1.0 - b1) * g + b1 * m,
-                            updates, state.mu)
     num_workers = exchange.axis_size(axis_name)
     extra = {}
     if num_workers == 1:
-      new_updates = jax.tree.map(jnp.sign, pre_sign)
+      new_updates = jax.tree.map(lambda g, m: jnp.sign(pre_sign(g, m)),
+                                 updates, state.mu)
       extra = {"error": state.error} if error_feedback else {}
     elif error_feedback:
-      pre_sign = jax.tree.map(jnp.add, pre_sign, state.error)
-      new_updates = vote(pre_sign, num_workers)
+      corrected = jax.tree.map(lambda g, m, e: pre_sign(g, m) + e, updates,
+                               state.mu, state.error)
+      new_updates = vote(lambda c: c, num_workers, corrected)
       extra = {"error": jax.tree.map(
-          lambda p, d, e: _residual(p, d, e.dtype), pre_sign, new_updates,
+          lambda p, d, e: _residual(p, d, e.dtype), corrected, new_updates,
           state.error)}
-    else:
-      new_updates = vote(pre_sign, num_workers)
+    else:   # c computed inside the vote, on the whole message at once
+      new_updates = vote(pre_sign, num_workers, updates, state.mu)
     mu = optax.tree.update_moment(updates, state.mu, b2, 1)
     mu = optax.tree.cast(mu, mu_dtype)
     count = optax.safe_increment(state.count)

@@ -31,21 +31,62 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dlion_jax import accounting
+from dlion_jax._checks import check_choice
+from dlion_jax._checks import static_int
 
-QUANTIZERS = accounting.QUANTIZERS
-VoteCode = accounting.VoteCode
+VOTES = ("binary", "ternary")
+QUANTIZERS = ("sign", "ternary_l1", "pbit_l1")
+PBIT_RANGE = (2, 8)
+
+# What one worker's vote on one parameter is: 'binary' (+-1), 'ternary'
+# (-1, 0, 1) or an odd number of levels 2L + 1 (-L..L, a quantized vote).
+VoteCode = str | int
 
 
 def vote_code(quantizer: str = "sign", *, vote: str = "binary",
               bits: int | None = None) -> VoteCode:
-  """The vote code a quantizer sends: ``'binary'``, ``'ternary'`` or levels.
+  """The vote code of a quantizer: ``vote`` for ``'sign'``, else levels.
+
+  ``'ternary_l1'`` (``'pbit_l1'`` with ``bits=2``) sends 3 levels, like
+  ``vote='ternary'`` but with a dead zone; ``'pbit_l1'`` with ``bits=p``
+  sends ``2**p - 1``.
 
   Raises:
     ValueError: an unknown quantizer or vote, ``bits`` given where it means
       nothing, or ``bits`` outside ``2..8`` for ``'pbit_l1'``.
   """
-  return accounting.vote_code(quantizer, vote=vote, bits=bits)
+  check_choice("quantizer", quantizer, QUANTIZERS)
+  check_choice("vote", vote, VOTES)
+  bits = static_int("bits", bits)
+  if quantizer != "pbit_l1":
+    if bits is not None:
+      raise ValueError(
+          f"bits={bits!r} only applies to quantizer='pbit_l1', got "
+          f"quantizer={quantizer!r}; drop bits or use quantizer='pbit_l1'.")
+    return vote if quantizer == "sign" else 3
+  if vote != "binary":
+    raise ValueError(
+        f"vote={vote!r} applies to quantizer='sign' only; quantizer="
+        "'pbit_l1' always sends signed levels. Drop vote.")
+  low, high = PBIT_RANGE
+  if (not isinstance(bits, int) or isinstance(bits, bool)
+      or not low <= bits <= high):
+    raise ValueError(
+        f"quantizer='pbit_l1' needs bits, an int in {low}..{high} (bits per "
+        f"worker vote), got bits={bits!r}.")
+  return 2**bits - 1
+
+
+def vote_radix(vote: VoteCode) -> int:
+  """Distinct values one worker's vote takes: 2, 3 or the level count."""
+  if vote == "binary":
+    return 2
+  return 3 if vote == "ternary" else int(vote)
+
+
+def vote_max(vote: VoteCode) -> int:
+  """Largest level a vote takes, L (1 for sign votes)."""
+  return 1 if vote in VOTES else (vote_radix(vote) - 1) // 2
 
 
 def scale_dtype(dtype) -> jnp.dtype:
@@ -114,5 +155,5 @@ def encode(c: jax.Array, code: VoteCode) -> jax.Array:
   """
   if code in ("binary", "ternary"):
     return sign_codes(c, code)
-  max_level = accounting.vote_max(code)
+  max_level = vote_max(code)
   return (l1_levels(c, max_level) + max_level).astype(jnp.uint8)

@@ -6,14 +6,16 @@ import pytest
 
 from dlion_jax import accounting
 from dlion_jax import lion
+from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import sync
 
 
-@pytest.mark.parametrize("module", [accounting, lion, packing, parallel, quantize,
-                                    sync], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [accounting, lion, message, packing,
+                                    parallel, quantize, sync],
+                         ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
   assert result.attempted > 0 and result.failed == 0

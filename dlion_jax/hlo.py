@@ -1,0 +1,306 @@
+"""Reading what a compiled function sends off its HLO text.
+
+:func:`collective_bytes` is the figure the benchmarks and the training CLI
+report: for every collective instruction of a compiled module, the bytes
+each worker sends by the conventions of the usual bandwidth-optimal
+algorithms (``N`` workers, a ``B``-byte buffer):
+
+* all-reduce (ring): ``2 (N - 1) / N * B``
+* all-gather of a ``B``-byte result, all-to-all of a ``B``-byte buffer:
+  ``(N - 1) / N * B``; reduce-scatter of a ``B``-byte result: ``(N - 1) B``
+
+Collectives in loops count once per trip (XLA's ``known_trip_count``);
+those in branches of conditionals are marked, since they run only on the
+steps that take the branch (a scheduled momentum sync).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+
+_OPS = {
+    "all-reduce": "all-reduce",
+    "all-reduce-start": "all-reduce",
+    "all-gather": "all-gather",
+    "all-gather-start": "all-gather",
+    "all-to-all": "all-to-all",
+    "reduce-scatter": "reduce-scatter",
+    "collective-permute": "collective-permute",
+    "collective-permute-start": "collective-permute",
+}
+# Async starts (GPU) whose result is the tuple (operands, results, ...): only
+# the second element is what the collective produces.
+_OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
+# An instruction ``%name = shape opcode(operands), attributes``: the opcode
+# is the first word right after a space and before a parenthesis (tuple
+# shapes hold no such word; TPU layouts' ``T(8,128)`` follow no space).
+_INSTRUCTION = re.compile(
+    r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
+    r"(?P<op>[a-z][\w\-]*)\(")
+_ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+_GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
+_GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
+_NUM_DEVICES = re.compile(r"(?:num_partitions|replica_count)=(\d+)")
+# ``%name (params) -> result {`` compiled, ``name {`` in lowered HLO text.
+_COMPUTATION = re.compile(
+    r"^(?:ENTRY\s+)?%?(?P<name>[\w.\-]+)\s*(?:\(.*)?\{\s*$")
+_METADATA = re.compile(r'metadata=\{(?:[^{}"]|"(?:[^"\\]|\\.)*")*\}')
+# Attributes naming the computations an instruction runs.
+_CALLEES = re.compile(
+    r"\b(?P<key>calls|to_apply|body|condition|true_computation|"
+    r"false_computation)=%?(?P<one>[\w.\-]+)|"
+    r"\b(?P<keys>branch_computations|called_computations)="
+    r"\{(?P<many>[^}]*)\}")
+_BRANCH_KEYS = ("branch_computations", "true_computation", "false_computation")
+# XLA's while loop analysis writes this into a compiled while's backend_config.
+_TRIP_COUNT = re.compile(
+    r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(?P<n>\d+)')
+# These name the computation their async-start already ran.
+_NOT_CALLING = ("async-update", "async-done")
+
+_DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
+
+
+def _shape_bytes(shape: str) -> int:
+  total = 0
+  for m in _ARRAY.finditer(shape):
+    dims = [int(d) for d in m["dims"].split(",") if d]
+    bits = _DTYPE_BITS.get(m["dtype"]) or int(m["dtype"][1:])
+    total += math.prod(dims) * bits // 8
+  return total
+
+
+def _tuple_elements(shape: str) -> list[str]:
+  """Top-level elements of a tuple shape ``(a, (b, c))``; ``[shape]`` else."""
+  shape = shape.strip()
+  if not shape.startswith("("):
+    return [shape]
+  parts, depth, start = [], 0, 1
+  for i, char in enumerate(shape):
+    if char == "(":
+      depth += 1
+    elif char == ")":
+      depth -= 1
+    if (char == "," and depth == 1) or depth == 0:
+      parts.append(shape[start:i])
+      start = i + 1
+    if depth == 0:
+      break
+  return parts
+
+
+def _result_shape(op: str, shape: str) -> str:
+  """The part of an instruction's shape that the collective produces."""
+  parts = _tuple_elements(shape)
+  if op in _OPERAND_RESULT_PAIRS and len(parts) >= 2:
+    return parts[1]
+  return shape
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective instruction of a compiled module.
+
+  ``sent_bytes`` is what one run of the instruction sends; ``count`` how
+  often it runs per call of the module (the product of the trip counts of
+  the loops around it), so it sends ``bytes_per_call`` in all.
+  """
+  op: str            # all-reduce, all-gather, all-to-all, reduce-scatter, ...
+  result_bytes: int  # bytes of the result (all tuple elements)
+  group_size: int    # workers taking part
+  sent_bytes: float  # bytes each worker sends per run, by the conventions above
+  conditional: bool = False  # in a branch of a conditional (lax.cond)
+  count: int = 1     # runs per call: trip counts of the enclosing loops
+
+  @property
+  def bytes_per_call(self) -> float:
+    """``sent_bytes * count``: what it sends per call of the module."""
+    return self.sent_bytes * self.count
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+  """An instruction that runs other computations (while, call, fusion, ...).
+
+  ``callees`` holds ``(computation, runs per run of the instruction or None
+  when unknown, whether it is a branch of a conditional)``.
+  """
+  instruction: str
+  op: str
+  callees: tuple[tuple[str, int | None, bool], ...]
+
+
+def _sent(op: str, result_bytes: int, n: int) -> float:
+  if n <= 1:
+    return 0.0
+  if op == "all-reduce":
+    return 2 * (n - 1) / n * result_bytes
+  if op == "reduce-scatter":
+    return (n - 1) * result_bytes
+  if op == "collective-permute":
+    return float(result_bytes)
+  return (n - 1) / n * result_bytes
+
+
+def _collective(m: re.Match, line: str, default_n: int) -> Collective:
+  """The :class:`Collective` of a matched collective instruction line."""
+  op = _OPS[m["op"]]
+  shape = _result_shape(m["op"], m["shape"])
+  g = _GROUPS_LIST.search(line)
+  if g:
+    n = len([d for d in g["first"].split(",") if d])
+  else:
+    iota = _GROUPS_IOTA.search(line)
+    n = int(iota["size"]) if iota else default_n
+  size = _shape_bytes(shape)
+  return Collective(op, size, n, _sent(op, size, n))
+
+
+def _call(m: re.Match, line: str) -> _Call | None:
+  """The computations an instruction runs, and how often (None: none)."""
+  if m["op"] in _NOT_CALLING:
+    return None
+  trips = _TRIP_COUNT.search(line) if m["op"] == "while" else None
+  trips = int(trips["n"]) if trips else None
+  callees = []
+  for c in _CALLEES.finditer(line):
+    if c["one"]:
+      named = [(c["key"], c["one"])]
+    else:
+      named = [(c["keys"], n.strip().lstrip("%"))
+               for n in c["many"].split(",") if n.strip()]
+    for key, name in named:
+      runs = 1
+      if m["op"] == "while" and key == "body":
+        runs = trips
+      elif m["op"] == "while" and key == "condition":
+        runs = None if trips is None else trips + 1
+      callees.append((name, runs, key in _BRANCH_KEYS))
+  return _Call(m["name"], m["op"], tuple(callees)) if callees else None
+
+
+def _parse(hlo_text: str) -> tuple[dict, list]:
+  """Computations (name -> its collectives and calls, in order) and roots.
+
+  Lines before any computation header (a snippet) form computation None.
+  The roots are the computations nothing calls: ENTRY, and None.
+  """
+  devices = _NUM_DEVICES.findall(hlo_text)
+  default_n = max((int(d) for d in devices), default=1)
+  computations, current, called = {None: []}, None, set()
+  for line in hlo_text.splitlines():
+    header = _COMPUTATION.match(line)
+    if header:
+      current = header["name"]
+      computations[current] = []
+      continue
+    m = _INSTRUCTION.match(line)
+    if not m:
+      continue
+    line = _METADATA.sub("", line)
+    if m["op"] in _OPS:
+      computations[current].append(_collective(m, line, default_n))
+    call = _call(m, line)
+    if call:
+      computations[current].append(call)
+      called.update(name for name, _, _ in call.callees)
+  return computations, [c for c in computations if c not in called]
+
+
+def _sending(computations: dict) -> set:
+  """Computations that run a collective, themselves or through callees."""
+  sending = {name for name, items in computations.items()
+             if any(isinstance(i, Collective) for i in items)}
+  grew = True
+  while grew:
+    grew = False
+    for name, items in computations.items():
+      if name not in sending and any(
+          callee in sending for i in items if isinstance(i, _Call)
+          for callee, _, _ in i.callees):
+        sending.add(name)
+        grew = True
+  return sending
+
+
+def _unknown_trips(call: _Call, callee: str) -> ValueError:
+  return ValueError(
+      f"Cannot count the collectives in %{callee}, run by while loop "
+      f"%{call.instruction}: the HLO gives no known_trip_count for it, so how "
+      "often they run depends on data (a lax.while_loop with a traced bound) "
+      "or the text was not compiled. Pass the compiled HLO "
+      "(jit(f).lower(...).compile()), loop with lax.scan or lax.fori_loop "
+      "over static bounds, or compile one step without the loop and multiply "
+      "its bytes by the number of steps.")
+
+
+def _walk(computations: dict, sending: set, name, count: int,
+          conditional: bool, seen: frozenset):
+  """Yields the collectives ``name`` runs, each with its runs per call."""
+  for item in computations.get(name, ()):
+    if isinstance(item, Collective):
+      yield dataclasses.replace(item, conditional=conditional, count=count)
+      continue
+    for callee, runs, branch in item.callees:
+      if callee in seen or callee not in sending:
+        continue
+      if runs is None:
+        raise _unknown_trips(item, callee)
+      yield from _walk(computations, sending, callee, count * runs,
+                       conditional or branch, seen | {callee})
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Lists the collectives of an HLO module's text.
+
+  Collectives in a while loop (``lax.scan``, ``lax.fori_loop``) run once
+  per trip (its condition: trips + 1 times): their ``count`` is the product
+  of the trip counts of the loops around them, which XLA writes into each
+  compiled loop's ``backend_config`` (``"known_trip_count":{"n":"10"}``).
+
+  Args:
+    hlo_text: ``jitted.lower(*args).compile().as_text()``.
+
+  Returns:
+    One :class:`Collective` per instruction and way to reach it from the
+    entry, in program order; those in a branch of a conditional (e.g. a
+    scheduled momentum sync), also inside loops, are marked
+    ``conditional``: they run only on the steps that take that branch.
+
+  Raises:
+    ValueError: a while loop whose trip count XLA does not know (a
+      ``lax.while_loop`` with a data-dependent bound) runs collectives.
+  """
+  computations, roots = _parse(hlo_text)
+  sending = _sending(computations)
+  return [c for root in roots
+          for c in _walk(computations, sending, root, 1, False,
+                         frozenset([root]))]
+
+
+def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
+  """Bytes each worker sends per call of a compiled function.
+
+  A collective in a loop counts once per trip (``lax.scan`` over 10 steps:
+  10 steps' bytes); a loop whose trip count is not static is refused.
+
+  Args:
+    compiled_or_text: a ``jax.stages.Compiled`` (``jit(f).lower(...).compile()``)
+      or its HLO text.
+    conditional: count the collectives in branches of conditionals too (an
+      upper bound: a step that syncs momenta); ``False`` gives what a step
+      taking no such branch sends.
+
+  Returns:
+    The sum of :attr:`Collective.bytes_per_call` over the module.
+
+  Raises:
+    ValueError: collectives in a while loop of unknown trip count (see
+      :func:`collectives`).
+  """
+  text = compiled_or_text if isinstance(compiled_or_text, str) else (
+      compiled_or_text.as_text())
+  return sum(c.bytes_per_call for c in collectives(text)
+             if conditional or not c.conditional)

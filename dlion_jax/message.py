@@ -1,0 +1,277 @@
+"""The vote message: every leaf's votes packed into one buffer per step.
+
+A :class:`MessageLayout` is the wire protocol for one model, worker count,
+vote code, aggregation and strategy (``comm``). It owns the radix the votes
+are packed in, the words, the padding and where each leaf sits, and so both
+what :mod:`dlion_jax.exchange` sends and what the byte model counts:
+
+* each leaf's digits start on a word boundary (``offsets``), so every
+  leaf is packed as if alone and a leaf's padding is at most one word;
+* the message holds ``words`` words, a multiple of ``word_multiple``:
+  ``alltoall`` cuts it into ``N`` shards of whole words whose results also
+  fill whole words of what it gathers back.
+
+Digits past a leaf's end are padding: sent, never read back.
+
+Radices (``L`` the largest level, :func:`dlion_jax.quantize.vote_max`):
+a worker's vote is a digit of radix 2 (binary), 3 (ternary) or ``2 L + 1``;
+a counter of ``N`` workers' votes one of radix ``(radix - 1) N + 1``
+(:func:`psum_radix`), so that packed words of counters add without carries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+from dlion_jax import packing
+from dlion_jax import quantize
+from dlion_jax._checks import check_choice
+
+AGGREGATIONS = ("mavo", "avg")
+COMMS = ("alltoall", "allgather", "psum", "psum_int8")
+COMM_CHOICES = COMMS + ("auto",)
+# 'auto' breaks ties in this order: fewer collectives (less latency) first.
+_BY_LATENCY = ("allgather", "psum", "alltoall", "psum_int8")
+
+VoteCode = quantize.VoteCode
+
+
+def psum_radix(num_workers: int, vote: VoteCode) -> int:
+  """Radix of a counter that can hold the sum of N workers' vote codes."""
+  return (quantize.vote_radix(vote) - 1) * num_workers + 1
+
+
+def mavo_has_ties(num_workers: int, vote: VoteCode) -> bool:
+  """Whether a majority vote can end in a tie (sum 0), i.e. D = 0."""
+  return vote != "binary" or num_workers % 2 == 0
+
+
+def alltoall_down_radix(num_workers: int, *, aggregation: str,
+                        vote: VoteCode) -> int:
+  """Radix of the per-parameter result that ``alltoall`` all-gathers."""
+  if aggregation == "avg":
+    return psum_radix(num_workers, vote)
+  return 3 if mavo_has_ties(num_workers, vote) else 2
+
+
+def int_container(num_workers: int, vote: VoteCode = "binary"):
+  """Signed integer dtype in which ``psum_int8`` sums N workers' levels."""
+  largest = num_workers * quantize.vote_max(vote)
+  for dtype in (jnp.int8, jnp.int16, jnp.int32):
+    if largest <= jnp.iinfo(dtype).max:
+      return dtype
+  raise ValueError(f"num_workers={num_workers} exceeds int32.")
+
+
+def message_radix(comm: str, num_workers: int, vote: VoteCode) -> int | None:
+  """Radix in which a strategy packs the votes it sends (None: int votes)."""
+  if comm == "psum":
+    return psum_radix(num_workers, vote)
+  if comm == "psum_int8":
+    return None
+  return quantize.vote_radix(vote)
+
+
+def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
+                          vote: VoteCode) -> int:
+  """The message's word count is padded to a multiple of this.
+
+  ``alltoall`` splits the message into N shards of whole words whose digits
+  also fill whole words of the result it gathers back.
+  """
+  if comm != "alltoall":
+    return 1
+  up_digits = packing.digits_per_word(quantize.vote_radix(vote))
+  down_digits = packing.digits_per_word(alltoall_down_radix(
+      num_workers, aggregation=aggregation, vote=vote))
+  return num_workers * math.lcm(up_digits, down_digits) // up_digits
+
+
+@dataclasses.dataclass(frozen=True)
+class MessageLayout:
+  """Where every leaf's votes sit in the message, and what it costs.
+
+  Attributes:
+    leaf_sizes: elements of each voted leaf, in message order.
+    num_workers: N, the size of the axis voted over.
+    vote: the vote code (:func:`dlion_jax.quantize.vote_code`).
+    aggregation: ``'mavo'`` or ``'avg'``.
+    comm: a concrete strategy (not ``'auto'``; see :func:`choose_comm`).
+
+  Example:
+    >>> from dlion_jax.message import MessageLayout
+    >>> layout = MessageLayout((3, 20), 3, "binary", "mavo", "alltoall")
+    >>> layout.offsets      # leaf 1 starts on the second byte (8 bits each)
+    (0, 8)
+    >>> layout.words        # 4 bytes used, padded to 3 shards of 2 bytes
+    6
+    >>> layout.sent_bytes() # 2/3 of 6 bytes up and 6 bytes down
+    8.0
+  """
+  leaf_sizes: tuple[int, ...]
+  num_workers: int
+  vote: VoteCode
+  aggregation: str
+  comm: str
+
+  def __post_init__(self):
+    check_choice("comm", self.comm, COMMS)
+    object.__setattr__(self, "leaf_sizes", tuple(int(s)
+                                                 for s in self.leaf_sizes))
+
+  @functools.cached_property
+  def radix(self) -> int | None:
+    """Radix of the packed digits; None for ``psum_int8``'s int votes."""
+    return message_radix(self.comm, self.num_workers, self.vote)
+
+  @functools.cached_property
+  def digits_per_word(self) -> int:
+    return 1 if self.radix is None else packing.digits_per_word(self.radix)
+
+  @functools.cached_property
+  def word_dtype(self):
+    """The dtype of the message's words."""
+    if self.radix is None:
+      return int_container(self.num_workers, self.vote)
+    return packing.word_dtype(self.radix)
+
+  @functools.cached_property
+  def offsets(self) -> tuple[int, ...]:
+    """Digit offset of each leaf: its start, on a word boundary."""
+    starts, offset = [], 0
+    for size in self.leaf_sizes:
+      starts.append(offset)
+      offset += -(-size // self.digits_per_word) * self.digits_per_word
+    return tuple(starts)
+
+  @functools.cached_property
+  def word_multiple(self) -> int:
+    return message_word_multiple(self.comm, self.num_workers,
+                                 aggregation=self.aggregation, vote=self.vote)
+
+  @functools.cached_property
+  def words(self) -> int:
+    """Words in the message, padding included."""
+    used = sum(-(-size // self.digits_per_word) for size in self.leaf_sizes)
+    return -(-used // self.word_multiple) * self.word_multiple
+
+  @property
+  def digits(self) -> int:
+    """Digit positions in the message, padding included."""
+    return self.words * self.digits_per_word
+
+  def sent_bytes(self) -> float:
+    """Bytes each worker sends for this message (ring conventions of
+    :mod:`dlion_jax.hlo`)."""
+    n = self.num_workers
+    if n == 1 or not self.leaf_sizes:
+      return 0.0
+    up = self.words * jnp.dtype(self.word_dtype).itemsize
+    if self.comm in ("psum", "psum_int8"):
+      return 2 * (n - 1) / n * up
+    if self.comm == "allgather":
+      return float((n - 1) * up)
+    down_radix = alltoall_down_radix(n, aggregation=self.aggregation,
+                                     vote=self.vote)
+    down_words = -(-self.digits // packing.digits_per_word(down_radix))
+    down = down_words * jnp.dtype(packing.word_dtype(down_radix)).itemsize
+    return (n - 1) / n * (up + down)
+
+  def concatenate(self, leaves: Sequence[jax.Array],
+                  first: int = 0) -> jax.Array:
+    """Flat leaves ``first, first + 1, ...`` at their offsets, zeros in the
+    padding: the run of digits they fill (to the message's end when the
+    run ends with the last leaf). One ``concatenate`` however many leaves:
+    compile time grows with the number of operations, not with bytes."""
+    ends = self.offsets[1:] + (self.digits,)
+    pieces = []
+    for k, x in enumerate(leaves, first):
+      pieces.append(x)
+      pad = ends[k] - self.offsets[k] - x.shape[0]
+      if pad:
+        pieces.append(jnp.zeros(pad, x.dtype))
+    return jnp.concatenate(pieces)
+
+  def pack(self, digits: jax.Array) -> jax.Array:
+    """The message's words from all its digits (:meth:`concatenate`)."""
+    if self.radix is None:                 # psum_int8: the levels as ints
+      return signed_sum(digits, 1, self.vote).astype(self.word_dtype)
+    return packing.pack_digits(
+        digits.astype(packing.digit_dtype(self.radix)), self.radix)
+
+  def split(self, values: jax.Array) -> list[jax.Array]:
+    """Each leaf's part of a per-digit vector (e.g. the vote sums)."""
+    return [values[start:start + size]
+            for start, size in zip(self.offsets, self.leaf_sizes)]
+
+
+def signed_sum(code_sum: jax.Array, num_workers: int,
+               vote: VoteCode) -> jax.Array:
+  """Sum of N workers' codes -> sum of their levels, in [-N L, N L] (int32).
+
+  A binary code is ``(q + 1) / 2``, any other ``q + L``.
+  """
+  total = code_sum.astype(jnp.int32)
+  if vote == "binary":
+    return 2 * total - num_workers
+  return total - num_workers * quantize.vote_max(vote)
+
+
+def vote_bits(num_workers: int, *, aggregation: str, vote: VoteCode,
+              comm: str) -> float:
+  """Bits per parameter a message costs as leaves grow (no padding)."""
+  n = num_workers
+  up = packing.bits_per_digit(quantize.vote_radix(vote))
+  if comm == "alltoall":
+    down = packing.bits_per_digit(
+        alltoall_down_radix(n, aggregation=aggregation, vote=vote))
+    return (n - 1) / n * (up + down)
+  if comm == "allgather":
+    return float(n - 1) * up
+  if comm == "psum":
+    return 2 * (n - 1) / n * packing.bits_per_digit(psum_radix(n, vote))
+  return 2 * (n - 1) / n * jnp.iinfo(int_container(n, vote)).bits
+
+
+def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
+                  aggregation: str = "mavo", vote: VoteCode = "binary",
+                  comm: str, min_compress_size: int = 0) -> float:
+  """Exact bytes each worker sends for leaves of ``leaf_sizes``.
+
+  The voted leaves' :class:`MessageLayout`, plus the exact float32
+  all-reduce of the leaves smaller than ``min_compress_size``. ``comm``
+  must be a concrete strategy, not ``'auto'``.
+  """
+  n = num_workers
+  exact = sum(s for s in leaf_sizes if s < min_compress_size)
+  voted = [s for s in leaf_sizes if s >= min_compress_size]
+  exact_bytes = 2 * (n - 1) / n * 4 * exact if n > 1 else 0.0
+  return exact_bytes + MessageLayout(tuple(voted), n, vote, aggregation,
+                                     comm).sent_bytes()
+
+
+def choose_comm(num_workers: int, *, aggregation: str, vote: VoteCode,
+                leaf_sizes: Sequence[int] | None = None,
+                gathers: bool = True) -> str:
+  """The strategy that sends the fewest bytes (what ``comm='auto'`` means).
+
+  With ``leaf_sizes`` the exact message sizes, padding included, decide (on
+  a small model padding can outweigh the asymptotic figure); without, the
+  bits per parameter of :func:`vote_bits`. Ties go to the strategy with
+  fewer collectives. ``gathers=False`` leaves out the strategies that
+  all-gather (see :func:`dlion_jax.exchange.can_gather`).
+  """
+  candidates = _BY_LATENCY if gathers else ("psum", "psum_int8")
+  def cost(comm):
+    if leaf_sizes is not None:
+      return MessageLayout(tuple(leaf_sizes), num_workers, vote, aggregation,
+                           comm).sent_bytes()
+    return round(vote_bits(num_workers, aggregation=aggregation, vote=vote,
+                           comm=comm), 9)
+  return min(candidates, key=cost)
