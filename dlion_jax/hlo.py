@@ -39,7 +39,8 @@ _OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
     r"(?P<op>[a-z][\w\-]*)\(")
-_ARRAY = re.compile(r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+_ARRAY = re.compile(
+    r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{(?P<first>[\d,]*)\}")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[(?P<groups>\d+),(?P<size>\d+)\]")
 _NUM_DEVICES = re.compile(r"(?:num_partitions|replica_count)=(\d+)")
@@ -287,8 +288,8 @@ def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
   10 steps' bytes); a loop whose trip count is not static is refused.
 
   Args:
-    compiled_or_text: a ``jax.stages.Compiled`` (``jit(f).lower(...).compile()``)
-      or its HLO text.
+    compiled_or_text: a ``jax.stages.Compiled``
+      (``jit(f).lower(...).compile()``) or its HLO text.
     conditional: count the collectives in branches of conditionals too (an
       upper bound: a step that syncs momenta); ``False`` gives what a step
       taking no such branch sends.

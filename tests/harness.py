@@ -60,7 +60,7 @@ def run_on_mesh(txs, params, grads_seq, num_workers, *, check_vma=True):
   updates = []
   for grads in grads_seq:
     ps, states, u = step(ps, states, jax.device_put(grads, sharded))
-    jax.block_until_ready(ps)   # see DESIGN.md §5: no queued collectives
+    jax.block_until_ready(ps)   # a step at a time, as a test should
     updates.append(u)
   return {k: (jax.device_get(ps[k]), jax.device_get(states[k]),
               [jax.device_get(u[k]) for u in updates]) for k in names}

@@ -17,7 +17,6 @@ from jax.sharding import PartitionSpec as P
 import dlion_jax as dl
 from dlion_jax import accounting
 from dlion_jax import exchange
-from dlion_jax import packing
 from dlion_jax import parallel
 
 AXIS = "data"
@@ -62,7 +61,7 @@ def compile_on_mesh(fn, mesh, in_spec, *shapes, out_specs=P(AXIS)):
   return jax.jit(mapped).lower(*args).compile()
 
 
-# --- HLO-measured bits against wire_bits and message_bytes ------------------------------------
+# --- HLO-measured bits against wire_bits and message_bytes -----------------
 
 
 @pytest.mark.parametrize("comm", COMMS + ("auto",))
@@ -495,3 +494,22 @@ def test_lowered_text_marks_conditionals_and_refuses_loops():
   with pytest.raises(ValueError, match="known_trip_count"):
     accounting.collective_bytes(lowered.as_text(dialect="hlo"))
   assert accounting.collective_bytes(lowered.compile()) == 5 * 2 * 7 / 8 * 256
+
+
+@pytest.mark.parametrize("comm", accounting.COMMS)
+@pytest.mark.parametrize("n,vote", [(2, "binary"), (7, "ternary"), (8, 15)])
+def test_message_layout_puts_each_leaf_on_a_word(comm, n, vote):
+  """The layout's invariant, and that a message round-trips leaf by leaf."""
+  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  sizes = (1, 37, 0, 64, 5)
+  layout = MessageLayout(sizes, n, vote, "mavo", comm)
+  per_word = layout.digits_per_word
+  assert all(o % per_word == 0 for o in layout.offsets)
+  assert all(b - a >= s for a, b, s in zip(
+      layout.offsets, layout.offsets[1:] + (layout.digits,), sizes))
+  assert layout.words % layout.word_multiple == 0
+  leaves = [jnp.arange(1, s + 1, dtype=jnp.int32) for s in sizes]
+  flat = layout.concatenate(leaves)
+  assert flat.shape == (layout.digits,)
+  for got, want in zip(layout.split(flat), leaves):
+    np.testing.assert_array_equal(got, want)

@@ -18,7 +18,6 @@ import dlion_jax as dl
 from harness import AXIS
 from harness import random_tree
 from harness import run_on_mesh
-from reference import DistributedLionReference
 from reference import l1_vote
 from test_lion import SHAPES
 from test_lion import make_grads

@@ -1,5 +1,9 @@
 """The data-parallel helpers: shard_map and pmap steps, per-worker state."""
 
+import os
+import subprocess
+import sys
+
 import chex
 import jax
 import jax.numpy as jnp
@@ -244,7 +248,6 @@ def test_unblocked_loop_on_simulated_devices_completes(builder, steps):
   """A loop that never reads the loss queues steps; XLA:CPU deadlocks once
   about 32 per device are queued (exit 134 after 40 s). The helpers keep at
   most ``MAX_IN_FLIGHT`` queued."""
-  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
   script = _UNBLOCKED_LOOP.replace("BUILDER", builder).replace(
