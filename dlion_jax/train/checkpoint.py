@@ -12,8 +12,11 @@ naming the step directory and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pathlib
+import signal
+import threading
 from typing import Any
 
 import jax
@@ -43,6 +46,22 @@ def _short(error: BaseException | str, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
+@contextlib.contextmanager
+def _ctrl_c_deferred():
+  """Holds SIGINT back until the block ends, then raises KeyboardInterrupt."""
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  caught = []
+  previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+  try:
+    yield
+  finally:
+    signal.signal(signal.SIGINT, previous)
+  if caught:
+    raise KeyboardInterrupt
+
+
 class Checkpointer:
   """Saves and restores ``{'params', 'opt_state'}`` plus JSON metadata.
 
@@ -58,10 +77,16 @@ class Checkpointer:
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
 
   def save(self, step: int, state: Any, meta: dict) -> None:
-    """Writes ``state`` (a pytree of global arrays) and ``meta`` (JSON)."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-    self._manager.wait_until_finished()
+    """Writes ``state`` (a pytree of global arrays) and ``meta`` (JSON).
+
+    A Ctrl-C during the write takes effect once it is finished: the
+    checkpoint is complete, and orbax's writer threads are not torn down
+    mid-save (they would print a traceback of their own).
+    """
+    with _ctrl_c_deferred():
+      self._manager.save(step, args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+      self._manager.wait_until_finished()
 
   def latest_step(self) -> int | None:
     """The newest finished checkpoint's step (None if there is none)."""
