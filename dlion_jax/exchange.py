@@ -53,6 +53,10 @@ COMM_CHOICES = message_lib.COMM_CHOICES
 
 AxisName = Hashable | tuple[Hashable, ...]
 
+# Leaves of sign votes with this many elements or more are packed on their
+# own; smaller ones share one pass (see _message).
+OWN_PACKING = 2**14
+
 
 def axis_size(axis_name: AxisName | None) -> int:
   """Number of workers along ``axis_name`` (1 for ``None``).
@@ -195,13 +199,13 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     ``s`` in ``[-N L, N L]``, or ``sign(s)`` (majority vote through
     ``alltoall``).
   """
-  layout, result = _exchange([(c,) for c in codes], lambda c: c, False,
+  layout, result = _exchange([(c,) for c in codes], lambda c: c, len(codes),
                              axis_name=axis_name, num_workers=num_workers,
                              vote=vote, aggregation=aggregation, comm=comm)
   return layout.split(result)
 
 
-def _exchange(rows, combine, flat, *, axis_name, num_workers, vote,
+def _exchange(rows, combine, alone, *, axis_name, num_workers, vote,
               aggregation, comm):
   """The layout and the per-digit result of voting on ``combine(*row)``
   for each row of leaves (see :func:`aggregate`)."""
@@ -217,7 +221,7 @@ def _exchange(rows, combine, flat, *, axis_name, num_workers, vote,
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, vote=vote,
                       leaf_sizes=sizes, gathers=gathers)
   layout = MessageLayout(tuple(sizes), num_workers, vote, aggregation, comm)
-  message = layout.pack(_codes(rows, combine, flat, layout, vote))
+  message = _message(rows, combine, alone, layout, vote)
   result = _EXCHANGES[comm](message, axis_name=axis_name,
                             num_workers=num_workers, vote=vote,
                             aggregation=aggregation)
@@ -283,11 +287,12 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``).
 
-  For sign votes the leaves of each dtype are laid end to end first and
-  ``combine`` and the encoding run once on the whole message: a handful
-  of operations however many leaves there are, where computing ``c`` leaf
-  by leaf would cost XLA a kernel a leaf to compile. Lion Cub's L1-scaled
-  votes need each leaf's own scale and encode leaf by leaf.
+  For sign votes the leaves under :data:`OWN_PACKING` elements of each
+  dtype are laid end to end first and ``combine`` and the encoding run once
+  on all of them: a handful of operations however many small leaves there
+  are, where computing ``c`` leaf by leaf would cost XLA a kernel a leaf to
+  compile. Bigger leaves, and every leaf of Lion Cub's L1-scaled votes
+  (each needs its own scale), are encoded and packed one by one.
   """
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
@@ -302,12 +307,16 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
       out[i] = _like(d, leaves[i])
   if not voted:
     return jax.tree.unflatten(treedef, out)
+  # Big leaves first, each packed alone; then the small ones of sign votes,
+  # grouped by dtypes so that each group concatenates (see _message).
   flat = vote in VOTES and not any(_explicit_spec(x) is not None
                                    for x in leaves)
-  if flat:       # grouped by dtypes, so that each group concatenates
-    voted.sort(key=lambda i: tuple(str(x.dtype) for x in rows[i]))
+  alone = [i for i in voted if not flat or leaves[i].size >= OWN_PACKING]
+  grouped = sorted((i for i in voted if i not in set(alone)),
+                   key=lambda i: tuple(str(x.dtype) for x in rows[i]))
+  voted = alone + grouped
   layout, result = _exchange(
-      [rows[i] for i in voted], combine, flat, axis_name=axis_name,
+      [rows[i] for i in voted], combine, len(alone), axis_name=axis_name,
       num_workers=num_workers, vote=vote, aggregation=aggregation, comm=comm)
   # D for the whole message once per dtype (that of c), then a slice per
   # leaf.
@@ -326,23 +335,34 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   return jax.tree.unflatten(treedef, out)
 
 
-def _codes(rows, combine, flat, layout, vote) -> jax.Array:
-  """The message's digits: every leaf's vote codes at its offset."""
-  if not flat:
-    return layout.concatenate(
-        [_whole(quantize.encode(combine(*row), vote)).ravel()
-         for row in rows])
-  groups, start = [], 0
-  for k in range(1, len(rows) + 1):
+def _message(rows, combine, alone, layout, vote) -> jax.Array:
+  """The packed message: ``combine(*row)``'s vote codes at each row's offset.
+
+  The first ``alone`` rows (big leaves, or every leaf of an L1-scaled vote)
+  are encoded and packed one by one and written in place: XLA:CPU fuses a
+  concatenate of a few big operands into the packing loop that reads it,
+  several times slower. The others, small leaves of a sign vote, are laid
+  end to end per dtype (one ``concatenate`` of the gradients, one of the
+  momenta) and ``combine``, the encoding and the packing run once on each
+  run: a few operations however many leaves there are, since compile time
+  grows with the number of operations.
+  """
+  message = jnp.zeros(layout.words, layout.word_dtype)
+  def put(message, digits, first):
+    return lax.dynamic_update_slice(
+        message, layout.pack(digits),
+        (layout.offsets[first] // layout.digits_per_word,))
+  for k in range(alone):
+    codes = _whole(quantize.encode(combine(*rows[k]), vote)).ravel()
+    message = put(message, codes, k)
+  start = alone
+  for k in range(alone + 1, len(rows) + 1):
     if k == len(rows) or _dtypes(rows[k]) != _dtypes(rows[start]):
-      groups.append((start, k))
+      inputs = [layout.concatenate([row[j].ravel() for row in rows[start:k]],
+                                   start) for j in range(len(rows[start]))]
+      message = put(message, quantize.encode(combine(*inputs), vote), start)
       start = k
-  digits = []
-  for start, stop in groups:
-    inputs = [layout.concatenate([row[j].ravel() for row in rows[start:stop]],
-                                 start) for j in range(len(rows[start]))]
-    digits.append(quantize.encode(combine(*inputs), vote))
-  return digits[0] if len(digits) == 1 else jnp.concatenate(digits)
+  return message
 
 
 def _dtypes(row) -> tuple:
