@@ -6,6 +6,9 @@
   CPU devices, Distributed Lion against ``optax.lion``.
 * :mod:`dlion_jax.bench.kernels`: compute of packing and voting for N workers
   vmapped on one device (GPU kernel timings where a GPU is present).
+* :mod:`dlion_jax.bench.compile`: trace, lowering and compile time of the
+  optimizer step for 100 to 1000 leaves (and the CLI's GPT training step),
+  against ``optax.lion``.
 
 Results and the commands that produced them are in ``docs/benchmarks.md``.
 This module holds the few helpers they share with the studies and maintainer

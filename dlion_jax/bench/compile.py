@@ -1,0 +1,192 @@
+"""Compile time of one optimizer step, however many leaves the model has.
+
+A model without ``scan`` has a leaf per weight: a 48-layer transformer
+about 600. Every new shape, restart and sweep point pays the optimizer
+step's trace, lowering and compilation again, so they should cost no more
+than ``optax.lion``'s. On ``N`` simulated CPU devices (8 by default), for
+pytrees of 100, 400 and 1000 float32 leaves of seeded random sizes 1-3000,
+this times the jitted ``shard_map`` step of :mod:`dlion_jax.bench.step`
+(per-worker gradients and states, replicated params) for:
+
+* ``global lion``: :func:`optax.lion` on ``lax.pmean``-ed fp32 gradients,
+  the baseline;
+* ``dlion mavo auto`` and ``dlion avg auto``:
+  :func:`dlion_jax.distributed_lion`.
+
+``--gpt`` also times the whole training step users wait for before their
+first step: :func:`dlion_jax.parallel.make_train_step` of the train CLI's
+``charlm_gpt`` model (a 4-layer byte-level GPT, forward and backward
+included), D-Lion against global Lion (``pmean_gradients`` then
+``optax.lion``); it needs the ``[examples]`` extra (flax).
+
+Each variant is traced and lowered (``jit(...).lower``), then compiled
+(``.compile()``), in a fresh ``jit`` so that nothing is cached, ``--reps``
+times (the fastest trace+lower and the fastest compilation are kept); the
+variants of one size take turns, so that the ratios compare times taken
+under the same load. Also reports the compiled HLO's size (lines) and
+the bytes each worker sends per step, read off it.
+
+Usage::
+
+  python -m dlion_jax.bench.compile [--leaves 100 400 1000] [--reps 2]
+      [--gpt] [--workers 8] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import bench
+from dlion_jax import parallel
+from dlion_jax.bench import step as step_bench
+
+AXIS = step_bench.AXIS
+BASELINE = step_bench.BASELINE
+LEAF_SIZES = (1, 3000)
+
+
+@dataclasses.dataclass
+class Timing:
+  leaves: int
+  name: str
+  trace_lower_s: float
+  compile_s: float
+  hlo_lines: int
+  sent_bytes: float
+
+
+def leaf_sizes(num_leaves: int, seed: int = 0) -> list[int]:
+  rng = np.random.default_rng(seed)
+  low, high = LEAF_SIZES
+  return [int(s) for s in rng.integers(low, high + 1, num_leaves)]
+
+
+def variants() -> dict[str, tuple[optax.GradientTransformation, bool]]:
+  """name -> (optimizer, whether gradients are pmean-ed first)."""
+  lr = step_bench.LEARNING_RATE
+  return {
+      BASELINE: (optax.lion(lr), True),
+      "dlion mavo auto": (dl.distributed_lion(lr, axis_name=AXIS), False),
+      "dlion avg auto": (dl.distributed_lion(lr, axis_name=AXIS,
+                                             aggregation="avg"), False),
+  }
+
+
+def time_one(name, tx, pmean_grads, mesh, sizes) -> Timing:
+  """Traces, lowers and compiles one variant's step from scratch."""
+  params = {f"leaf_{i:04d}": jnp.zeros(s) for i, s in enumerate(sizes)}
+  params = parallel.replicate(params, mesh)
+  states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
+  n = mesh.shape[AXIS]
+  grads = jax.device_put(
+      jax.tree.map(lambda x: jnp.ones((n,) + x.shape, x.dtype), params),
+      NamedSharding(mesh, P(AXIS)))
+  step = step_bench.make_step(tx, mesh, pmean_grads=pmean_grads)
+  tic = time.perf_counter()
+  lowered = step.lower(params, states, grads)
+  traced = time.perf_counter() - tic
+  tic = time.perf_counter()
+  compiled = lowered.compile()
+  compiled_s = time.perf_counter() - tic
+  text = compiled.as_text()
+  return Timing(len(sizes), name, traced, compiled_s, text.count("\n"),
+                dl.collective_bytes(text))
+
+
+def time_gpt_step(name, tx, mesh) -> Timing:
+  """Traces, lowers and compiles the train CLI's step for its GPT."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
+  n = mesh.shape[AXIS]
+  model = models.build_model("gpt", rngs=nnx.Rngs(0), vocab_size=256,
+                             context=128, dim=128, depth=4, heads=4)
+  graphdef, params = models.split_params(model)
+
+  def loss_fn(p, batch):
+    return models.lm_loss(models.apply(graphdef, p, batch["x"]), batch["y"])
+  params = parallel.replicate(params, mesh)
+  states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
+  tokens = jnp.zeros((8 * n, 128), jnp.int32)
+  batch = parallel.shard_batch({"x": tokens, "y": tokens}, mesh,
+                               axis_name=AXIS)
+  step = parallel.make_train_step(loss_fn, tx, mesh, axis_name=AXIS)
+  tic = time.perf_counter()
+  lowered = step.lower(params, states, batch)
+  traced = time.perf_counter() - tic
+  tic = time.perf_counter()
+  text = lowered.compile().as_text()
+  return Timing(len(jax.tree.leaves(params)), f"GPT train step, {name}",
+                traced, time.perf_counter() - tic, text.count("\n"),
+                dl.collective_bytes(text))
+
+
+def gpt_variants() -> dict[str, optax.GradientTransformation]:
+  lr = step_bench.LEARNING_RATE
+  return {
+      BASELINE: optax.chain(parallel.pmean_gradients(AXIS), optax.lion(lr)),
+      "dlion mavo auto": dl.distributed_lion(lr, axis_name=AXIS),
+  }
+
+
+def report(timings: list[Timing]) -> str:
+  def kind(t):
+    return t.name.startswith("GPT"), t.leaves
+  base = {kind(t): t for t in timings if t.name.endswith(BASELINE)}
+  rows = []
+  for t in timings:
+    b = base[kind(t)]
+    rows.append([
+        t.leaves, t.name, f"{t.trace_lower_s:.2f}", f"{t.compile_s:.2f}",
+        f"{t.trace_lower_s / b.trace_lower_s:.2f}x",
+        f"{t.compile_s / b.compile_s:.2f}x", f"{t.hlo_lines:,}",
+        f"{t.sent_bytes:,.0f}"])
+  table = bench.markdown_table(
+      ["leaves", "step", "trace+lower s", "compile s",
+       f"trace+lower / {BASELINE}", f"compile / {BASELINE}",
+       "compiled HLO lines", "bytes sent a step"], rows)
+  return f"{bench.machine_line()}\n\n{table}"
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(
+      prog="python -m dlion_jax.bench.compile",
+      description=__doc__.split("\n")[0])
+  parser.add_argument("--leaves", type=int, nargs="+", default=[100, 400, 1000])
+  parser.add_argument("--reps", type=int, default=2)
+  parser.add_argument("--gpt", action="store_true",
+                      help="also time the train CLI's GPT training step")
+  parser.add_argument("--workers", type=int, default=8)
+  parser.add_argument("--out", help="also write the report to this file")
+  args = parser.parse_args(argv)
+  bench.use_cpu_devices(args.workers)
+  mesh = parallel.data_mesh(args.workers, axis_name=AXIS)
+  jobs = [((n, name), functools.partial(time_one, name, tx, pmean, mesh,
+                                        leaf_sizes(n)))
+          for n in args.leaves for _ in range(args.reps)
+          for name, (tx, pmean) in variants().items()]
+  if args.gpt:
+    jobs += [(("gpt", name), functools.partial(time_gpt_step, name, tx, mesh))
+             for _ in range(args.reps)
+             for name, tx in gpt_variants().items()]
+  best = {}
+  for key, run in bench.progress(jobs, len(jobs), "compiling"):
+    t = run()
+    old = best.setdefault(key, t)
+    old.trace_lower_s = min(old.trace_lower_s, t.trace_lower_s)
+    old.compile_s = min(old.compile_s, t.compile_s)
+  return bench.emit(report(list(best.values())), args.out)
+
+
+if __name__ == "__main__":
+  main()
