@@ -7,12 +7,14 @@ all-reducing fp32 gradients (Liu et al., NeurIPS 2024; Ishikawa et al., ICML
 
 from dlion_jax import accounting
 from dlion_jax import exchange
+from dlion_jax import hlo
+from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import sync
 from dlion_jax.accounting import allreduce_bits
-from dlion_jax.accounting import collective_bytes
+from dlion_jax.hlo import collective_bytes
 from dlion_jax.accounting import wire_bits
 from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
@@ -31,6 +33,8 @@ __all__ = (
     "collective_bytes",
     "distributed_lion",
     "exchange",
+    "hlo",
+    "message",
     "packing",
     "parallel",
     "quantize",
