@@ -70,3 +70,18 @@ def static_int(name: str, value: Any) -> Any:
                                               jnp.integer)):
     return int(value)
   return value
+
+
+def positive_int(name: str, value: Any, what: str | None = None) -> int:
+  """``value`` as an int >= 1 (numpy integers too, never a bool).
+
+  Raises:
+    ValueError: naming the argument and the value (and, given ``what``,
+      what the number means).
+  """
+  value = static_int(name, value)
+  if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+    meaning = f" ({what})" if what else ""
+    raise ValueError(
+        f"{name} must be a positive int{meaning}, got {name}={value!r}.")
+  return value

@@ -17,7 +17,7 @@ import numpy as np
 from dlion_jax import message
 from dlion_jax import sync
 from dlion_jax._checks import check_choice
-from dlion_jax._checks import static_int
+from dlion_jax._checks import positive_int
 # The vote codes, the message layout and the HLO reader live in their own
 # modules; their names stay importable from here.
 from dlion_jax.hlo import Collective  # noqa: F401
@@ -49,15 +49,6 @@ def cheapest_comm(num_workers: int, *, aggregation: str,
   return message.choose_comm(num_workers, aggregation=aggregation, vote=vote)
 
 
-def _positive_int(name: str, value, fix: str) -> int:
-  """``value`` as an int >= 1 (numpy integers too, never bools)."""
-  value = static_int(name, value)
-  if (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-    raise ValueError(
-        f"{name} must be a positive int ({fix}), got {name}={value!r}.")
-  return value
-
-
 def _fraction(name: str, value, what: str) -> float:
   """``value`` as a float in [0, 1] (never a bool)."""
   if (not isinstance(value, numbers.Real) or isinstance(value, (bool, np.bool_))
@@ -86,7 +77,7 @@ def max_workers(vote: VoteCode = "binary") -> int:
 
 
 def _check_workers(num_workers, vote: VoteCode) -> int:
-  n = _positive_int("num_workers", num_workers,
+  n = positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   if n > max_workers(vote):
     raise ValueError(
@@ -108,11 +99,11 @@ def momentum_sync_bits(num_workers: int, momentum_sync, *,
   selects. A period ``k`` costs ``1/k`` of that per step; other schedules
   are averaged over the first ``steps`` updates (a positive int).
   """
-  n = _positive_int("num_workers", num_workers,
+  n = positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   schedule = sync.as_schedule(momentum_sync)
   if steps is not None:
-    steps = _positive_int(
+    steps = positive_int(
         "steps", steps, "the number of updates to average the sync cost "
         "over, e.g. the length of the run")
   synced_fraction = _fraction("synced_fraction", synced_fraction,
@@ -187,6 +178,6 @@ def wire_bits(num_workers: int, *, aggregation: str = "mavo",
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:
   """Bits per parameter a ring all-reduce of ``dtype`` gradients sends."""
-  n = _positive_int("num_workers", num_workers,
+  n = positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   return 2 * (n - 1) / n * jnp.dtype(dtype).itemsize * 8

@@ -312,8 +312,8 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   flat = vote in VOTES and not any(_explicit_spec(x) is not None
                                    for x in leaves)
   alone = [i for i in voted if not flat or leaves[i].size >= OWN_PACKING]
-  grouped = sorted((i for i in voted if i not in set(alone)),
-                   key=lambda i: tuple(str(x.dtype) for x in rows[i]))
+  grouped = sorted(set(voted) - set(alone), key=lambda i: (str(_dtypes(
+      rows[i])), i))
   voted = alone + grouped
   layout, result = _exchange(
       [rows[i] for i in voted], combine, len(alone), axis_name=axis_name,

@@ -37,6 +37,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax._checks import positive_int
+
 LossFn = Callable[[Any, Any], jax.Array]
 
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
@@ -302,18 +304,11 @@ def limit_in_flight(fn: Callable, max_in_flight: int = MAX_IN_FLIGHT, *,
     >>> x
     Array([100., 100., 100.], dtype=float32)
   """
-  max_in_flight = _positive_int("max_in_flight", max_in_flight)
+  max_in_flight = positive_int("max_in_flight", max_in_flight)
   devices = list(jax.devices() if devices is None else devices)
   if devices[0].platform != "cpu":
     return fn
   return _InFlightLimit(fn, max_in_flight)
-
-
-def _positive_int(name: str, value: Any) -> int:
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-      or value < 1):
-    raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
-  return int(value)
 
 
 # Primitives that move data between the workers of a named axis.
@@ -461,7 +456,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     9.0
   """
   n = _axis_size(mesh, axis_name)
-  micro_batches = _positive_int("micro_batches", micro_batches)
+  micro_batches = positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
 _INT32_MAX = 2**31 - 1
@@ -61,13 +62,6 @@ class SyncSchedule:
     return int(np.searchsorted(self.steps, num_steps, side="right"))
 
 
-def _positive_int(name: str, value: Any) -> int:
-  if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-      or value < 1):
-    raise ValueError(f"{name} must be a positive int, got {name}={value!r}.")
-  return int(value)
-
-
 def every_k_steps(k: int) -> SyncSchedule:
   """Averages the momenta after every ``k``-th update.
 
@@ -76,7 +70,7 @@ def every_k_steps(k: int) -> SyncSchedule:
     >>> sync.every_k_steps(4).count(10)     # after updates 4 and 8
     2
   """
-  k = _positive_int("k", k)
+  k = positive_int("k", k)
   return SyncSchedule(name=f"every {k} steps", period=k)
 
 
@@ -88,8 +82,8 @@ def growing_intervals(k: int, first: int = 1) -> SyncSchedule:
     >>> sync.growing_intervals(2).steps[:8]
     (1, 2, 3, 5, 7, 11, 16, 24)
   """
-  k = _positive_int("k", k)
-  step = _positive_int("first", first)
+  k = positive_int("k", k)
+  step = positive_int("first", first)
   steps, j = [], 0
   while step <= _INT32_MAX:
     steps.append(step)

@@ -33,6 +33,17 @@ def make_grads(rng, num_workers, steps, dtype=np.float32):
   return grads
 
 
+def bf16_tree_with_fp32_leaf(seed, num_workers, steps, fp32):
+  """bf16 params and per-worker grads, leaf ``fp32`` float32 in both."""
+  rng = np.random.default_rng(seed)
+  params = random_tree(rng, SHAPES, BF16)
+  params[fp32] = params[fp32].astype(np.float32)
+  grads = make_grads(rng, num_workers, steps=steps, dtype=BF16)
+  for g in grads:
+    g[fp32] = g[fp32].astype(np.float32)
+  return params, grads
+
+
 def run_reference(params, grads, num_workers, **kwargs):
   ref = DistributedLionReference(params, num_workers, learning_rate=LR,
                                  weight_decay=WD, **kwargs)
@@ -124,13 +135,8 @@ def test_low_precision_and_mu_dtype(num_workers, param_dtype, mu_dtype):
                                                 ("binary", "ternary"))))
 def test_mixed_bf16_and_fp32_leaves(aggregation, vote):
   """One message carries leaves of both dtypes; each comes back in its own."""
-  rng = np.random.default_rng(8)
   n = 4
-  params = random_tree(rng, SHAPES, BF16)
-  params["odd"] = params["odd"].astype(np.float32)
-  grads = make_grads(rng, n, steps=3, dtype=BF16)
-  for g in grads:
-    g["odd"] = g["odd"].astype(np.float32)
+  params, grads = bf16_tree_with_fp32_leaf(8, n, steps=3, fp32="odd")
   txs = {c: dl.distributed_lion(LR, weight_decay=WD, axis_name=AXIS,
                                 aggregation=aggregation, vote=vote, comm=c)
          for c in COMMS}
@@ -263,13 +269,8 @@ def test_leaves_packed_alone_or_together_match_reference(own_packing,
   one, smaller ones in one pass per dtype: any split, with two dtypes in
   the message, gives numpy's update bit for bit through every strategy."""
   monkeypatch.setattr(dl.exchange, "OWN_PACKING", own_packing)
-  rng = np.random.default_rng(9)
   n = 3
-  params = random_tree(rng, SHAPES, BF16)
-  params["big"] = params["big"].astype(np.float32)
-  grads = make_grads(rng, n, steps=2, dtype=BF16)
-  for g in grads:
-    g["big"] = g["big"].astype(np.float32)
+  params, grads = bf16_tree_with_fp32_leaf(9, n, steps=2, fp32="big")
   txs = {c: dl.distributed_lion(LR, weight_decay=WD, axis_name=AXIS,
                                 aggregation="avg", comm=c) for c in COMMS}
   out = run_on_mesh(txs, params, grads, n)
