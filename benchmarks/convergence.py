@@ -6,16 +6,21 @@ AdamW (both on fp32-all-reduced gradients); columns N workers, each with 32
 examples per step (8 sequences for the LM), the same epochs and the same
 warmup-then-cosine schedule for every row.
 
-Learning rate and weight decay are picked per row and task from a small grid
-(:data:`GRIDS`) by one run per point at ``--tune-workers`` workers with a
-seed that is not reported (``--tune-seed``); the picked setting then runs at
-every N with every ``--seeds`` seed, and the report gives the mean and the
-half-range over seeds, the bits each worker sent per parameter per step
-(read off the compiled train step), the picked setting and the whole grid.
+Learning rate and weight decay (and Lion's ``b2`` where a task asks) are
+picked per row and task by one run per point at ``--tune-workers`` workers
+with a seed that is not reported (``--tune-seed``): first every combination
+of a small grid, then, while the pick is the largest or smallest value tried
+along some setting, one more rung of that setting's ladder (:data:`AXES`)
+beyond it, until the pick is interior or at the ladder's end (reported as
+such). The pick then runs at every N with every ``--seeds`` seed, and the
+report gives the mean and the half-range over seeds, the bits each worker
+sent per parameter per step (read off the compiled train step), the pick
+and every tuning run.
 
 Tasks: ``fashion_mnist_mlp``, ``fashion_mnist_cnn``, ``fashion_mnist_vit``
-(test accuracy, 3 epochs) and ``charlm`` (a small byte-level GPT on the GPL-3
-text, test bits per byte); ``digits`` is a seconds-long smoke version for
+(test accuracy, 3 epochs), ``charlm`` (a small byte-level GPT on the GPL-3
+text, test bits per byte) and ``charlm_long`` (the same 5x longer, with test
+loss curves: ``--curves``); ``digits`` is a seconds-long smoke version for
 tests. The slower tasks tune the learning rate only and run fewer N by
 default (:data:`TASKS`); ``--workers`` and ``--seeds`` ask for more.
 
@@ -23,7 +28,8 @@ Usage::
 
   python -m benchmarks.convergence [--tasks fashion_mnist_mlp ...]
       [--workers 4 8 16] [--seeds 0 1] [--json runs.json [--resume]]
-      [--out docs/benchmarks.md] [--plot docs/img/convergence.png]
+      [--out docs/benchmarks.md [--section bench.convergence]]
+      [--plot docs/img/convergence.png] [--curves docs/img/curves.png]
   python -m benchmarks.convergence --from-json runs.json [--out ...]
 """
 
@@ -52,27 +58,70 @@ ROWS = {
     "global Lion": {"optimizer.name": "lion"},
     "global AdamW": {"optimizer.name": "adamw"},
 }
-SIGN_LRS = (3e-4, 1e-3, 3e-3)
-# row -> (learning rates, weight decays). Lion-family and AdamW decay is
-# decoupled (times the learning rate, as in optax); SGD's is an L2 term.
-GRIDS = {
-    "SGD momentum": ((0.01, 0.03, 0.1), (0.0, 5e-4)),
-    "Signum (majority vote)": (SIGN_LRS, (0.01, 0.1)),
-    "D-Lion MaVo": (SIGN_LRS, (0.01, 0.1)),
-    "D-Lion Avg": (SIGN_LRS, (0.01, 0.1)),
-    "global Lion": (SIGN_LRS, (0.01, 0.1)),
-    "global AdamW": ((3e-4, 1e-3, 3e-3), (0.01, 0.1)),
+# The values a tuned setting may take, in order. A row's grid starts on a
+# slice of each ladder and steps one rung past any edge pick (:func:`tune`);
+# a ladder's ends are the bounds a pick may stop at.
+SIGN_LRS = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1)
+SGD_LRS = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
+DECAYS = (0.0, 1e-3, 0.01, 0.1, 1.0)     # decoupled: times the lr (optax)
+L2S = (0.0, 5e-4, 5e-3, 5e-2)            # SGD: added to the gradient
+B2S = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+
+
+@dataclasses.dataclass(frozen=True)
+class Axis:
+  """One tuned setting: its config key, its ladder and its first values."""
+  key: str
+  ladder: tuple
+  start: tuple
+
+  def next(self, value: float, direction: int) -> float | None:
+    """The rung beyond ``value`` (``direction`` +1 or -1), or None."""
+    i = self.ladder.index(value) + direction
+    return self.ladder[i] if 0 <= i < len(self.ladder) else None
+
+  def fixed(self) -> Axis:
+    """This axis held at its first value."""
+    return Axis(self.key, self.start[:1], self.start[:1])
+
+
+LR, WD = "optimizer.learning_rate", "optimizer.weight_decay"
+_SIGN = {"lr": Axis(LR, SIGN_LRS, (3e-4, 1e-3, 3e-3)),
+         "wd": Axis(WD, DECAYS, (0.01, 0.1))}
+# row -> its tuned settings by name (the run records' keys).
+AXES = {
+    "SGD momentum": {"lr": Axis(LR, SGD_LRS, (0.01, 0.03, 0.1)),
+                     "wd": Axis(WD, L2S, (0.0, 5e-4))},
+    **{row: _SIGN for row in ("Signum (majority vote)", "D-Lion MaVo",
+                              "D-Lion Avg", "global Lion", "global AdamW")},
 }
+LION_ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion")
+SETTINGS = ("lr", "wd", "b2")
 
 
 @dataclasses.dataclass(frozen=True)
 class ConvergenceTask:
-  """A task, the N it runs by default, and whether it tunes weight decay."""
+  """A task, the N and rows it runs by default, and what it tunes."""
   task: Task
   workers: tuple = (4, 8, 16)
   tune_decay: bool = True      # False: the grid's first weight decay only
+  start_lrs: tuple | None = None   # sign rows' first learning rates
+  b2s: tuple = ()              # Lion rows' first b2 values; (): 0.99 only
+  rows: tuple = tuple(ROWS)
+
+  def axes(self, row: str) -> dict[str, Axis]:
+    """The settings ``row`` tunes on this task."""
+    axes = dict(AXES[row])
+    if self.start_lrs and row != "SGD momentum":
+      axes["lr"] = dataclasses.replace(axes["lr"], start=self.start_lrs)
+    if not self.tune_decay:
+      axes["wd"] = axes["wd"].fixed()
+    if self.b2s and row in LION_ROWS:
+      axes["b2"] = Axis("optimizer.b2", B2S, self.b2s)
+    return axes
 
 
+_LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
 TASKS = {
     "fashion_mnist_mlp": ConvergenceTask(
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3)),
@@ -87,9 +136,16 @@ TASKS = {
     # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
     "charlm": ConvergenceTask(
         Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-             steps=300, local_batch=8,
-             overrides=("model.dim=64", "model.depth=2", "data.seq_len=64")),
+             steps=300, local_batch=8, overrides=_LONG_LM),
         workers=(8,), tune_decay=False),
+    # The same GPT 5x longer; Lion rows also tune b2; test loss curves.
+    "charlm_long": ConvergenceTask(
+        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+             steps=1500, local_batch=8, overrides=_LONG_LM, curve_points=15),
+        workers=(8,), tune_decay=False, start_lrs=(1e-3, 3e-3),
+        b2s=(0.95, 0.98, 0.99),
+        rows=("global AdamW", "global Lion", "D-Lion MaVo", "D-Lion Avg",
+              "Signum (majority vote)")),
     "digits": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=30,
              overrides=("model.hidden=[32]",)),
@@ -98,27 +154,25 @@ TASKS = {
 DEFAULT_TASKS = ("fashion_mnist_mlp", "fashion_mnist_cnn", "charlm")
 
 
-def grid(row: str, tune_decay: bool) -> list[tuple[float, float]]:
-  """The (learning rate, weight decay) points tried for ``row``."""
-  lrs, decays = GRIDS[row]
-  return list(itertools.product(lrs, decays if tune_decay else decays[:1]))
+def _point(run: dict, axes) -> dict:
+  return {name: run.get(name) for name in axes}
 
 
 def _key(run: dict) -> tuple:
-  return (run["task"], run["phase"], run["row"], run["lr"], run["wd"],
-          run["workers"], run["seed"])
+  return (run["task"], run["phase"], run["row"], run["workers"], run["seed"],
+          *(run.get(name) for name in SETTINGS))
 
 
 def _run(runs: list[dict], done: dict, spec: dict, json_path) -> dict:
-  """Trains ``spec`` (task, phase, row, lr, wd, workers, seed) unless a
-  saved run has it; appends and saves."""
+  """Trains ``spec`` (task, phase, row, workers, seed and the row's
+  settings) unless a saved run has it; appends and saves."""
   key = _key(spec)
   if key in done:
     return done[key]
-  task = TASKS[spec["task"]].task
-  overrides = {**ROWS[spec["row"]], "optimizer.learning_rate": spec["lr"],
-               "optimizer.weight_decay": spec["wd"]}
-  run = {**spec, **study.train(task, overrides, spec["workers"],
+  conv = TASKS[spec["task"]]
+  overrides = {**ROWS[spec["row"]], **{
+      axis.key: spec[name] for name, axis in conv.axes(spec["row"]).items()}}
+  run = {**spec, **study.train(conv.task, overrides, spec["workers"],
                                spec["seed"])}
   runs.append(run)
   done[key] = run
@@ -126,16 +180,68 @@ def _run(runs: list[dict], done: dict, spec: dict, json_path) -> dict:
   return run
 
 
-def best_setting(runs: list[dict], task: str, row: str,
-                 higher_is_better: bool) -> tuple[float, float] | None:
-  """The (lr, wd) of the best tuning run of ``row`` on ``task``."""
-  mine = [r for r in runs if r["task"] == task and r["row"] == row
+def _tuning(runs, task, row):
+  return [r for r in runs if r["task"] == task and r["row"] == row
           and r["phase"] == "tune"]
+
+
+def best_setting(runs: list[dict], task: str, row: str) -> dict | None:
+  """The settings (``{"lr": ..., "wd": ...}``) of the best tuning run of
+  ``row`` on ``task``."""
+  mine = _tuning(runs, task, row)
   if not mine:
     return None
-  pick = max if higher_is_better else min
-  best = pick(mine, key=lambda r: r["metric"])
-  return best["lr"], best["wd"]
+  pick = max if TASKS[task].task.higher_is_better else min
+  return _point(pick(mine, key=lambda r: r["metric"]), TASKS[task].axes(row))
+
+
+def _line(runs, axes, point, name) -> list[float]:
+  """The values of ``name`` tried with every other setting as in ``point``."""
+  return [r[name] for r in runs
+          if all(r.get(o) == point[o] for o in axes if o != name)]
+
+
+def beyond_edges(runs: list[dict], task: str, row: str) -> list[dict]:
+  """The points one rung past the pick along each axis on which the pick
+  is the largest or smallest value tried (none once it is interior or at
+  its ladder's end)."""
+  axes, point = TASKS[task].axes(row), best_setting(runs, task, row)
+  mine = _tuning(runs, task, row)
+  new = []
+  for name, axis in axes.items():
+    line = _line(mine, axes, point, name)
+    for direction, edge in ((1, max(line)), (-1, min(line))):
+      beyond = axis.next(point[name], direction)
+      if point[name] == edge and beyond is not None:
+        new.append({**point, name: beyond})
+  return new
+
+
+def pick_status(runs: list[dict], task: str, row: str) -> str:
+  """``interior``, or which settings stopped at a ladder's end."""
+  axes, point = TASKS[task].axes(row), best_setting(runs, task, row)
+  line = lambda name: _line(_tuning(runs, task, row), axes, point, name)
+  bounds = [f"{name} at bound {_fmt(point[name])}"
+            for name, axis in axes.items() if len(axis.ladder) > 1
+            and point[name] in (axis.ladder[0], axis.ladder[-1])
+            and point[name] in (min(line(name)), max(line(name)))]
+  return "; ".join(bounds) or "interior"
+
+
+def tune(runs, done, task: str, row: str, workers: int, seed: int,
+         json_path=None) -> dict:
+  """Runs ``row``'s first grid (every combination of its axes' first
+  values), then steps past edge picks until the pick is interior or at a
+  ladder's end; returns the pick."""
+  axes = TASKS[task].axes(row)
+  todo = [dict(zip(axes, values))
+          for values in itertools.product(*(a.start for a in axes.values()))]
+  while todo:
+    for point in bench.progress(todo, len(todo), f"{task}: tuning {row}"):
+      _run(runs, done, dict(task=task, phase="tune", row=row,
+                            workers=workers, seed=seed, **point), json_path)
+    todo = beyond_edges(runs, task, row)
+  return best_setting(runs, task, row)
 
 
 def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
@@ -145,17 +251,12 @@ def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
   done = {_key(r): r for r in runs}
   for name in tasks:
     conv = TASKS[name]
-    tune = [dict(task=name, phase="tune", row=row, lr=lr, wd=wd,
-                 workers=tune_workers, seed=tune_seed)
-            for row in rows for lr, wd in grid(row, conv.tune_decay)]
-    for spec in bench.progress(tune, len(tune), f"{name}: tuning"):
-      _run(runs, done, spec, json_path)
-    ns = workers or conv.workers
-    evals = []
-    for row in rows:
-      lr, wd = best_setting(runs, name, row, conv.task.higher_is_better)
-      evals += [dict(task=name, phase="eval", row=row, lr=lr, wd=wd,
-                     workers=n, seed=s) for n in ns for s in seeds]
+    mine = [row for row in rows if row in conv.rows]
+    picks = {row: tune(runs, done, name, row, tune_workers, tune_seed,
+                       json_path) for row in mine}
+    evals = [dict(task=name, phase="eval", row=row, workers=n, seed=s,
+                  **picks[row])
+             for row in mine for n in workers or conv.workers for s in seeds]
     for spec in bench.progress(evals, len(evals), f"{name}: runs"):
       _run(runs, done, spec, json_path)
   return runs
@@ -170,8 +271,20 @@ def _fmt(value: float) -> str:
   return f"{value:g}"
 
 
+def _setting_names(runs, task) -> list[str]:
+  """The settings any row of ``task`` tunes, in :data:`SETTINGS` order."""
+  rows = {r["row"] for r in runs if r["task"] == task}
+  return [name for name in SETTINGS
+          if any(name in TASKS[task].axes(row) for row in rows)]
+
+
+def _describe(point: dict) -> str:
+  return ", ".join(f"{name} {_fmt(value)}" for name, value in point.items())
+
+
 def summary_table(runs: list[dict], task: str) -> str:
-  """Rows x N: metric mean +- half-range, bits sent, the picked setting."""
+  """Rows x N: metric mean +- half-range, bits sent, the pick and whether
+  it is interior."""
   conv = TASKS[task]
   scale = conv.task.scale
   workers = sorted({r["workers"] for r in runs
@@ -182,7 +295,7 @@ def summary_table(runs: list[dict], task: str) -> str:
       r["task"] == task and r["row"] == row for r in runs)]
   headers = (["optimizer"] + [f"N={n}: test {conv.task.unit}"
                               for n in workers]
-             + ["bits/param/step", "lr, wd (picked)", "seeds"])
+             + ["bits/param/step", "picked", "pick", "seeds"])
   body = []
   for row in rows:
     cells = [row]
@@ -197,27 +310,35 @@ def summary_table(runs: list[dict], task: str) -> str:
     mine = _evals(runs, task, row, n_bits)
     cells.append(f"{statistics.fmean(r['bits'] for r in mine):.2f} "
                  f"(N={n_bits})" if mine else "-")
-    picked = best_setting(runs, task, row, conv.task.higher_is_better)
-    cells.append(", ".join(map(_fmt, picked)) if picked else "-")
-    cells.append(str(len({r["seed"] for r in _evals(runs, task, row,
-                                                     n_bits)})))
+    picked = best_setting(runs, task, row)
+    cells += ([_describe(picked), pick_status(runs, task, row)] if picked
+              else ["-", "-"])
+    cells.append(str(len({r["seed"] for r in mine})))
     body.append(cells)
   return reporting.markdown_table(headers, body)
 
 
 def grid_table(runs: list[dict], task: str) -> str:
-  """Every tuning run: row, lr, wd, metric."""
+  """Every tuning run, by row and setting; the picks in bold."""
   scale = TASKS[task].task.scale
   tune = [r for r in runs if r["task"] == task and r["phase"] == "tune"]
   if not tune:
     return ""
-  body = [[r["row"], _fmt(r["lr"]), _fmt(r["wd"]),
-           f"{r['metric'] * scale:.2f}"] for r in tune]
+  names = _setting_names(runs, task)
+  body = []
+  for row in dict.fromkeys(r["row"] for r in tune):
+    pick = best_setting(runs, task, row)
+    for r in sorted(_tuning(tune, task, row),
+                    key=lambda r: [r.get(n) or 0 for n in names]):
+      value = f"{r['metric'] * scale:.2f}"
+      best = _point(r, pick) == pick
+      body.append([row, *(_fmt(r[n]) if n in r else "-" for n in names),
+                   f"**{value}**" if best else value])
   first = tune[0]
-  return (f"Grid (N={first['workers']}, seed {first['seed']}):\n\n"
+  return (f"Grid (N={first['workers']}, seed {first['seed']}; a pick at "
+          "the edge of what was tried steps one rung further):\n\n"
           + reporting.markdown_table(
-              ["optimizer", "lr", "wd", f"test {TASKS[task].task.unit}"],
-              body))
+              ["optimizer", *names, f"test {TASKS[task].task.unit}"], body))
 
 
 def verdicts(runs: list[dict], task: str) -> list[str]:
@@ -280,6 +401,35 @@ def plot(runs: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def plot_curves(runs: list[dict], path: str) -> None:
+  """Test metric against step per row (mean over seeds), one panel per task
+  whose runs saved curves."""
+  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure
+  tasks = list(dict.fromkeys(r["task"] for r in runs
+                             if r["phase"] == "eval" and r.get("curve")))
+  fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
+  for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
+    scale = TASKS[task].task.scale
+    for row in ROWS:
+      curves = [r["curve"] for r in runs if r["task"] == task
+                and r["row"] == row and r["phase"] == "eval"
+                and r.get("curve")]
+      if curves:
+        steps = [step for step, _ in curves[0]]
+        ax.plot(steps, [statistics.fmean(c[i][1] * scale for c in curves)
+                        for i in range(len(steps))],
+                marker=".", label=f"{row} ({len(curves)} seeds)")
+    ax.set(xlabel="step", ylabel=f"test {TASKS[task].task.unit}",
+           title=task)
+    if not TASKS[task].task.higher_is_better:
+      ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+
+
 def report(runs: list[dict], heading: str) -> str:
   parts = [heading]
   for task in dict.fromkeys(r["task"] for r in runs):
@@ -311,7 +461,10 @@ def parse_args(argv):
                       help="report saved runs instead of training")
   parser.add_argument("--out", help="write the report into this markdown "
                       "file (between its bench.convergence markers)")
+  parser.add_argument("--section", default="bench.convergence",
+                      help="the markers in --out to write between")
   parser.add_argument("--plot", help="write the PNG here")
+  parser.add_argument("--curves", help="write the test-curve PNG here")
   args = parser.parse_args(argv)
   if args.resume and not args.json:
     parser.error("--resume needs --json FILE (the runs to keep)")
@@ -341,8 +494,10 @@ def main(argv=None) -> str:
                f"{(time.perf_counter() - start) / 60:.0f} min.")
   if args.plot:
     plot(runs, args.plot)
+  if args.curves:
+    plot_curves(runs, args.curves)
   return reporting.write_section(report(runs, heading), args.out,
-                                 "bench.convergence")
+                                 args.section)
 
 
 if __name__ == "__main__":

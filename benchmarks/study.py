@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import pathlib
 import statistics
 import tempfile
 import time
@@ -31,6 +32,7 @@ class Task:
   only_workers: tuple | None = None
   max_seeds: int | None = None
   only_variants: tuple | None = None
+  curve_points: int = 0      # test evaluations in a run (0: at the end)
 
   @property
   def scale(self) -> int:
@@ -58,7 +60,8 @@ class Task:
     return [f"workers={workers}", f"seed={seed}",
             f"data.global_batch={batch}", f"train.steps={steps}",
             f"optimizer.warmup_steps={max(1, steps // 7)}",
-            f"train.eval_every={steps}", f"train.checkpoint_every={steps}",
+            f"train.eval_every={max(1, steps // (self.curve_points or 1))}",
+            f"train.checkpoint_every={steps}",
             f"train.log_every={steps}", *self.overrides]
 
 
@@ -90,13 +93,28 @@ def train(task: Task, overrides: dict, workers: int, seed: int) -> dict:
     except FloatingPointError:     # the loss became NaN or Inf
       summary = {"test_loss": math.nan, "sent_bits_per_param": math.nan}
     seconds = time.perf_counter() - start
-  value = summary[task.metric] if task.metric in summary else (
-      summary["test_loss"] / math.log(2))
+    curve = [[r["step"], _metric(task, r)] for r in _history(run_dir)
+             if "test_loss" in r]
+  value = _metric(task, summary)
   if not math.isfinite(value):   # a diverged run ranks last, not first
     value = -math.inf if task.higher_is_better else math.inf
   return {"workers": workers, "seed": seed, "metric": value,
           "bits": summary["sent_bits_per_param"], "steps": cfg.train.steps,
-          "seconds": seconds, "diverged": not math.isfinite(value)}
+          "seconds": seconds, "diverged": not math.isfinite(value),
+          "curve": curve if curve and curve[-1][0] == cfg.train.steps
+          else [*curve, [cfg.train.steps, value]]}
+
+
+def _metric(task: Task, record: dict) -> float:
+  """The task's metric in a summary or an evaluation record."""
+  return record[task.metric] if task.metric in record else (
+      record["test_loss"] / math.log(2))
+
+
+def _history(run_dir: str) -> list[dict]:
+  path = pathlib.Path(run_dir) / "metrics.jsonl"
+  return ([json.loads(line) for line in path.read_text().splitlines()]
+          if path.is_file() else [])
 
 
 def mean_spread(values) -> tuple[float, float]:

@@ -34,14 +34,20 @@ def study(tmp_path_factory):
   return text, json.loads(raw.read_text()), tmp
 
 
-def test_every_row_is_tuned_on_its_grid_then_run_at_every_n(study):
+def test_every_row_is_tuned_until_its_pick_is_interior(study):
   _, runs, _ = study
   for row in ROWS:
     tune = [r for r in runs if r["row"] == row and r["phase"] == "tune"]
-    assert {(r["lr"], r["wd"]) for r in tune} == set(
-        convergence.grid(row, tune_decay=False))
+    axes = convergence.TASKS["digits"].axes(row)
+    assert {r["lr"] for r in tune} >= set(axes["lr"].start)
+    assert {r["wd"] for r in tune} == {axes["wd"].start[0]}  # not tuned here
     assert {r["seed"] for r in tune} == {100}      # not a reported seed
     best = max(tune, key=lambda r: r["metric"])
+    lrs = sorted(r["lr"] for r in tune)
+    # Interior: tried on both sides, or at the ladder's end (a bound).
+    assert (lrs[0] < best["lr"] < lrs[-1]
+            or best["lr"] in (axes["lr"].ladder[0], axes["lr"].ladder[-1]))
+    assert convergence.beyond_edges(runs, "digits", row) == []
     evals = [r for r in runs if r["row"] == row and r["phase"] == "eval"]
     assert sorted((r["workers"], r["seed"]) for r in evals) == [
         (2, 0), (2, 1), (3, 0), (3, 1)]
@@ -87,7 +93,7 @@ def test_a_study_cut_short_still_reports(study):
   _, runs, _ = study
   tuned_only = [r for r in runs if r["phase"] == "tune"][:4]
   text = convergence.report(tuned_only, "partial")
-  assert "tuned only" in text and "Grid (N=2, seed 100)" in text
+  assert "tuned only" in text and "Grid (N=2, seed 100;" in text
 
 
 def test_a_diverged_run_ranks_last():
@@ -97,8 +103,8 @@ def test_a_diverged_run_ranks_last():
   assert run["diverged"] and run["metric"] == float("-inf")
   runs = [dict(task="digits", phase="tune", row="SGD momentum", lr=lr, wd=0,
                metric=m) for lr, m in ((1e12, run["metric"]), (0.1, 0.1))]
-  assert convergence.best_setting(runs, "digits", "SGD momentum",
-                                  True) == (0.1, 0)
+  assert convergence.best_setting(runs, "digits", "SGD momentum") == {
+      "lr": 0.1, "wd": 0}
 
 
 def test_resume_needs_json():
