@@ -57,7 +57,13 @@ ROWS = {
     "D-Lion Avg": {"optimizer.name": "dlion", "optimizer.aggregation": "avg"},
     "global Lion": {"optimizer.name": "lion"},
     "global AdamW": {"optimizer.name": "adamw"},
+    # Lion Cub's best levers at N = 16 (docs/lioncub.md), for the N study.
+    "MaVo, 4-bit": {"optimizer.name": "dlion", "optimizer.quantizer":
+                    "pbit_l1", "optimizer.bits": 4},
+    "MaVo, ternary_l1": {"optimizer.name": "dlion",
+                         "optimizer.quantizer": "ternary_l1"},
 }
+PAPER_ROWS = tuple(ROWS)[:6]
 # The values a tuned setting may take, in order. A row's grid starts on a
 # slice of each ladder and steps one rung past any edge pick (:func:`tune`);
 # a ladder's ends are the bounds a pick may stop at.
@@ -92,8 +98,7 @@ _SIGN = {"lr": Axis(LR, SIGN_LRS, (3e-4, 1e-3, 3e-3)),
 AXES = {
     "SGD momentum": {"lr": Axis(LR, SGD_LRS, (0.01, 0.03, 0.1)),
                      "wd": Axis(WD, L2S, (0.0, 5e-4))},
-    **{row: _SIGN for row in ("Signum (majority vote)", "D-Lion MaVo",
-                              "D-Lion Avg", "global Lion", "global AdamW")},
+    **{row: _SIGN for row in ROWS if row != "SGD momentum"},
 }
 LION_ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion")
 SETTINGS = ("lr", "wd", "b2")
@@ -107,7 +112,7 @@ class ConvergenceTask:
   tune_decay: bool = True      # False: the grid's first weight decay only
   start_lrs: tuple | None = None   # sign rows' first learning rates
   b2s: tuple = ()              # Lion rows' first b2 values; (): 0.99 only
-  rows: tuple = tuple(ROWS)
+  rows: tuple = PAPER_ROWS
 
   def axes(self, row: str) -> dict[str, Axis]:
     """The settings ``row`` tunes on this task."""
@@ -146,6 +151,12 @@ TASKS = {
         b2s=(0.95, 0.98, 0.99),
         rows=("global AdamW", "global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)")),
+    # The MLP from 4 to 64 workers: where does the majority vote break?
+    "mlp_many_workers": ConvergenceTask(
+        Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
+        workers=(4, 8, 16, 32, 64), tune_decay=False,
+        rows=("global Lion", "D-Lion MaVo", "D-Lion Avg",
+              "Signum (majority vote)", "MaVo, 4-bit", "MaVo, ternary_l1")),
     "digits": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=30,
              overrides=("model.hidden=[32]",)),
@@ -365,7 +376,34 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
                      f"{'ahead of' if ahead > 0 else 'behind'} {rival} by "
                      f"{abs(ahead):.2f}")
     lines.append("; ".join(parts) + ".")
-  return lines
+  return lines + breakdown(runs, task)
+
+
+def breakdown(runs: list[dict], task: str, points: float = 1.0) -> list[str]:
+  """The first N at which MaVo trails global Lion by more than ``points``,
+  and which rows are within ``points`` of global Lion there."""
+  scale = TASKS[task].task.scale
+  ns = sorted({r["workers"] for r in runs
+               if r["task"] == task and r["phase"] == "eval"})
+  if scale != 100 or len(ns) < 3:
+    return []
+  def mean(row, n):
+    mine = _evals(runs, task, row, n)
+    return statistics.fmean(r["metric"] * scale for r in mine) if mine \
+        else None
+  for n in ns:
+    lion, mavo = mean("global Lion", n), mean("D-Lion MaVo", n)
+    if lion is not None and mavo is not None and lion - mavo > points:
+      close = [f"{row} ({mean(row, n) - lion:+.2f})" for row in ROWS
+               if row not in ("global Lion", "D-Lion MaVo")
+               and mean(row, n) is not None
+               and lion - mean(row, n) <= points]
+      return [f"**MaVo first trails global Lion by more than {points:g} "
+              f"point at N={n}** ({mavo - lion:+.2f}); within {points:g} "
+              f"point of global Lion there: "
+              + (", ".join(close) if close else "no other row") + "."]
+  return [f"MaVo stays within {points:g} point of global Lion up to "
+          f"N={ns[-1]}."]
 
 
 def plot(runs: list[dict], path: str) -> None:
