@@ -150,7 +150,7 @@ TASKS = {
     "charlm_long": ConvergenceTask(
         Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
              steps=1500, local_batch=8, overrides=_LONG_LM, curve_points=15),
-        workers=(8,), tune_decay=False, start_lrs=(1e-3, 3e-3),
+        workers=(8,), tune_decay=False, start_lrs=(3e-4, 1e-3),
         b2s=(0.95, 0.98, 0.99),
         rows=("global AdamW", "global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)")),
