@@ -110,3 +110,75 @@ def test_a_diverged_run_ranks_last():
 def test_resume_needs_json():
   with pytest.raises(SystemExit):
     convergence.parse_args(["--resume"])
+
+
+def fake_train(best_lr, best_b2=0.99):
+  """A study.train stand-in for charlm_long (lower is better) whose metric
+  is least at (best_lr, best_b2)."""
+  import math  # pylint: disable=g-import-not-at-top
+  def train(task, overrides, workers, seed):
+    lr = overrides["optimizer.learning_rate"]
+    b2 = overrides.get("optimizer.b2", 0.99)
+    metric = abs(math.log10(lr / best_lr)) + abs(b2 - best_b2)
+    return {"workers": workers, "seed": seed, "metric": metric, "bits": 1.0,
+            "steps": 1, "seconds": 0.0, "diverged": False, "curve": []}
+  return train
+
+
+@pytest.mark.parametrize("best_lr, best_b2", [(1e-2, 0.95), (1e-4, 0.999),
+                                              (1e-3, 0.98)])
+def test_tuning_walks_past_edge_picks_to_an_interior_one(monkeypatch, best_lr,
+                                                         best_b2):
+  """A synthetic metric surface: the grid starts at lr 3e-4/1e-3 and b2
+  0.95/0.98/0.99 and must walk to the optimum, on lr and on b2."""
+  monkeypatch.setattr(convergence.study, "train",
+                      fake_train(best_lr, best_b2))
+  runs = []
+  pick = convergence.tune(runs, {}, "charlm_long", "global Lion", 8, 100)
+  assert pick == {"lr": best_lr, "wd": 0.01, "b2": best_b2}
+  assert convergence.beyond_edges(runs, "charlm_long", "global Lion") == []
+  lrs = sorted({r["lr"] for r in runs if r["b2"] == best_b2})
+  assert lrs[0] < best_lr < lrs[-1]              # tried on both sides
+  assert convergence.pick_status(runs, "charlm_long", "global Lion") == (
+      "b2 at bound 0.999" if best_b2 == 0.999 else "interior")
+  # Each extension is one rung on one axis: no run is repeated.
+  assert len({(r["lr"], r["b2"]) for r in runs}) == len(runs)
+
+
+def test_a_pick_at_a_ladder_end_stops_there_and_says_so(monkeypatch):
+  monkeypatch.setattr(convergence.study, "train", fake_train(10.0))
+  runs = []
+  pick = convergence.tune(runs, {}, "charlm_long", "Signum (majority vote)",
+                          8, 100)
+  assert pick["lr"] == convergence.SIGN_LRS[-1]
+  assert convergence.pick_status(runs, "charlm_long",
+                                 "Signum (majority vote)") == "lr at bound 0.1"
+  assert "b2" not in pick                        # Signum's b2 is its b1
+
+
+def test_breakdown_names_the_first_n_and_the_rows_that_hold():
+  def run(row, n, metric):
+    return dict(task="mlp_many_workers", phase="eval", row=row, workers=n,
+                seed=0, metric=metric)
+  runs = [run("global Lion", n, 0.88) for n in (4, 8, 16, 32)]
+  runs += [run("D-Lion MaVo", n, m) for n, m in ((4, 0.88), (8, 0.875),
+                                                 (16, 0.865), (32, 0.85))]
+  runs += [run("MaVo, 4-bit", n, 0.875) for n in (4, 8, 16, 32)]
+  line, = convergence.breakdown(runs, "mlp_many_workers")
+  assert "N=16** (-1.50)" in line and "MaVo, 4-bit (-0.50)" in line
+  assert "stays within" in convergence.breakdown(runs[:4] + runs[4:6] + [
+      run("global Lion", 2, 0.9), run("D-Lion MaVo", 2, 0.9)],
+      "mlp_many_workers")[0]
+
+
+def test_a_run_keeps_its_test_curve_and_the_curves_plot(tmp_path):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  task = dataclasses.replace(convergence.TASKS["digits"].task, curve_points=3)
+  run = convergence.study.train(task, {"optimizer.name": "lion",
+                                       "optimizer.learning_rate": 0.03}, 2, 0)
+  assert [step for step, _ in run["curve"]] == [10, 20, 30]
+  assert run["curve"][-1][1] == run["metric"]
+  runs = [dict(task="digits", phase="eval", row=row, workers=2, seed=0,
+               curve=run["curve"]) for row in ("global Lion", "D-Lion MaVo")]
+  convergence.plot_curves(runs, str(tmp_path / "curves.png"))
+  assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
