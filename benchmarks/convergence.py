@@ -277,8 +277,29 @@ def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
 
 
 def _evals(runs, task, row, n):
+  """``row``'s runs at ``n`` workers at its current pick (a saved study
+  re-tuned under a wider grid keeps the runs of its earlier picks)."""
+  pick = best_setting(runs, task, row)
   return [r for r in runs if r["task"] == task and r["phase"] == "eval"
-          and r["row"] == row and r["workers"] == n]
+          and r["row"] == row and r["workers"] == n
+          and (pick is None or _point(r, pick) == pick)]
+
+
+def seed_stats(runs, task, row, n) -> tuple[float, float, int] | None:
+  """Mean and half-range of ``row``'s metric at ``n`` over the seeds that
+  did not diverge (scaled to % for accuracies), and how many diverged;
+  None without runs or when every seed diverged."""
+  mine = _evals(runs, task, row, n)
+  kept = [r["metric"] * TASKS[task].task.scale for r in mine
+          if not r["diverged"]]
+  if not kept:
+    return None
+  return (*study.mean_spread(kept), len(mine) - len(kept))
+
+
+def _mean(runs, task, row, n) -> float | None:
+  stats = seed_stats(runs, task, row, n)
+  return None if stats is None else stats[0]
 
 
 def _fmt(value: float) -> str:
@@ -300,7 +321,6 @@ def summary_table(runs: list[dict], task: str) -> str:
   """Rows x N: metric mean +- half-range, bits sent, the pick and whether
   it is interior."""
   conv = TASKS[task]
-  scale = conv.task.scale
   workers = sorted({r["workers"] for r in runs
                     if r["task"] == task and r["phase"] == "eval"})
   if not workers:
@@ -314,12 +334,12 @@ def summary_table(runs: list[dict], task: str) -> str:
   for row in rows:
     cells = [row]
     for n in workers:
-      mine = _evals(runs, task, row, n)
-      if mine:
-        mean, spread = study.mean_spread(r["metric"] * scale for r in mine)
-        cells.append(f"{mean:.2f} ± {spread:.2f}")
-      else:
-        cells.append("-")
+      stats = seed_stats(runs, task, row, n)
+      diverged = sum(r["diverged"] for r in _evals(runs, task, row, n))
+      cells.append("-" if stats is None and not diverged else
+                   "diverged" if stats is None else
+                   f"{stats[0]:.2f} ± {stats[1]:.2f}"
+                   + (f" ({stats[2]} seed diverged)" if stats[2] else ""))
     n_bits = 8 if 8 in workers else workers[-1]
     mine = _evals(runs, task, row, n_bits)
     cells.append(f"{statistics.fmean(r['bits'] for r in mine):.2f} "
@@ -358,14 +378,13 @@ def grid_table(runs: list[dict], task: str) -> str:
 def verdicts(runs: list[dict], task: str) -> list[str]:
   """The papers' claims, checked on this task's numbers."""
   conv = TASKS[task]
-  scale, better = conv.task.scale, 1 if conv.task.higher_is_better else -1
-  unit = "points" if scale == 100 else "bits/byte"
+  better = 1 if conv.task.higher_is_better else -1
+  unit = "points" if conv.task.scale == 100 else "bits/byte"
   lines = []
   for n in sorted({r["workers"] for r in runs
                    if r["task"] == task and r["phase"] == "eval"}):
-    means = {row: statistics.fmean(r["metric"] * scale for r in mine)
-             for row in ROWS for mine in [_evals(runs, task, row, n)]
-             if mine}
+    means = {row: mean for row in ROWS
+             for mean in [_mean(runs, task, row, n)] if mean is not None}
     if "D-Lion MaVo" not in means or "global Lion" not in means:
       continue
     mavo = means["D-Lion MaVo"]
@@ -385,15 +404,11 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
 def breakdown(runs: list[dict], task: str, points: float = 1.0) -> list[str]:
   """The first N at which MaVo trails global Lion by more than ``points``,
   and which rows are within ``points`` of global Lion there."""
-  scale = TASKS[task].task.scale
   ns = sorted({r["workers"] for r in runs
                if r["task"] == task and r["phase"] == "eval"})
-  if scale != 100 or len(ns) < 3:
+  if TASKS[task].task.scale != 100 or len(ns) < 3:
     return []
-  def mean(row, n):
-    mine = _evals(runs, task, row, n)
-    return statistics.fmean(r["metric"] * scale for r in mine) if mine \
-        else None
+  mean = lambda row, n: _mean(runs, task, row, n)
   for n in ns:
     lion, mavo = mean("global Lion", n), mean("D-Lion MaVo", n)
     if lion is not None and mavo is not None and lion - mavo > points:
@@ -417,16 +432,15 @@ def plot(runs: list[dict], path: str) -> None:
   fig = Figure(figsize=(4.6 * len(tasks) + 2.5, 4.2), layout="constrained")
   axes = fig.subplots(1, len(tasks), squeeze=False)[0]
   for ax, task in zip(axes, tasks):
-    scale = TASKS[task].task.scale
     for row in ROWS:
-      ns = sorted({r["workers"] for r in runs if r["task"] == task
-                   and r["row"] == row and r["phase"] == "eval"})
+      ns = [n for n in sorted({r["workers"] for r in runs
+                               if r["task"] == task and r["row"] == row
+                               and r["phase"] == "eval"})
+            if seed_stats(runs, task, row, n) is not None]
       if not ns:
         continue
-      stats = [study.mean_spread(r["metric"] * scale
-                                 for r in _evals(runs, task, row, n))
-               for n in ns]
-      ax.errorbar(ns, [m for m, _ in stats], yerr=[s for _, s in stats],
+      stats = [seed_stats(runs, task, row, n) for n in ns]
+      ax.errorbar(ns, [s[0] for s in stats], yerr=[s[1] for s in stats],
                   marker="o", capsize=3, label=row,
                   ls="-" if len(ns) > 1 else "none")
     ax.set_xscale("log", base=2)
