@@ -159,7 +159,7 @@ def test_a_pick_at_a_ladder_end_stops_there_and_says_so(monkeypatch):
 def test_breakdown_names_the_first_n_and_the_rows_that_hold():
   def run(row, n, metric):
     return dict(task="mlp_many_workers", phase="eval", row=row, workers=n,
-                seed=0, metric=metric)
+                seed=0, metric=metric, diverged=False)
   runs = [run("global Lion", n, 0.88) for n in (4, 8, 16, 32)]
   runs += [run("D-Lion MaVo", n, m) for n, m in ((4, 0.88), (8, 0.875),
                                                  (16, 0.865), (32, 0.85))]
