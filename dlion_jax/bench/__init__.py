@@ -9,6 +9,8 @@
 * :mod:`dlion_jax.bench.compile`: trace, lowering and compile time of the
   optimizer step for 100 to 1000 leaves (and the CLI's GPT training step),
   against ``optax.lion``.
+* :mod:`dlion_jax.bench.project`: step time at cluster scale, an alpha-beta
+  model calibrated on the measured network rows, and break-even bandwidths.
 
 Every report is written by :mod:`dlion_jax.bench.reporting`.
 

@@ -1,0 +1,495 @@
+"""Step time at cluster scale: an alpha-beta model calibrated on measured rows.
+
+A training step is compute followed by the step's collectives (JAX runs the
+optimizer's exchange after the backward pass, so nothing overlaps)::
+
+  t_step = t_compute + sum_c (messages_c * latency + bits_c / bandwidth)
+
+``bits_c`` are the bits that cross the collective's bottleneck, which depends
+on the pattern and on where the peers sit (Thakur et al., 2005, "Optimization
+of Collective Communication Operations in MPICH"):
+
+* **hub** (one shared medium, like the tc-shaped loopback of
+  ``benchmarks/network.py``): every device's bytes go through the one queue,
+  ``p * S`` for ``p`` devices sending ``S`` each, whatever the pattern.
+* **one link class** (a node's NVLink, or one device per node): each device
+  sends ``S`` through its own link, in parallel.
+* **two link classes**, ``n`` nodes of ``k`` devices, a flat collective over
+  all ``p = n k``: a ring (all-reduce, all-gather) is laid out node by node,
+  and with one ring per device of a node (NCCL's channels) each node sends
+  ``S`` through its network links; an all-to-all sends the share
+  ``(p - k) / (p - 1)`` of every device's bytes off the node, ``k`` times
+  more through the node's links than a ring of the same ``S``.
+* **hybrid** (``make_train_step(..., shard_axis=...)``): an exact fp32
+  reduce-scatter and all-gather inside each node, and votes between the ``n``
+  devices that hold the same ``1/k`` of the parameters.
+
+The constants (per-message latency, the share of the shaped rate that the
+wire delivers, the unshaped loopback's bandwidth) are fitted on the
+2-process rows of ``docs/data/network.json``; the 4-process rows are held
+out and predicted. Compute is each row's unshaped step less its measured
+exchange. Then the model projects the NeurIPS paper's setting (3B params,
+64 A100s, 8 per node) and finds, per model size and compute time, the link
+speeds below which Distributed Lion wins by 2x, 5x and 10x.
+
+Usage::
+
+  python -m dlion_jax.bench.project [--measured docs/data/network.json]
+      [--out docs/benchmarks.md] [--plot docs/img/projection.png]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+from typing import Sequence
+
+import numpy as np
+
+from dlion_jax import accounting
+from dlion_jax import message
+from dlion_jax import packing
+from dlion_jax import quantize
+from dlion_jax.bench import reporting
+
+MEASURED = "docs/data/network.json"
+MARKER = "bench.project"
+# The NeurIPS paper's step times (ms) for its 3B model on 64 A100s.
+PAPER_MS = {"AdamW, fp32 all-reduce": 291.0, "Lion, fp32 all-reduce": 288.0,
+            "D-Lion MaVo, int8 psum (paper)": 207.0}
+PAPER_PARAMS = 3e9
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+  """One class of link: ``bandwidth`` in bits/s, ``latency`` s a message.
+
+  ``shared``: one medium that carries every device's bytes (a hub);
+  otherwise each device (or, between nodes, each node) has ``bandwidth``.
+  ``burst``: bits a token-bucket shaper lets through at once when an
+  exchange starts after an idle link (tc ``tbf``'s bucket).
+  """
+  name: str
+  bandwidth: float
+  latency: float = 0.0
+  shared: bool = False
+  burst: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Cluster:
+  """``nodes`` machines of ``per_node`` devices.
+
+  ``fast`` is each device's link inside a node; ``slow`` each node's
+  aggregate network bandwidth (all its NICs).
+  """
+  name: str
+  nodes: int
+  per_node: int
+  fast: Link
+  slow: Link
+
+  @property
+  def devices(self) -> int:
+    return self.nodes * self.per_node
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  """One collective of a step: ``bits`` each device sends per model param,
+  among ``group``: ``'all'`` devices, each ``'node'``'s, or ``'across'``
+  (one device per node, every node's devices in parallel)."""
+  kind: str
+  bits: float
+  group: str = "all"
+
+
+def messages(kind: str, peers: int) -> int:
+  """Sequential messages of a ring all-reduce, reduce-scatter or
+  all-gather, or of a pairwise all-to-all, among ``peers``."""
+  if peers <= 1:
+    return 0
+  return (2 if kind == "all-reduce" else 1) * (peers - 1)
+
+
+def hub_seconds(plan: Sequence[Collective], params: float, devices: int,
+                link: Link) -> float:
+  """An exchange with all ``devices``' bits through one shared medium."""
+  bits = devices * params * sum(c.bits for c in plan)
+  return (sum(messages(c.kind, devices) for c in plan) * link.latency
+          + max(bits - link.burst, 0.0) / link.bandwidth)
+
+
+def cluster_seconds(c: Collective, params: float, cluster: Cluster) -> float:
+  """One collective on a two-level cluster (see the module docstring)."""
+  n, k = cluster.nodes, cluster.per_node
+  sent = c.bits * params
+  if c.group == "node":
+    return messages(c.kind, k) * cluster.fast.latency + (
+        sent / cluster.fast.bandwidth if k > 1 else 0.0)
+  if c.group == "across":
+    return messages(c.kind, n) * cluster.slow.latency + (
+        k * sent / cluster.slow.bandwidth if n > 1 else 0.0)
+  p = n * k
+  latency = cluster.slow.latency if n > 1 else cluster.fast.latency
+  if n == 1:
+    return messages(c.kind, p) * latency + sent / cluster.fast.bandwidth
+  off_node = (p - k) / (p - 1) if c.kind == "all-to-all" else 1 / k
+  return messages(c.kind, p) * latency + max(
+      k * off_node * sent / cluster.slow.bandwidth,
+      (1 - off_node) * sent / cluster.fast.bandwidth)
+
+
+# --- What each optimizer sends ---------------------------------------------
+
+def global_plan(n: int, dtype: str = "float32") -> list[Collective]:
+  """Gradients averaged by a ring all-reduce (global AdamW or Lion)."""
+  return [Collective("all-reduce", accounting.allreduce_bits(n, dtype))]
+
+
+def vote_plan(n: int, *, aggregation: str = "mavo", comm: str = "auto",
+              spec: quantize.VoteSpec = quantize.BINARY,
+              group: str = "all", share: float = 1.0) -> list[Collective]:
+  """Distributed Lion's vote exchange among ``n`` voters, each on ``share``
+  of the params (``comm='auto'``: the cheapest, as the transform picks)."""
+  if n == 1:
+    return []
+  if comm == "auto":
+    comm = message.choose_comm(n, aggregation=aggregation, spec=spec)
+  up = packing.bits_per_digit(spec.radix)
+  if comm == "alltoall":
+    down = packing.bits_per_digit(message.alltoall_down_radix(
+        n, aggregation=aggregation, spec=spec))
+    plan = [Collective("all-to-all", (n - 1) / n * up, group),
+            Collective("all-gather", (n - 1) / n * down, group)]
+  elif comm == "allgather":
+    plan = [Collective("all-gather", (n - 1) * up, group)]
+  else:
+    plan = [Collective("all-reduce", message.vote_bits(
+        n, aggregation=aggregation, spec=spec, comm=comm), group)]
+  return [dataclasses.replace(c, bits=c.bits * share) for c in plan]
+
+
+def hybrid_plan(cluster: Cluster, *, aggregation: str = "mavo"
+                ) -> list[Collective]:
+  """fp32 reduce-scatter in a node, votes across nodes on ``1/k`` of the
+  params, fp32 all-gather of the new shards in the node."""
+  k = cluster.per_node
+  inside = (k - 1) / k * 32
+  return ([Collective("reduce-scatter", inside, "node")]
+          + vote_plan(cluster.nodes, aggregation=aggregation,
+                      group="across", share=1 / k)
+          + [Collective("all-gather", inside, "node")])
+
+
+def exchange_seconds(plan: Sequence[Collective], params: float,
+                     cluster: Cluster) -> float:
+  return sum(cluster_seconds(c, params, cluster) for c in plan)
+
+
+# --- Calibration on the measured rows ----------------------------------------
+
+def measured_rows(data: dict) -> list[dict]:
+  """One dict per measured (row, procs, rate) of network.json, with the
+  compute read off the same row's unshaped configuration."""
+  unshaped = {(c["procs"], name): r for c in data["configs"]
+              if c["rate"] == "none" for name, r in c["rows"].items()}
+  out = []
+  for config in data["configs"]:
+    for name, r in config["rows"].items():
+      base = unshaped[(config["procs"], name)]
+      out.append(dict(
+          name=name, procs=config["procs"], rate=config["rate"],
+          bits=r["wire_bytes"] * 8, kinds=r["ops"].split("+"),
+          exchange_s=r["exchange_s"], step_s=r["e2e_s"],
+          compute_s=base["e2e_s"] - base["exchange_s"]))
+  return out
+
+
+def _rate(rate: str) -> float | None:
+  if rate == "none":
+    return None
+  scale = {"k": 1e3, "m": 1e6, "g": 1e9}[rate[-4]]
+  return float(rate[:-4]) * scale
+
+
+# tc's "256kb" bucket of benchmarks/network.py (tc's kb is 1,024 bytes).
+TBF_BURST_BITS = 256 * 1024 * 8
+
+
+def _row_terms(row: dict) -> tuple[float, float]:
+  """(messages, bits through the hub after the burst) of a measured row."""
+  p = row["procs"]
+  burst = 0 if row["rate"] == "none" else TBF_BURST_BITS
+  return (sum(messages(k, p) for k in row["kinds"]),
+          max(p * row["bits"] - burst, 0.0))
+
+
+def fit(rows: Sequence[dict]) -> dict:
+  """Least-squares constants in relative error: per-message latency and
+  the delivered share of the rate beyond the burst (shaped rows), latency
+  and bandwidth of the unshaped loopback."""
+  def solve(subset, design):
+    a = np.array([design(r) for r in subset]) / np.array(
+        [[r["exchange_s"]] for r in subset])
+    x, *_ = np.linalg.lstsq(a, np.ones(len(subset)), rcond=None)
+    if x[0] < 0:   # no latency to be seen: fit the bandwidth alone
+      x = np.array([0.0, np.linalg.lstsq(a[:, 1:], np.ones(len(subset)),
+                                         rcond=None)[0][0]])
+    return x
+  shaped = [r for r in rows if r["rate"] != "none"]
+  unshaped = [r for r in rows if r["rate"] == "none"]
+  lat, inv_eff = solve(shaped, lambda r: (
+      _row_terms(r)[0], _row_terms(r)[1] / _rate(r["rate"])))
+  lo_lat, inv_bw = solve(unshaped, lambda r: _row_terms(r))
+  return {"latency_s": float(lat), "efficiency": float(1 / inv_eff),
+          "loopback_latency_s": float(lo_lat),
+          "loopback_bits_per_s": float(1 / inv_bw)}
+
+
+def hub_link(rate: str, constants: dict) -> Link:
+  """The calibrated link of a measured configuration."""
+  bw = _rate(rate)
+  if bw is None:
+    return Link("loopback", constants["loopback_bits_per_s"],
+                constants["loopback_latency_s"], shared=True)
+  return Link(rate, constants["efficiency"] * bw, constants["latency_s"],
+              shared=True, burst=TBF_BURST_BITS)
+
+
+def predict(row: dict, constants: dict) -> tuple[float, float]:
+  """(exchange, step) seconds the model gives a measured row."""
+  share = row["bits"] / len(row["kinds"])
+  plan = [Collective(kind, share) for kind in row["kinds"]]
+  exchange = hub_seconds(plan, 1.0, row["procs"],
+                         hub_link(row["rate"], constants))
+  return exchange, row["compute_s"] + exchange
+
+
+# --- Projections ------------------------------------------------------------
+
+def a100_clusters(nodes: int = 8, per_node: int = 8) -> list[Cluster]:
+  """The two interconnects we assume for 64 A100s, 8 per node."""
+  nvlink = Link("NVLink 3 (300 GB/s a GPU)", 300e9 * 8, 5e-6)
+  return [
+      Cluster("8x HDR InfiniBand a node (1.6 Tb/s)", nodes, per_node, nvlink,
+              Link("InfiniBand", 8 * 200e9, 10e-6)),
+      Cluster("100 Gb/s Ethernet a node", nodes, per_node, nvlink,
+              Link("Ethernet", 100e9, 30e-6)),
+  ]
+
+
+def paper_plans(cluster: Cluster) -> dict[str, list[Collective]]:
+  p = cluster.devices
+  return {
+      "AdamW, fp32 all-reduce": global_plan(p),
+      "Lion, fp32 all-reduce": global_plan(p),
+      "Lion, bf16 all-reduce": global_plan(p, "bfloat16"),
+      "D-Lion MaVo, int8 psum (paper)": vote_plan(p, comm="psum_int8"),
+      "dlion_jax MaVo auto, flat": vote_plan(p),
+      "dlion_jax Avg auto, flat": vote_plan(p, aggregation="avg"),
+      "dlion_jax MaVo, hybrid": hybrid_plan(cluster),
+      "dlion_jax Avg, hybrid": hybrid_plan(cluster, aggregation="avg"),
+  }
+
+
+def paper_compute_s(cluster: Cluster) -> float:
+  """Compute time that makes the model reproduce the paper's D-Lion 207 ms
+  on ``cluster`` (the one paper figure the projection is fitted to)."""
+  key = "D-Lion MaVo, int8 psum (paper)"
+  return PAPER_MS[key] / 1e3 - exchange_seconds(
+      paper_plans(cluster)[key], PAPER_PARAMS, cluster)
+
+
+def with_slow_bandwidth(cluster: Cluster, bits_per_s: float) -> Cluster:
+  return dataclasses.replace(
+      cluster, slow=dataclasses.replace(cluster.slow, bandwidth=bits_per_s))
+
+
+def speedup(plan, baseline, params: float, compute_s: float,
+            cluster: Cluster) -> float:
+  """Step-time ratio baseline / plan."""
+  return ((compute_s + exchange_seconds(baseline, params, cluster))
+          / (compute_s + exchange_seconds(plan, params, cluster)))
+
+
+def break_even(target: float, plan, baseline, params: float,
+               compute_s: float, cluster: Cluster) -> float | None:
+  """Slow-link bandwidth (bits/s a node) below which ``plan`` is ``target``
+  times faster than ``baseline``; ``None`` where it never is (the speedup
+  only grows as the link slows, up to its limit at zero bandwidth)."""
+  def gain(bw):
+    return speedup(plan, baseline, params, compute_s,
+                   with_slow_bandwidth(cluster, bw))
+  lo, hi = 1e3, 1e15
+  if gain(lo) < target:
+    return None
+  if gain(hi) >= target:
+    return hi
+  for _ in range(200):
+    mid = math.sqrt(lo * hi)
+    lo, hi = (mid, hi) if gain(mid) >= target else (lo, mid)
+  return lo
+
+
+# --- Report -----------------------------------------------------------------
+
+def _ms(s: float) -> str:
+  return f"{s * 1e3:,.1f}"
+
+
+def _gbit(bw: float | None) -> str:
+  if bw is None:
+    return "never"
+  return f"{bw / 1e9:,.2f}" if bw < 1e14 else "always"
+
+
+def validation_table(rows, constants) -> tuple[str, str]:
+  """The model beside every measured row, and a line with the worst
+  errors."""
+  table, worst, shaped = [], 0.0, []
+  for r in rows:
+    exchange, step = predict(r, constants)
+    err = step / r["step_s"] - 1
+    held_out = r["procs"] != 2
+    worst = max(worst, abs(err))
+    if r["rate"] != "none":
+      shaped.append(exchange / r["exchange_s"])
+    table.append([r["name"], r["procs"], r["rate"],
+                  "held out" if held_out else "fit", _ms(exchange),
+                  _ms(r["exchange_s"]), f"{exchange / r['exchange_s']:.2f}",
+                  _ms(step), _ms(r["step_s"]), f"{err:+.0%}"])
+  headers = ["row", "procs", "rate", "set", "exchange ms, model",
+             "exchange ms, measured", "model / measured", "step ms, model",
+             "step ms, measured", "step error"]
+  return reporting.markdown_table(headers, table), (
+      f"Worst step error: {worst:.1%} over {len(rows)} rows. Exchanges on "
+      f"the shaped links: model / measured {min(shaped):.2f} to "
+      f"{max(shaped):.2f}.")
+
+
+def paper_table(clusters: Sequence[Cluster], compute: float) -> str:
+  """The paper's figures beside the first cluster's rows."""
+  rows = []
+  for cluster in clusters:
+    for name, plan in paper_plans(cluster).items():
+      ex = exchange_seconds(plan, PAPER_PARAMS, cluster)
+      paper = PAPER_MS.get(name) if cluster is clusters[0] else None
+      rows.append([cluster.name, name, _ms(ex), _ms(compute + ex),
+                   "-" if paper is None else f"{paper:.0f}"])
+  return reporting.markdown_table(
+      ["interconnect", "optimizer", "exchange ms", "step ms, model",
+       "step ms, paper"], rows)
+
+
+# (params, compute seconds a step) of the break-even table.
+BREAK_EVEN_CASES = ((125e6, 0.1), (1.3e9, 0.1), (1.3e9, 1.0), (7e9, 1.0),
+                    (70e9, 1.0), (70e9, 10.0))
+TARGETS = (2, 5, 10)
+
+
+def break_even_table(cluster: Cluster, cases) -> str:
+  baseline = global_plan(cluster.devices)
+  plans = {"flat MaVo auto": vote_plan(cluster.devices),
+           "hybrid MaVo": hybrid_plan(cluster)}
+  rows = []
+  for params, compute in cases:
+    for name, plan in plans.items():
+      rows.append([f"{params / 1e9:g}B", _ms(compute), name] + [
+          _gbit(break_even(t, plan, baseline, params, compute, cluster))
+          for t in TARGETS])
+  return reporting.markdown_table(
+      ["params", "compute ms", "D-Lion layout"]
+      + [f"{t}x below (Gb/s a node)" for t in TARGETS], rows)
+
+
+def plot(rows, constants, cluster: Cluster, compute: float, path: str
+         ) -> None:
+  """Model against measurement (left); projected speedup against the
+  network bandwidth of ``cluster`` (right)."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+  for held, marker in ((False, "o"), (True, "^")):
+    pts = [(r["step_s"], predict(r, constants)[1]) for r in rows
+           if (r["procs"] != 2) == held]
+    left.scatter(*zip(*pts), marker=marker,
+                 label="held out (4 procs)" if held else "fit (2 procs)")
+  lim = np.array([0.5, 25])
+  left.plot(lim, lim, "k-", lw=0.8)
+  left.fill_between(lim, lim * 0.8, lim * 1.2, color="grey", alpha=0.2,
+                    label="within 20%")
+  left.set(xscale="log", yscale="log", xlabel="measured step (s)",
+           ylabel="model step (s)", title="Measured rows (network.json)")
+  left.legend()
+  bws = np.logspace(9, 13, 60)
+  baseline = global_plan(cluster.devices)
+  for name, plan in paper_plans(cluster).items():
+    if "fp32" in name:
+      continue
+    right.plot(bws / 1e9, [speedup(plan, baseline, PAPER_PARAMS, compute,
+                                   with_slow_bandwidth(cluster, b))
+                           for b in bws], label=name)
+  for bw, what in ((100e9, "100GbE"), (1.6e12, "8x HDR IB")):
+    right.axvline(bw / 1e9, color="grey", ls=":")
+    right.text(bw / 1e9, 1.02, what, rotation=90, va="bottom", fontsize=8)
+  right.set(xscale="log", yscale="log", xlabel="network bandwidth a node "
+            "(Gb/s)", ylabel="step speedup over fp32 all-reduce",
+            title=f"3B params, {cluster.devices} A100s, compute "
+            f"{compute * 1e3:.0f} ms")
+  right.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
+def report(data: dict, plot_path: str | None = None) -> str:
+  rows = measured_rows(data)
+  constants = fit([r for r in rows if r["procs"] == 2])
+  table, summary = validation_table(rows, constants)
+  clusters = a100_clusters()
+  compute = paper_compute_s(clusters[0])
+  if plot_path:
+    plot(rows, constants, clusters[0], compute, plot_path)
+  c = constants
+  return "\n\n".join([
+      "Constants fitted on the 2-process rows: latency "
+      f"{c['latency_s'] * 1e6:.0f} us a message, the shaped link delivers "
+      f"{c['efficiency']:.1%} of its rate; unshaped loopback "
+      f"{c['loopback_bits_per_s'] / 1e9:.2f} Gb/s shared, latency "
+      f"{c['loopback_latency_s'] * 1e6:.0f} us. Compute: each row's "
+      "unshaped step less its measured exchange.",
+      table,
+      summary,
+      "Projection to the NeurIPS paper's setting (3B params, 64 A100s, 8 a "
+      "node), compute "
+      f"{compute * 1e3:.0f} ms (the paper's D-Lion 207 ms less its "
+      "modelled exchange on InfiniBand):",
+      paper_table(clusters, compute),
+      f"Break-even network bandwidths, {clusters[0].devices} devices, "
+      f"{clusters[0].per_node} a node on NVLink, against global Lion's fp32 "
+      "all-reduce:",
+      break_even_table(clusters[0], ((PAPER_PARAMS, compute),)
+                       + BREAK_EVEN_CASES),
+  ])
+
+
+def main(argv=None) -> str:
+  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.project",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--measured", default=MEASURED,
+                      help="network.json of benchmarks/network.py")
+  parser.add_argument("--out", help="write the report to this file (between "
+                      f"<!-- {MARKER} --> markers when it has them)")
+  parser.add_argument("--plot", help="write the figure to this PNG")
+  args = parser.parse_args(argv)
+  with open(args.measured, encoding="utf-8") as f:
+    data = json.load(f)
+  return reporting.write_section(report(data, args.plot), args.out, MARKER)
+
+
+if __name__ == "__main__":
+  main()

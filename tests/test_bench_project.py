@@ -1,0 +1,138 @@
+"""bench.project: the alpha-beta step-time model, its calibration on the
+measured network rows, and its projections."""
+
+import dataclasses
+import itertools
+import json
+import pathlib
+
+import numpy as np
+import pytest
+
+import dlion_jax as dl
+from dlion_jax.bench import project
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NETWORK = ROOT / "docs" / "data" / "network.json"
+
+
+@pytest.mark.parametrize("n", [2, 3, 8, 64])
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("comm", ["auto", "alltoall", "allgather", "psum",
+                                  "psum_int8"])
+def test_vote_plan_sends_what_wire_bits_counts(n, aggregation, comm):
+  plan = project.vote_plan(n, aggregation=aggregation, comm=comm)
+  assert sum(c.bits for c in plan) == pytest.approx(
+      dl.wire_bits(n, aggregation=aggregation, comm=comm))
+
+
+def test_a_hub_carries_every_devices_bits_at_the_wire_floor():
+  link = project.Link("100mbit", 1e8, shared=True)
+  plan = [project.Collective("all-reduce", dl.allreduce_bits(4))]
+  # 4 devices x 48 bits/param x 1e6 params through one 100 Mbit/s queue.
+  assert project.hub_seconds(plan, 1e6, 4, link) == pytest.approx(
+      4 * 48e6 / 1e8)
+  slow = dataclasses.replace(link, latency=1e-3, burst=8e6)
+  assert project.hub_seconds(plan, 1e6, 4, slow) == pytest.approx(
+      (4 * 48e6 - 8e6) / 1e8 + 6e-3)     # 2 (p - 1) ring messages
+  # The bucket empties once an exchange, however many collectives.
+  two = [project.Collective("all-to-all", 1.0),
+         project.Collective("all-gather", 1.0)]
+  assert project.hub_seconds(two, 1e7, 4, slow) == pytest.approx(
+      (4 * 2e7 - 8e6) / 1e8 + 6e-3)
+
+
+def _cluster(nodes, per_node, fast=1e15, slow=1e9):
+  return project.Cluster("test", nodes, per_node,
+                         project.Link("fast", fast), project.Link("slow", slow))
+
+
+@pytest.mark.parametrize("nodes,per_node", [(2, 4), (8, 8), (3, 5)])
+def test_a_flat_all_to_all_sends_its_off_node_share_through_the_node(
+    nodes, per_node):
+  # Enumerate the pairs: each device sends 1/(p - 1) of its bits to every
+  # other device; count what leaves node 0.
+  p = nodes * per_node
+  node = np.arange(p) // per_node
+  leaving = sum(1 / (p - 1) for i, j in itertools.product(range(p), repeat=2)
+                if i != j and node[i] == 0 and node[j] != 0)
+  cluster = _cluster(nodes, per_node)
+  c = project.Collective("all-to-all", 1.0)
+  assert project.cluster_seconds(c, 1e9, cluster) == pytest.approx(
+      leaving * 1e9 / 1e9)
+  # A ring of the same bits sends per_node times less off each node.
+  ring = project.cluster_seconds(project.Collective("all-gather", 1.0), 1e9,
+                                 cluster)
+  assert ring == pytest.approx(1.0)
+  assert leaving == pytest.approx(per_node * (p - per_node) / (p - 1))
+
+
+def test_hybrid_sends_one_nodes_worth_of_votes_over_the_slow_links():
+  cluster = _cluster(8, 8)
+  across = [c for c in project.hybrid_plan(cluster) if c.group == "across"]
+  seconds = project.exchange_seconds(across, 1e9, cluster)
+  assert seconds == pytest.approx(dl.wire_bits(8) * 1e9 / 1e9)
+  inside = [c for c in project.hybrid_plan(cluster) if c.group == "node"]
+  assert sum(c.bits for c in inside) == pytest.approx(2 * 7 / 8 * 32)
+
+
+def _synthetic(constants):
+  """Rows of network.json's shape whose exchanges the model gives exactly."""
+  configs = []
+  for procs, rate in itertools.product((2, 4), ("100mbit", "1gbit", "none")):
+    rows = {}
+    for name, mb, ops in (("a", 30.0, "all-reduce"), ("b", 1.0, "all-gather"),
+                          ("c", 2.0, "all-to-all+all-gather")):
+      row = dict(name=name, procs=procs, rate=rate, bits=mb * 8e6,
+                 kinds=ops.split("+"), compute_s=0.5)
+      exchange, _ = project.predict(dict(row, exchange_s=0), constants)
+      rows[name] = dict(wire_bytes=mb * 1e6, ops=ops, exchange_s=exchange,
+                        e2e_s=0.5 + exchange)
+    configs.append(dict(procs=procs, rate=rate, rows=rows))
+  return {"configs": configs}
+
+
+def test_calibration_recovers_the_constants_it_was_made_with():
+  truth = {"latency_s": 2e-3, "efficiency": 0.9,
+           "loopback_latency_s": 3e-4, "loopback_bits_per_s": 5e9}
+  rows = project.measured_rows(_synthetic(truth))
+  fitted = project.fit([r for r in rows if r["procs"] == 2])
+  for key, value in truth.items():
+    assert fitted[key] == pytest.approx(value, rel=1e-6), key
+
+
+def test_break_even_is_where_the_speedup_reaches_the_target():
+  cluster = _cluster(8, 8, fast=2.4e12)
+  base, plan = project.global_plan(64), project.vote_plan(64)
+  found = [project.break_even(t, plan, base, 3e9, 0.2, cluster)
+           for t in (2, 5)]
+  for target, bw in zip((2, 5), found):
+    got = project.speedup(plan, base, 3e9, 0.2,
+                          project.with_slow_bandwidth(cluster, bw))
+    assert got == pytest.approx(target, rel=1e-6)
+  assert found[1] < found[0]          # a bigger win needs a slower link
+  # The flat all-to-all's ceiling: 63 fp32 bits against ~8.6 off-node.
+  assert project.break_even(10, plan, base, 3e9, 0.2, cluster) is None
+  hybrid = project.hybrid_plan(cluster)
+  assert project.break_even(10, hybrid, base, 3e9, 0.2, cluster) is not None
+
+
+@pytest.mark.skipif(not NETWORK.exists(), reason="no docs/data/network.json")
+def test_the_model_predicts_every_measured_step_within_20_percent(tmp_path):
+  data = json.loads(NETWORK.read_text())
+  rows = project.measured_rows(data)
+  constants = project.fit([r for r in rows if r["procs"] == 2])
+  assert len(rows) == sum(len(c["rows"]) for c in data["configs"])
+  for r in rows:
+    _, step = project.predict(r, constants)
+    assert step == pytest.approx(r["step_s"], rel=0.2), r
+  doc = tmp_path / "doc.md"
+  doc.write_text("intro\n<!-- bench.project: begin -->\nold\n"
+                 "<!-- bench.project: end -->\noutro\n")
+  png = tmp_path / "p.png"
+  project.main(["--measured", str(NETWORK), "--out", str(doc),
+                "--plot", str(png)])
+  text = doc.read_text()
+  assert "old" not in text and text.startswith("intro")
+  assert text.count("| D-Lion MaVo, int8 psum (paper) |") == 2
+  assert png.stat().st_size > 10_000
