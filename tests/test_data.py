@@ -148,6 +148,20 @@ def test_text(tmp_path):
       content)
 
 
+def test_text_limit_test_keeps_the_first_evaluation_windows(tmp_path):
+  path = tmp_path / "book.txt"
+  path.write_bytes(bytes(range(256)) * 4)
+  full = data.load_text(str(path), test_fraction=0.25, seq_len=10)
+  cut = data.load_text(str(path), test_fraction=0.25, seq_len=10,
+                       limit_test=3)
+  np.testing.assert_array_equal(cut.train["tokens"], full.train["tokens"])
+  np.testing.assert_array_equal(cut.test["tokens"],
+                                full.test["tokens"][:31])
+  assert len(list(data.eval_batches(cut.test, 100, seq_len=10))[0]["x"]) == 3
+  with pytest.raises(ValueError, match="pass seq_len"):
+    data.load_text(str(path), limit_test=3)
+
+
 def test_text_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="data.path"):
     data.load_text(str(tmp_path / "missing.txt"))

@@ -85,6 +85,21 @@ def test_cli_reports_config_errors(capsys):
   assert "config error: optimizer.name='adam'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("sets, message", [
+    (["data.limit_test=5"], "data.limit_test=5 does nothing for "
+     "data.name='digits' (it takes no limits): remove it."),
+    (["data.name=text", "data.path=x.txt", "data.limit_train=5"],
+     "data.limit_train=5 does nothing for data.name='text' (it takes "
+     "limit_test): remove it."),
+])
+def test_a_limit_the_dataset_ignores_is_a_config_error(capsys, sets,
+                                                        message):
+  argv = [a for s in sets for a in ("--set", s)]
+  assert cli.main(argv) == 2
+  assert f"config error: --set {sets[-1]}: {message}" in (
+      capsys.readouterr().err)
+
+
 def test_lion_cub_options_reach_the_optimizer():
   from dlion_jax.train import optimizers  # pylint: disable=g-import-not-at-top
   cfg = load_config(cli.resolve_config(None), [

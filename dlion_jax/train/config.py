@@ -55,7 +55,7 @@ class DataConfig:
   global_batch: int = 256
   seq_len: int = 64                 # text: bytes per example
   limit_train: Optional[int] = None  # fashion_mnist: first n examples
-  limit_test: Optional[int] = None
+  limit_test: Optional[int] = None   # ... and text: first n test windows
   eval_batch: int = 1000
 
 
@@ -221,7 +221,24 @@ def validate(config: Config) -> Config:
         f"data.global_batch={config.data.global_batch} must be divisible by "
         f"workers={config.workers}: each worker takes an equal share.")
   _validate_mesh(config)
+  _validate_limits(config.data)
   return config
+
+
+# The data.limit_* keys each dataset's loader takes.
+_LIMITS = {"fashion_mnist": ("limit_train", "limit_test"),
+           "text": ("limit_test",), "digits": ()}
+
+
+def _validate_limits(data: DataConfig) -> None:
+  """No ``data.limit_*`` the dataset would silently ignore."""
+  for key in ("limit_train", "limit_test"):
+    value = getattr(data, key)
+    if value is not None and key not in _LIMITS[data.name]:
+      raise ConfigError(
+          f"data.{key}={value} does nothing for data.name={data.name!r} "
+          f"(it takes {', '.join(_LIMITS[data.name]) or 'no limits'}): "
+          "remove it.", key=f"data.{key}")
 
 
 def _validate_mesh(config: Config) -> None:

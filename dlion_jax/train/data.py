@@ -219,7 +219,8 @@ def load_fashion_mnist(path: str = FASHION_MNIST_PATH, *,
 
 
 def load_text(path: str, *, test_fraction: float = 0.1,
-              seq_len: int | None = None) -> Dataset:
+              seq_len: int | None = None,
+              limit_test: int | None = None) -> Dataset:
   """The bytes of a file as byte-level LM tokens; the last bytes are the test.
 
   Args:
@@ -227,6 +228,8 @@ def load_text(path: str, *, test_fraction: float = 0.1,
     test_fraction: fraction of the bytes, taken from the end, held out.
     seq_len: if given, check that each split holds at least one window of
       ``seq_len + 1`` bytes (inputs plus the shifted targets).
+    limit_test: keep only the first ``limit_test`` evaluation windows of the
+      test split (needs ``seq_len``): a cheaper evaluation of a large file.
 
   Returns:
     An ``'lm'`` :class:`Dataset` with ``{'tokens': uint8 [n]}`` splits.
@@ -237,6 +240,10 @@ def load_text(path: str, *, test_fraction: float = 0.1,
   """
   _check_fraction("test_fraction", test_fraction)
   _check_count("seq_len", seq_len, allow_none=True)
+  _check_count("limit_test", limit_test, allow_none=True)
+  if limit_test is not None and seq_len is None:
+    raise ValueError(f"limit_test={limit_test} counts windows of seq_len "
+                     "bytes: pass seq_len too.")
   if not os.path.isfile(path):
     raise FileNotFoundError(
         f"Text file {path!r} not found; set data.path in the config to a "
@@ -246,6 +253,8 @@ def load_text(path: str, *, test_fraction: float = 0.1,
     tokens = np.frombuffer(f.read(), np.uint8).copy()
   n_test = int(len(tokens) * test_fraction)
   train, test = tokens[:len(tokens) - n_test], tokens[len(tokens) - n_test:]
+  if limit_test is not None:
+    test = test[:limit_test * seq_len + 1]
   need = 2 if seq_len is None else seq_len + 1
   if min(len(train), len(test)) < need:
     raise ValueError(

@@ -499,7 +499,8 @@ def _load_data(cfg: Config):
     if not cfg.data.path:
       raise ValueError("data.name='text' needs data.path: the file to model "
                        "(any text file, read as bytes).")
-    kwargs = {"path": cfg.data.path}
+    kwargs = {"path": cfg.data.path, "seq_len": cfg.data.seq_len,
+              "limit_test": cfg.data.limit_test}
   return data_lib.load_dataset(cfg.data.name, **kwargs)
 
 
