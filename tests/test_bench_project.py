@@ -27,7 +27,7 @@ def test_vote_plan_sends_what_wire_bits_counts(n, aggregation, comm):
 
 
 def test_a_hub_carries_every_devices_bits_at_the_wire_floor():
-  link = project.Link("100mbit", 1e8, shared=True)
+  link = project.Link("100mbit", 1e8)
   plan = [project.Collective("all-reduce", dl.allreduce_bits(4))]
   # 4 devices x 48 bits/param x 1e6 params through one 100 Mbit/s queue.
   assert project.hub_seconds(plan, 1e6, 4, link) == pytest.approx(
@@ -136,3 +136,9 @@ def test_the_model_predicts_every_measured_step_within_20_percent(tmp_path):
   assert "old" not in text and text.startswith("intro")
   assert text.count("| D-Lion MaVo, int8 psum (paper) |") == 2
   assert png.stat().st_size > 10_000
+
+
+def test_a_missing_measurement_file_is_named(tmp_path, capsys):
+  with pytest.raises(SystemExit):
+    project.main(["--measured", str(tmp_path / "none.json")])
+  assert "none.json: no such file" in capsys.readouterr().err

@@ -66,15 +66,12 @@ PAPER_PARAMS = 3e9
 class Link:
   """One class of link: ``bandwidth`` in bits/s, ``latency`` s a message.
 
-  ``shared``: one medium that carries every device's bytes (a hub);
-  otherwise each device (or, between nodes, each node) has ``bandwidth``.
   ``burst``: bits a token-bucket shaper lets through at once when an
   exchange starts after an idle link (tc ``tbf``'s bucket).
   """
   name: str
   bandwidth: float
   latency: float = 0.0
-  shared: bool = False
   burst: float = 0.0
 
 
@@ -250,13 +247,13 @@ def fit(rows: Sequence[dict]) -> dict:
 
 
 def hub_link(rate: str, constants: dict) -> Link:
-  """The calibrated link of a measured configuration."""
+  """The calibrated shared link (a hub) of a measured configuration."""
   bw = _rate(rate)
   if bw is None:
     return Link("loopback", constants["loopback_bits_per_s"],
-                constants["loopback_latency_s"], shared=True)
+                constants["loopback_latency_s"])
   return Link(rate, constants["efficiency"] * bw, constants["latency_s"],
-              shared=True, burst=TBF_BURST_BITS)
+              burst=TBF_BURST_BITS)
 
 
 def predict(row: dict, constants: dict) -> tuple[float, float]:
@@ -486,8 +483,13 @@ def main(argv=None) -> str:
                       f"<!-- {MARKER} --> markers when it has them)")
   parser.add_argument("--plot", help="write the figure to this PNG")
   args = parser.parse_args(argv)
-  with open(args.measured, encoding="utf-8") as f:
-    data = json.load(f)
+  try:
+    with open(args.measured, encoding="utf-8") as f:
+      data = json.load(f)
+  except FileNotFoundError:
+    parser.error(f"--measured {args.measured}: no such file. Run from the "
+                 "repository root, or pass the JSON that "
+                 "`python -m benchmarks.network --json FILE` wrote.")
   return reporting.write_section(report(data, args.plot), args.out, MARKER)
 
 
