@@ -1,6 +1,9 @@
 """benchmarks.convergence's machinery on a seconds-long task (digits)."""
 
+import glob
 import json
+import os
+import sysconfig
 
 import pytest
 
@@ -8,6 +11,7 @@ pytest.importorskip("flax", reason="the study trains with the [examples] "
                     "extra (flax, orbax-checkpoint, pyyaml, scikit-learn)")
 
 from benchmarks import convergence  # noqa: E402  pylint: disable=g-import-not-at-top
+from benchmarks import study as study_lib  # noqa: E402  pylint: disable=g-import-not-at-top
 
 pytestmark = pytest.mark.integration
 
@@ -182,3 +186,19 @@ def test_a_run_keeps_its_test_curve_and_the_curves_plot(tmp_path):
                curve=run["curve"]) for row in ("global Lion", "D-Lion MaVo")]
   convergence.plot_curves(runs, str(tmp_path / "curves.png"))
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_the_long_lm_reads_python_sources_and_tests_on_a_slice(
+    tmp_path, monkeypatch):
+  monkeypatch.setattr(study_lib.tempfile, "gettempdir", lambda: str(tmp_path))
+  task = convergence.TASKS["charlm_long"].task
+  overrides = task.overrides_for(8, 0)
+  path = overrides[-1].removeprefix("data.path=")
+  sources = sorted(glob.glob(os.path.join(sysconfig.get_paths()["stdlib"],
+                                          "*.py")))
+  assert path.startswith(str(tmp_path))
+  with open(path, "rb") as f:
+    corpus = f.read()
+  assert corpus == b"".join(open(s, "rb").read() for s in sources)
+  assert len(corpus) > 1_000_000       # not memorized in 1,500 steps
+  assert "data.limit_test=1024" in overrides
