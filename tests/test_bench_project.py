@@ -4,6 +4,7 @@ measured network rows, and its projections."""
 import dataclasses
 import itertools
 import json
+import math
 import pathlib
 
 import numpy as np
@@ -60,11 +61,30 @@ def test_a_flat_all_to_all_sends_its_off_node_share_through_the_node(
   c = project.Collective("all-to-all", 1.0)
   assert project.cluster_seconds(c, 1e9, cluster) == pytest.approx(
       leaving * 1e9 / 1e9)
-  # A ring of the same bits sends per_node times less off each node.
+  # A ring of the same bits sends k (p - k) / (p - 1) times less off each
+  # node (7.1x at 8 nodes of 8, 2.3x at 2 of 4).
   ring = project.cluster_seconds(project.Collective("all-gather", 1.0), 1e9,
                                  cluster)
   assert ring == pytest.approx(1.0)
   assert leaving == pytest.approx(per_node * (p - per_node) / (p - 1))
+
+
+def test_a_slow_fast_link_is_the_bottleneck_of_a_flat_ring():
+  # 2 nodes of 4: a ring sends 1/4 of each device's bits off the node
+  # (4 x 1/4 = S a node) and 3/4 over the node's own links.
+  cluster = _cluster(2, 4, fast=1e9, slow=1e12)
+  ring = project.Collective("all-gather", 1.0)
+  assert project.cluster_seconds(ring, 1e9, cluster) == pytest.approx(0.75)
+  fast_net = _cluster(2, 4, fast=1e15, slow=1e9)
+  assert project.cluster_seconds(ring, 1e9, fast_net) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("field,value", [("kind", "broadcast"),
+                                         ("group", "rack")])
+def test_an_unknown_collective_is_refused_naming_it(field, value):
+  kwargs = {"kind": "all-gather", "bits": 1.0, "group": "all", field: value}
+  with pytest.raises(ValueError, match=f"{field}={value!r}"):
+    project.Collective(**kwargs)
 
 
 def test_hybrid_sends_one_nodes_worth_of_votes_over_the_slow_links():
@@ -101,6 +121,28 @@ def test_calibration_recovers_the_constants_it_was_made_with():
     assert fitted[key] == pytest.approx(value, rel=1e-6), key
 
 
+def test_a_latency_the_data_makes_negative_is_clamped_and_reported():
+  truth = {"latency_s": -1e-4, "efficiency": 0.9,
+           "loopback_latency_s": 3e-4, "loopback_bits_per_s": 5e9}
+  rows = project.measured_rows(_synthetic(truth))
+  fitted = project.fit([r for r in rows if r["procs"] == 2])
+  assert fitted["latency_s"] == 0.0
+  assert fitted["latency_unconstrained_s"] == pytest.approx(-1e-4, rel=1e-6)
+  assert fitted["efficiency"] == pytest.approx(0.9, rel=0.05)
+  assert fitted["loopback_latency_s"] == pytest.approx(3e-4, rel=1e-6)
+  assert "clamped at 0" in project.report(_synthetic(truth))
+
+
+def test_a_row_without_its_unshaped_run_or_a_bad_rate_is_named():
+  data = _synthetic({"latency_s": 1e-3, "efficiency": 1.0,
+                     "loopback_latency_s": 0.0, "loopback_bits_per_s": 1e9})
+  data["configs"] = [c for c in data["configs"] if c["rate"] != "none"]
+  with pytest.raises(ValueError, match="'a' at 2 processes has no unshaped"):
+    project.measured_rows(data)
+  with pytest.raises(ValueError, match="rate='10mbps'"):
+    project.hub_link("10mbps", {})
+
+
 def test_break_even_is_where_the_speedup_reaches_the_target():
   cluster = _cluster(8, 8, fast=2.4e12)
   base, plan = project.global_plan(64), project.vote_plan(64)
@@ -117,15 +159,56 @@ def test_break_even_is_where_the_speedup_reaches_the_target():
   assert project.break_even(10, hybrid, base, 3e9, 0.2, cluster) is not None
 
 
+def test_break_even_holds_below_the_bandwidth_even_where_nvlink_caps():
+  # 70B params, 1 s of compute: the fp32 ring over NVLink alone costs more
+  # than a second, so flat MaVo's 2x holds at any network speed, and the
+  # speedup is not monotone in the bandwidth.
+  cluster = project.a100_clusters()[0]
+  base, plan = project.global_plan(64), project.vote_plan(64)
+  assert project.break_even(2, plan, base, 70e9, 1.0, cluster) == math.inf
+  bw = project.break_even(5, plan, base, 70e9, 1.0, cluster)
+  for below in np.logspace(6, np.log10(bw), 40):
+    assert project.speedup(plan, base, 70e9, 1.0, project.with_slow_bandwidth(
+        cluster, below)) >= 5 * (1 - 1e-9)
+  assert project.speedup(plan, base, 70e9, 1.0, project.with_slow_bandwidth(
+      cluster, bw * 1.01)) < 5
+
+
+def test_the_paper_projection_lands_near_the_papers_figures():
+  # What docs/benchmarks.md says of it: with the compute fitted to the
+  # int8 row, the fp32 rows come within 5% of the paper's 291 / 288 ms;
+  # hybrid loses to flat on InfiniBand and wins on 100 Gb/s Ethernet.
+  infiniband, ethernet = project.a100_clusters()
+  compute = project.paper_compute_s(infiniband)
+  def step(cluster, name):
+    return compute + project.exchange_seconds(
+        project.paper_plans(cluster)[name], project.PAPER_PARAMS, cluster)
+  for name in ("AdamW, fp32 all-reduce", "Lion, fp32 all-reduce"):
+    assert step(infiniband, name) * 1e3 == pytest.approx(
+        project.PAPER_MS[name], rel=0.05)
+  flat, hybrid = "dlion_jax MaVo auto, flat", "dlion_jax MaVo, hybrid"
+  assert step(infiniband, hybrid) > step(infiniband, flat)
+  assert step(ethernet, hybrid) < step(ethernet, flat)
+  slow = project.with_slow_bandwidth(infiniband, 1e6)
+  with pytest.raises(ValueError, match="too slow to be the paper's"):
+    project.paper_compute_s(slow)
+
+
 @pytest.mark.skipif(not NETWORK.exists(), reason="no docs/data/network.json")
 def test_the_model_predicts_every_measured_step_within_20_percent(tmp_path):
   data = json.loads(NETWORK.read_text())
   rows = project.measured_rows(data)
   constants = project.fit([r for r in rows if r["procs"] == 2])
   assert len(rows) == sum(len(c["rows"]) for c in data["configs"])
+  ratios = []
   for r in rows:
-    _, step = project.predict(r, constants)
+    exchange, step = project.predict(r, constants)
     assert step == pytest.approx(r["step_s"], rel=0.2), r
+    ratios.append(exchange / r["exchange_s"])
+  # The exchanges alone are the harder test (compute is read off the
+  # measurement): most within 20%, none off by 2x.
+  assert np.mean(np.abs(np.array(ratios) - 1) <= 0.2) >= 0.75
+  assert 0.5 < min(ratios) and max(ratios) < 2
   doc = tmp_path / "doc.md"
   doc.write_text("intro\n<!-- bench.project: begin -->\nold\n"
                  "<!-- bench.project: end -->\noutro\n")
