@@ -462,31 +462,60 @@ def plot(runs: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def mean_curves(runs: list[dict], task: str, n: int) -> list[tuple]:
+  """``(row, steps, mean metric, seeds, twin)`` per row with curves at
+  ``n`` workers: the mean over the seeds at the row's pick, and the row
+  whose mean is the same to the last digit (D-Lion at ``b2 = b1`` is
+  Signum), or None."""
+  scale, seen, out = TASKS[task].task.scale, {}, []
+  for row in ROWS:
+    curves = [r["curve"] for r in _evals(runs, task, row, n)
+              if r.get("curve")]
+    if curves:
+      steps = tuple(step for step, _ in curves[0])
+      mean = tuple(statistics.fmean(c[i][1] * scale for c in curves)
+                   for i in range(len(steps)))
+      out.append((row, steps, mean, len(curves), seen.get((steps, mean))))
+      seen.setdefault((steps, mean), row)
+  return out
+
+
 def plot_curves(runs: list[dict], path: str) -> None:
-  """Test metric against step per row (mean over seeds), one panel per task
-  whose runs saved curves."""
+  """Test metric against step per row, per task whose runs saved curves:
+  every step (left) and the second half zoomed in (right). A row equal to
+  an earlier one is drawn dashed and named as such, not hidden under it."""
   # pylint: disable=g-import-not-at-top
   from matplotlib.figure import Figure
   tasks = list(dict.fromkeys(r["task"] for r in runs
                              if r["phase"] == "eval" and r.get("curve")))
-  fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
-  for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
-    scale = TASKS[task].task.scale
-    for row in ROWS:
-      curves = [r["curve"] for r in runs if r["task"] == task
-                and r["row"] == row and r["phase"] == "eval"
-                and r.get("curve")]
-      if curves:
-        steps = [step for step, _ in curves[0]]
-        ax.plot(steps, [statistics.fmean(c[i][1] * scale for c in curves)
-                        for i in range(len(steps))],
-                marker=".", label=f"{row} ({len(curves)} seeds)")
-    ax.set(xlabel="step", ylabel=f"test {TASKS[task].task.unit}",
-           title=task)
+  fig = Figure(figsize=(11, 4.4 * len(tasks)), layout="constrained")
+  for (full, zoom), task in zip(fig.subplots(len(tasks), 2, squeeze=False),
+                                tasks):
+    n = max(r["workers"] for r in runs if r["task"] == task
+            and r["phase"] == "eval" and r.get("curve"))
+    lines = mean_curves(runs, task, n)
+    for row, steps, mean, seeds, twin in lines:
+      label = f"{row} ({seeds} seeds" + (
+          f"; = {twin}, the same runs)" if twin else ")")
+      for ax in (full, zoom):
+        ax.plot(steps, mean, marker=".", ls="--" if twin else "-",
+                label=label)
+    half = max(line[1][-1] for line in lines) / 2
+    tail = [y for _, steps, mean, *_ in lines
+            for x, y in zip(steps, mean) if x >= half]
+    pad = 0.05 * (max(tail) - min(tail)) or 0.01
+    zoom.set(xlim=(half, None), ylim=(min(tail) - pad, max(tail) + pad))
+    unit = TASKS[task].task.unit
+    full.set(xlabel="step", ylabel=f"test {unit}", title=f"{task}, N={n}")
+    zoom.set(xlabel="step", ylabel=f"test {unit}",
+             title=f"{task}: the second half")
     if not TASKS[task].task.higher_is_better:
-      ax.set_ylim(top=min(ax.get_ylim()[1], 6.0))
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
+      full.set_ylim(top=min(full.get_ylim()[1], 6.0))
+    for ax in (full, zoom):
+      ax.grid(True, alpha=0.3)
+    # The full view's corner that curves leave once they have settled.
+    full.legend(fontsize=8, loc="lower right"
+                if TASKS[task].task.higher_is_better else "upper right")
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
 

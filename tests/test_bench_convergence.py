@@ -184,6 +184,13 @@ def test_a_run_keeps_its_test_curve_and_the_curves_plot(tmp_path):
   assert run["curve"][-1][1] == run["metric"]
   runs = [dict(task="digits", phase="eval", row=row, workers=2, seed=0,
                curve=run["curve"]) for row in ("global Lion", "D-Lion MaVo")]
+  runs.append(dict(runs[0], row="D-Lion Avg",
+                   curve=[[s, m / 2] for s, m in run["curve"]]))
+  lines = {row: (seeds, twin) for row, _, _, seeds, twin
+           in convergence.mean_curves(runs, "digits", 2)}
+  # The second of two equal rows names the first; the halved one is its own.
+  assert lines == {"D-Lion MaVo": (1, None), "D-Lion Avg": (1, None),
+                   "global Lion": (1, "D-Lion MaVo")}
   convergence.plot_curves(runs, str(tmp_path / "curves.png"))
   assert (tmp_path / "curves.png").read_bytes()[:4] == b"\x89PNG"
 
