@@ -166,6 +166,14 @@ TASKS = {
         workers=(4, 8, 16, 32, 64), tune_decay=False,
         rows=("global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)", "MaVo, 4-bit", "MaVo, ternary_l1")),
+    # ... at a fixed 352 steps (N = 16's above) from 4 to 128 workers: the
+    # vote at N apart from the shorter runs of a fixed number of epochs.
+    "mlp_many_workers_steps": ConvergenceTask(
+        Task("fashion_mnist_mlp", "test_accuracy", True, epochs=None,
+             steps=352),
+        workers=(4, 8, 16, 32, 64, 128), tune_decay=False,
+        rows=("global Lion", "D-Lion MaVo", "D-Lion Avg",
+              "Signum (majority vote)", "MaVo, 4-bit", "MaVo, ternary_l1")),
     "digits": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=30,
              overrides=("model.hidden=[32]",)),
