@@ -20,7 +20,9 @@ and every tuning run.
 Tasks: ``fashion_mnist_mlp``, ``fashion_mnist_cnn``, ``fashion_mnist_vit``
 (test accuracy, 3 epochs), ``charlm`` (a small byte-level GPT on the GPL-3
 text, test bits per byte) and ``charlm_long`` (the same 5x longer on 4.7 MB
-of Python's standard library, with test loss curves: ``--curves``);
+of Python's standard library, with test loss curves: ``--curves``),
+``mlp_many_workers`` (the MLP from 4 to 64 workers at 3 epochs) and
+``mlp_many_workers_steps`` (from 4 to 128 workers at a fixed 352 steps);
 ``digits`` is a seconds-long smoke version for tests. The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
 ``--workers`` and ``--seeds`` ask for more.
