@@ -215,14 +215,16 @@ def _tuning(runs, task, row):
           and r["phase"] == "tune"]
 
 
+def _best(runs: list[dict], task: str) -> dict:
+  pick = max if TASKS[task].task.higher_is_better else min
+  return pick(runs, key=lambda r: r["metric"])
+
+
 def best_setting(runs: list[dict], task: str, row: str) -> dict | None:
   """The settings (``{"lr": ..., "wd": ...}``) of the best tuning run of
   ``row`` on ``task``."""
   mine = _tuning(runs, task, row)
-  if not mine:
-    return None
-  pick = max if TASKS[task].task.higher_is_better else min
-  return _point(pick(mine, key=lambda r: r["metric"]), TASKS[task].axes(row))
+  return _point(_best(mine, task), TASKS[task].axes(row)) if mine else None
 
 
 def _line(runs, axes, point, name) -> list[float]:
@@ -231,19 +233,33 @@ def _line(runs, axes, point, name) -> list[float]:
           if all(r.get(o) == point[o] for o in axes if o != name)]
 
 
-def beyond_edges(runs: list[dict], task: str, row: str) -> list[dict]:
-  """The points one rung past the pick along each axis on which the pick
-  is the largest or smallest value tried (none once it is interior or at
-  its ladder's end)."""
-  axes, point = TASKS[task].axes(row), best_setting(runs, task, row)
-  mine = _tuning(runs, task, row)
+def _neighbours(axes, point, names) -> list[dict]:
+  """The points one rung from ``point`` along any of ``names`` (several at
+  once included: the diagonals), within the ladders."""
+  values = [[point[n], *(v for d in (-1, 1)
+                         if (v := axes[n].next(point[n], d)) is not None)]
+            for n in names]
+  return [{**point, **dict(zip(names, combo))}
+          for combo in itertools.product(*values)][1:]
+
+
+def untried_neighbours(runs: list[dict], task: str, row: str) -> list[dict]:
+  """The points next to the pick that were not tried yet, diagonals
+  included, and, on a task that tunes ``b2``, next to the best point of
+  each first-grid ``b2`` (a per-``b2`` figure is a tuned one too). None
+  once every pick is a local optimum of the ladders' lattice."""
+  axes, mine = TASKS[task].axes(row), _tuning(runs, task, row)
+  tried = [_point(r, axes) for r in mine]
+  centres = [(_point(_best(mine, task), axes), list(axes))]
+  if "b2" in axes:
+    others = [n for n in axes if n != "b2"]
+    centres += [(_point(_best(line, task), axes), others)
+                for b2 in axes["b2"].start
+                if (line := [r for r in mine if r["b2"] == b2])]
   new = []
-  for name, axis in axes.items():
-    line = _line(mine, axes, point, name)
-    for direction, edge in ((1, max(line)), (-1, min(line))):
-      beyond = axis.next(point[name], direction)
-      if point[name] == edge and beyond is not None:
-        new.append({**point, name: beyond})
+  for centre, names in centres:
+    new += [p for p in _neighbours(axes, centre, names)
+            if p not in tried and p not in new]
   return new
 
 
@@ -261,8 +277,9 @@ def pick_status(runs: list[dict], task: str, row: str) -> str:
 def tune(runs, done, task: str, row: str, workers: int, seed: int,
          json_path=None) -> dict:
   """Runs ``row``'s first grid (every combination of its axes' first
-  values), then steps past edge picks until the pick is interior or at a
-  ladder's end; returns the pick."""
+  values), then the untried neighbours of the pick until it is a local
+  optimum of the ladders' lattice (:func:`untried_neighbours`); returns
+  the pick."""
   axes = TASKS[task].axes(row)
   todo = [dict(zip(axes, values))
           for values in itertools.product(*(a.start for a in axes.values()))]
@@ -270,7 +287,7 @@ def tune(runs, done, task: str, row: str, workers: int, seed: int,
     for point in bench.progress(todo, len(todo), f"{task}: tuning {row}"):
       _run(runs, done, dict(task=task, phase="tune", row=row,
                             workers=workers, seed=seed, **point), json_path)
-    todo = beyond_edges(runs, task, row)
+    todo = untried_neighbours(runs, task, row)
   return best_setting(runs, task, row)
 
 

@@ -51,7 +51,7 @@ def test_every_row_is_tuned_until_its_pick_is_interior(study):
     # Interior: tried on both sides, or at the ladder's end (a bound).
     assert (lrs[0] < best["lr"] < lrs[-1]
             or best["lr"] in (axes["lr"].ladder[0], axes["lr"].ladder[-1]))
-    assert convergence.beyond_edges(runs, "digits", row) == []
+    assert convergence.untried_neighbours(runs, "digits", row) == []
     evals = [r for r in runs if r["row"] == row and r["phase"] == "eval"]
     assert sorted((r["workers"], r["seed"]) for r in evals) == [
         (2, 0), (2, 1), (3, 0), (3, 1)]
@@ -140,13 +140,44 @@ def test_tuning_walks_past_edge_picks_to_an_interior_one(monkeypatch, best_lr,
   runs = []
   pick = convergence.tune(runs, {}, "charlm_long", "global Lion", 8, 100)
   assert pick == {"lr": best_lr, "wd": 0.01, "b2": best_b2}
-  assert convergence.beyond_edges(runs, "charlm_long", "global Lion") == []
+  assert convergence.untried_neighbours(runs, "charlm_long",
+                                        "global Lion") == []
   lrs = sorted({r["lr"] for r in runs if r["b2"] == best_b2})
   assert lrs[0] < best_lr < lrs[-1]              # tried on both sides
   assert convergence.pick_status(runs, "charlm_long", "global Lion") == (
       "b2 at bound 0.999" if best_b2 == 0.999 else "interior")
-  # Each extension is one rung on one axis: no run is repeated.
-  assert len({(r["lr"], r["b2"]) for r in runs}) == len(runs)
+  assert len({(r["lr"], r["b2"]) for r in runs}) == len(runs)  # none twice
+
+
+def table_train(metrics):
+  """A study.train stand-in reading the metric of (lr, b2) off a table
+  (3.0 where the table has none)."""
+  def train(task, overrides, workers, seed):
+    key = (overrides["optimizer.learning_rate"], overrides["optimizer.b2"])
+    return {"workers": workers, "seed": seed, "metric": metrics.get(key, 3.0),
+            "bits": 1.0, "steps": 1, "seconds": 0.0, "diverged": False,
+            "curve": []}
+  return train
+
+
+def test_tuning_finds_a_better_point_on_the_diagonal(monkeypatch):
+  # charlm_long's global Lion as first run: the pick (1e-3, 0.95) was
+  # interior along lr and along b2, but (3e-3, 0.9), one rung on both at
+  # once, is better. Checking one setting at a time stops short of it.
+  metrics = {(3e-4, 0.95): 2.61, (3e-4, 0.98): 2.85, (3e-4, 0.99): 3.24,
+             (1e-3, 0.9): 2.31, (1e-3, 0.95): 2.26, (1e-3, 0.98): 2.68,
+             (1e-3, 0.99): 2.91, (3e-3, 0.95): 2.29, (3e-3, 0.9): 2.20}
+  monkeypatch.setattr(convergence.study, "train", table_train(metrics))
+  runs = []
+  pick = convergence.tune(runs, {}, "charlm_long", "global Lion", 8, 100)
+  assert pick == {"lr": 3e-3, "wd": 0.01, "b2": 0.9}
+  tried = {(r["lr"], r["b2"]) for r in runs}
+  assert {(1e-2, 0.9), (1e-2, 0.95), (1e-3, 0.9)} <= tried
+  # The best run at each first-grid b2 is tuned in lr as well: at 0.99 the
+  # line was still falling at 1e-3, so 3e-3 is tried.
+  assert (3e-3, 0.99) in tried
+  assert convergence.untried_neighbours(runs, "charlm_long",
+                                        "global Lion") == []
 
 
 def test_a_pick_at_a_ladder_end_stops_there_and_says_so(monkeypatch):
