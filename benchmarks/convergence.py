@@ -116,6 +116,10 @@ class ConvergenceTask:
   start_lrs: tuple | None = None   # sign rows' first learning rates
   b2s: tuple = ()              # Lion rows' first b2 values; (): 0.99 only
   rows: tuple = PAPER_ROWS
+  # These rows also run at each of these learning rates (other settings at
+  # their picks) at every N: a comparison at equal learning rates.
+  matched_lrs: tuple = ()
+  matched_rows: tuple = ("global Lion", "D-Lion MaVo")
 
   def axes(self, row: str) -> dict[str, Axis]:
     """The settings ``row`` tunes on this task."""
@@ -165,7 +169,7 @@ TASKS = {
     # The MLP from 4 to 64 workers: where does the majority vote break?
     "mlp_many_workers": ConvergenceTask(
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
-        workers=(4, 8, 16, 32, 64), tune_decay=False,
+        workers=(4, 8, 16, 32, 64), tune_decay=False, matched_lrs=(1e-3, 3e-3),
         rows=("global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)", "MaVo, 4-bit", "MaVo, ternary_l1")),
     # ... at a fixed 352 steps (N = 16's above) from 4 to 128 workers: the
@@ -174,6 +178,7 @@ TASKS = {
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=None,
              steps=352),
         workers=(4, 8, 16, 32, 64, 128), tune_decay=False,
+        matched_lrs=(1e-3, 3e-3),
         rows=("global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)", "MaVo, 4-bit", "MaVo, ternary_l1")),
     "digits": ConvergenceTask(
@@ -304,25 +309,31 @@ def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
     evals = [dict(task=name, phase="eval", row=row, workers=n, seed=s,
                   **picks[row])
              for row in mine for n in workers or conv.workers for s in seeds]
+    evals += [dict(spec, lr=lr) for lr in conv.matched_lrs
+              for spec in evals if spec["row"] in conv.matched_rows
+              and spec["lr"] != lr]
     for spec in bench.progress(evals, len(evals), f"{name}: runs"):
       _run(runs, done, spec, json_path)
   return runs
 
 
-def _evals(runs, task, row, n):
-  """``row``'s runs at ``n`` workers at its current pick (a saved study
-  re-tuned under a wider grid keeps the runs of its earlier picks)."""
-  pick = best_setting(runs, task, row)
+def _evals(runs, task, row, n, point=None):
+  """``row``'s runs at ``n`` workers at ``point``, by default its current
+  pick (a saved study re-tuned under a wider grid keeps the runs of its
+  earlier picks, and matched-lr runs sit beside the pick's)."""
+  pick = point or best_setting(runs, task, row)
   return [r for r in runs if r["task"] == task and r["phase"] == "eval"
           and r["row"] == row and r["workers"] == n
           and (pick is None or _point(r, pick) == pick)]
 
 
-def seed_stats(runs, task, row, n) -> tuple[float, float, int] | None:
-  """Mean and half-range of ``row``'s metric at ``n`` over the seeds that
-  did not diverge (scaled to % for accuracies), and how many diverged;
-  None without runs or when every seed diverged."""
-  mine = _evals(runs, task, row, n)
+def seed_stats(runs, task, row, n, point=None
+               ) -> tuple[float, float, int] | None:
+  """Mean and half-range of ``row``'s metric at ``n`` (at ``point``, by
+  default the pick) over the seeds that did not diverge (scaled to % for
+  accuracies), and how many diverged; None without runs or when every
+  seed diverged."""
+  mine = _evals(runs, task, row, n, point)
   kept = [r["metric"] * TASKS[task].task.scale for r in mine
           if not r["diverged"]]
   if not kept:
@@ -375,14 +386,57 @@ def summary_table(runs: list[dict], task: str) -> str:
                    + (f" ({stats[2]} seed diverged)" if stats[2] else ""))
     n_bits = 8 if 8 in workers else workers[-1]
     mine = _evals(runs, task, row, n_bits)
-    cells.append(f"{statistics.fmean(r['bits'] for r in mine):.2f} "
-                 f"(N={n_bits})" if mine else "-")
+    cells.append(_bits(runs, task, row, workers, n_bits) if mine else "-")
     picked = best_setting(runs, task, row)
     cells += ([_describe(picked), pick_status(runs, task, row)] if picked
               else ["-", "-"])
     cells.append(str(len({r["seed"] for r in mine})))
     body.append(cells)
   return reporting.markdown_table(headers, body)
+
+
+def _bits(runs, task, row, workers, n_bits) -> str:
+  """Bits a worker sent per param per step at ``n_bits``, and their range
+  over ``workers`` (they grow with N)."""
+  bits = {n: statistics.fmean(r["bits"] for r in mine) for n in workers
+          if (mine := _evals(runs, task, row, n))}
+  text = f"{bits[n_bits]:.2f} (N={n_bits})"
+  if len(bits) > 1:
+    text += (f"; {min(bits.values()):.2f}-{max(bits.values()):.2f} at "
+             f"N={min(bits)}-{max(bits)}")
+  return text
+
+
+def matched_table(runs: list[dict], task: str) -> str:
+  """The matched rows at each of the task's ``matched_lrs``, every other
+  setting at their picks, and the difference between the first two."""
+  conv = TASKS[task]
+  workers = sorted({r["workers"] for r in runs
+                    if r["task"] == task and r["phase"] == "eval"})
+  body = []
+  for lr in conv.matched_lrs:
+    means = {}
+    for row in conv.matched_rows:
+      pick = best_setting(runs, task, row)
+      if pick is None:
+        continue
+      stats = {n: seed_stats(runs, task, row, n, {**pick, "lr": lr})
+               for n in workers}
+      means[row] = {n: st[0] for n, st in stats.items() if st}
+      body.append([_fmt(lr), row] + [
+          f"{st[0]:.2f} ± {st[1]:.2f}" if st else "-"
+          for st in stats.values()])
+    if len(means) >= 2:
+      first, second = (means[row] for row in conv.matched_rows[:2])
+      body.append([_fmt(lr), f"{conv.matched_rows[1]} - "
+                   f"{conv.matched_rows[0]}"] + [
+          f"{second[n] - first[n]:+.2f}" if n in first and n in second
+          else "-" for n in workers])
+  if not body:
+    return ""
+  return ("At equal learning rates (other settings at each row's pick):\n\n"
+          + reporting.markdown_table(
+              ["lr", "optimizer"] + [f"N={n}" for n in workers], body))
 
 
 def grid_table(runs: list[dict], task: str) -> str:
@@ -402,8 +456,9 @@ def grid_table(runs: list[dict], task: str) -> str:
       body.append([row, *(_fmt(r[n]) if n in r else "-" for n in names),
                    f"**{value}**" if best else value])
   first = tune[0]
-  return (f"Grid (N={first['workers']}, seed {first['seed']}; a pick at "
-          "the edge of what was tried steps one rung further):\n\n"
+  return (f"Grid (N={first['workers']}, seed {first['seed']}; the points "
+          "next to a pick, diagonals included, are run until it is the best "
+          "of its neighbours):\n\n"
           + reporting.markdown_table(
               ["optimizer", *names, f"test {TASKS[task].task.unit}"], body))
 
@@ -554,6 +609,7 @@ def report(runs: list[dict], heading: str) -> str:
     parts.append(f"#### {task} ({conv.task.config}, test "
                  f"{conv.task.unit})\n\n" + summary_table(runs, task))
     parts += ["\n".join(f"- {line}" for line in verdicts(runs, task)),
+              matched_table(runs, task),
               grid_table(runs, task)]
   minutes = sum(r["seconds"] for r in runs) / 60
   parts.append(f"{len(runs)} runs, {minutes:.0f} min of training.")

@@ -240,3 +240,34 @@ def test_the_long_lm_reads_python_sources_and_tests_on_a_slice(
   assert corpus == b"".join(open(s, "rb").read() for s in sources)
   assert len(corpus) > 1_000_000       # not memorized in 1,500 steps
   assert "data.limit_test=1024" in overrides
+
+
+def test_matched_learning_rates_run_beside_the_picks_and_are_reported(
+    monkeypatch):
+  # global Lion picks 1e-3 and MaVo 3e-3; each also runs at the other's.
+  def train(task, overrides, workers, seed):
+    lr = overrides["optimizer.learning_rate"]
+    mavo = overrides.get("optimizer.aggregation") == "mavo"
+    metric = 0.85 + (0.01 if lr == (3e-3 if mavo else 1e-3) else 0) + (
+        0.001 * workers) + 0.002 * mavo
+    return {"workers": workers, "seed": seed, "metric": metric, "bits": 2.0,
+            "steps": 1, "seconds": 0.0, "diverged": False, "curve": []}
+  monkeypatch.setattr(convergence.study, "train", train)
+  runs = convergence.run_study(["mlp_many_workers"], ["global Lion",
+                                                      "D-Lion MaVo"],
+                               [4, 8], [0], 8, 100)
+  evals = {(r["row"], r["lr"], r["workers"]) for r in runs
+           if r["phase"] == "eval"}
+  assert evals == {(row, lr, n) for row in ("global Lion", "D-Lion MaVo")
+                   for lr in (1e-3, 3e-3) for n in (4, 8)}
+  text = convergence.matched_table(runs, "mlp_many_workers")
+  rows = {tuple(c.strip() for c in line.strip("|").split("|")[:2]):
+          [c.strip() for c in line.strip("|").split("|")[2:]]
+          for line in text.splitlines() if line.startswith("| 0.00")}
+  assert rows[("0.001", "global Lion")] == ["86.40 ± 0.00", "86.80 ± 0.00"]
+  assert rows[("0.001", "D-Lion MaVo - global Lion")] == ["-0.80", "-0.80"]
+  assert rows[("0.003", "D-Lion MaVo - global Lion")] == ["+1.20", "+1.20"]
+  # The main table reports each row at its own pick only.
+  summary = convergence.summary_table(runs, "mlp_many_workers")
+  assert "| global Lion | 86.40 ± 0.00 | 86.80 ± 0.00 |" in summary
+  assert "| D-Lion MaVo | 86.60 ± 0.00 | 87.00 ± 0.00 |" in summary
