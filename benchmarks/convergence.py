@@ -43,6 +43,7 @@ import dataclasses
 import itertools
 import pathlib
 import statistics
+import sys
 import time
 
 from benchmarks import study
@@ -296,9 +297,30 @@ def tune(runs, done, task: str, row: str, workers: int, seed: int,
   return best_setting(runs, task, row)
 
 
+class SavedRunsMismatch(ValueError):
+  """Saved runs that were made on other data than this run would use."""
+
+
+def check_saved_text(saved, tasks) -> None:
+  """Saved runs of a task whose text this Python makes (``charlm_long``)
+  must have been trained on the same text, else a study would mix two."""
+  for name in tasks:
+    make = TASKS[name].task.text
+    mine = [r for r in saved if r["task"] == name]
+    if make and mine:
+      here = study.text_id(make())
+      other = {r.get("text") for r in mine} - {here}
+      if other:
+        raise SavedRunsMismatch(
+            f"--json holds {name} runs on another text ({other.pop()}); "
+            f"this Python's makes {here}. Resume with the Python that made "
+            "them, or give another --json to start afresh.")
+
+
 def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
               json_path=None, saved=()) -> list[dict]:
   """Tunes every row of every task, then runs the picks at every N."""
+  check_saved_text(saved, tasks)
   runs = list(saved)
   done = {_key(r): r for r in runs}
   for name in tasks:
@@ -656,8 +678,11 @@ def main(argv=None) -> str:
     bench.use_cpu_devices(max([args.tune_workers, *(args.workers or []),
                                *(n for t in args.tasks
                                  for n in TASKS[t].workers)]))
-    runs = run_study(args.tasks, args.rows, args.workers, args.seeds,
-                     args.tune_workers, args.tune_seed, args.json, saved)
+    try:
+      runs = run_study(args.tasks, args.rows, args.workers, args.seeds,
+                       args.tune_workers, args.tune_seed, args.json, saved)
+    except SavedRunsMismatch as e:
+      sys.exit(f"error: {e}")
     heading = (f"Measured with `python -m benchmarks.convergence "
                f"--tasks {' '.join(args.tasks)}"
                + (f" --workers {' '.join(map(str, args.workers))}"

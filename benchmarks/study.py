@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
 import json
 import math
 import os
@@ -89,6 +90,14 @@ def python_stdlib_text() -> str:
   return path
 
 
+def text_id(path: str) -> str:
+  """What identifies a text: its size and SHA-256 (the stdlib differs
+  between Python versions and installs, down to its install paths)."""
+  with open(path, "rb") as f:
+    data = f.read()
+  return f"{len(data):,} bytes, sha256 {hashlib.sha256(data).hexdigest()}"
+
+
 def settings(overrides: dict) -> list[str]:
   """``{'optimizer.name': 'lion'}`` -> ``['optimizer.name="lion"']``."""
   return [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
@@ -122,7 +131,8 @@ def train(task: Task, overrides: dict, workers: int, seed: int) -> dict:
   value = _metric(task, summary)
   if not math.isfinite(value):   # a diverged run ranks last, not first
     value = -math.inf if task.higher_is_better else math.inf
-  return {"workers": workers, "seed": seed, "metric": value,
+  text = {"text": text_id(task.text())} if task.text else {}
+  return {**text, "workers": workers, "seed": seed, "metric": value,
           "bits": summary["sent_bits_per_param"], "steps": cfg.train.steps,
           "seconds": seconds, "diverged": not math.isfinite(value),
           "curve": curve if curve and curve[-1][0] == cfg.train.steps

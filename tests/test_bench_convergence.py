@@ -271,3 +271,17 @@ def test_matched_learning_rates_run_beside_the_picks_and_are_reported(
   summary = convergence.summary_table(runs, "mlp_many_workers")
   assert "| global Lion | 86.40 ± 0.00 | 86.80 ± 0.00 |" in summary
   assert "| D-Lion MaVo | 86.60 ± 0.00 | 87.00 ± 0.00 |" in summary
+
+
+def test_saved_runs_on_another_text_are_refused(tmp_path, monkeypatch):
+  monkeypatch.setattr(study_lib.tempfile, "gettempdir", lambda: str(tmp_path))
+  here = study_lib.text_id(study_lib.python_stdlib_text())
+  assert here.endswith(tuple("0123456789abcdef")) and "bytes" in here
+  same = [dict(task="charlm_long", text=here)]
+  convergence.check_saved_text(same, ["charlm_long"])
+  for other in ("4,700,000 bytes, sha256 00", None):
+    with pytest.raises(convergence.SavedRunsMismatch,
+                       match="another text .* another --json"):
+      convergence.check_saved_text(same + [dict(same[0], text=other)],
+                                   ["charlm_long", "digits"])
+  convergence.check_saved_text([dict(task="digits")], ["digits"])
