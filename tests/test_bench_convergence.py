@@ -285,3 +285,30 @@ def test_saved_runs_on_another_text_are_refused(tmp_path, monkeypatch):
       convergence.check_saved_text(same + [dict(same[0], text=other)],
                                    ["charlm_long", "digits"])
   convergence.check_saved_text([dict(task="digits")], ["digits"])
+
+
+# One task of each (config, overrides, text): the others differ in length.
+DISTINCT_TASKS = list({(t.task.config, t.task.overrides, t.task.text): name
+                       for name, t in sorted(convergence.TASKS.items())
+                       }.values())
+
+
+@pytest.mark.parametrize("name", DISTINCT_TASKS)
+def test_every_task_trains_a_few_steps(name, tmp_path, monkeypatch):
+  """The fast version of each study: its task's config and overrides train
+  2 steps at N = 2 (Fashion-MNIST tested on 500 images)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import data  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(study_lib.tempfile, "gettempdir", lambda: str(tmp_path))
+  task = convergence.TASKS[name].task
+  if task.config.startswith("fashion") and not os.path.isdir(
+      data.FASHION_MNIST_PATH):
+    pytest.skip("Fashion-MNIST is not installed (dataset-fashion-mnist)")
+  limit = ("data.limit_test=500",) if task.config.startswith("fashion") else ()
+  fast = dataclasses.replace(task, epochs=None, steps=2,
+                             overrides=task.overrides + limit)
+  row = convergence.ROWS["D-Lion MaVo"]
+  run = study_lib.train(fast, {**row, "optimizer.learning_rate": 1e-3}, 2, 0)
+  assert run["steps"] == 2 and not run["diverged"]
+  assert 0 < run["bits"] < 4                     # a vote, not fp32
+  assert ("text" in run) == (task.text is not None)
