@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import math
 import pathlib
 import statistics
 import sys
@@ -420,8 +421,9 @@ def summary_table(runs: list[dict], task: str) -> str:
 def _bits(runs, task, row, workers, n_bits) -> str:
   """Bits a worker sent per param per step at ``n_bits``, and their range
   over ``workers`` (they grow with N)."""
-  bits = {n: statistics.fmean(r["bits"] for r in mine) for n in workers
-          if (mine := _evals(runs, task, row, n))}
+  bits = {n: statistics.fmean(sent) for n in workers
+          if (sent := [r["bits"] for r in _evals(runs, task, row, n)
+                       if math.isfinite(r["bits"])])}   # not a NaN run's
   text = f"{bits[n_bits]:.2f} (N={n_bits})"
   if len(bits) > 1:
     text += (f"; {min(bits.values()):.2f}-{max(bits.values()):.2f} at "
