@@ -544,17 +544,29 @@ def plot(runs: list[dict], path: str) -> None:
   fig = Figure(figsize=(4.6 * len(tasks) + 2.5, 4.2), layout="constrained")
   axes = fig.subplots(1, len(tasks), squeeze=False)[0]
   for ax, task in zip(axes, tasks):
+    all_n = sorted({r["workers"] for r in runs
+                    if r["task"] == task and r["phase"] == "eval"})
     for row in ROWS:
-      ns = [n for n in sorted({r["workers"] for r in runs
-                               if r["task"] == task and r["row"] == row
-                               and r["phase"] == "eval"})
-            if seed_stats(runs, task, row, n) is not None]
-      if not ns:
-        continue
-      stats = [seed_stats(runs, task, row, n) for n in ns]
-      ax.errorbar(ns, [s[0] for s in stats], yerr=[s[1] for s in stats],
-                  marker="o", capsize=3, label=row,
-                  ls="-" if len(ns) > 1 else "none")
+      pick = best_setting(runs, task, row)
+      # The pick (solid), then the matched learning rates it lacks (dashed).
+      lrs = [None] + [lr for lr in TASKS[task].matched_lrs if pick
+                      and row in TASKS[task].matched_rows and lr != pick["lr"]]
+      color = None
+      for lr in lrs:
+        point = None if lr is None else {**pick, "lr": lr}
+        ns = [n for n in all_n
+              if seed_stats(runs, task, row, n, point) is not None]
+        if not ns:
+          continue
+        stats = [seed_stats(runs, task, row, n, point) for n in ns]
+        bars = ax.errorbar(
+            ns, [s[0] for s in stats], yerr=[s[1] for s in stats],
+            marker="o" if lr is None else "x", capsize=3, color=color,
+            label=(f"{row}, lr {lr:g}" if lr else
+                   f"{row}, lr {pick['lr']:g} (pick)" if len(lrs) > 1
+                   else row),
+            ls=("-" if lr is None else "--") if len(ns) > 1 else "none")
+        color = bars[0].get_color()
     ax.set_xscale("log", base=2)
     ax.set_xticks(sorted({r["workers"] for r in runs if r["task"] == task
                           and r["phase"] == "eval"}))

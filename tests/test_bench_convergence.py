@@ -243,7 +243,7 @@ def test_the_long_lm_reads_python_sources_and_tests_on_a_slice(
 
 
 def test_matched_learning_rates_run_beside_the_picks_and_are_reported(
-    monkeypatch):
+    monkeypatch, tmp_path):
   # global Lion picks 1e-3 and MaVo 3e-3; each also runs at the other's.
   def train(task, overrides, workers, seed):
     lr = overrides["optimizer.learning_rate"]
@@ -271,6 +271,8 @@ def test_matched_learning_rates_run_beside_the_picks_and_are_reported(
   summary = convergence.summary_table(runs, "mlp_many_workers")
   assert "| global Lion | 86.40 ± 0.00 | 86.80 ± 0.00 |" in summary
   assert "| D-Lion MaVo | 86.60 ± 0.00 | 87.00 ± 0.00 |" in summary
+  convergence.plot(runs, str(tmp_path / "n.png"))   # picks and matched lrs
+  assert (tmp_path / "n.png").read_bytes()[:4] == b"\x89PNG"
 
 
 def test_saved_runs_on_another_text_are_refused(tmp_path, monkeypatch):
