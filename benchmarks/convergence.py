@@ -257,7 +257,7 @@ def untried_neighbours(runs: list[dict], task: str, row: str) -> list[dict]:
   once every pick is a local optimum of the ladders' lattice."""
   axes, mine = TASKS[task].axes(row), _tuning(runs, task, row)
   tried = [_point(r, axes) for r in mine]
-  centres = [(_point(_best(mine, task), axes), list(axes))]
+  centres = [(best_setting(runs, task, row), list(axes))]
   if "b2" in axes:
     others = [n for n in axes if n != "b2"]
     centres += [(_point(_best(line, task), axes), others)
@@ -340,6 +340,12 @@ def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
   return runs
 
 
+def eval_workers(runs: list[dict], task: str) -> list[int]:
+  """The N that ``task``'s evaluation runs used, in order."""
+  return sorted({r["workers"] for r in runs
+                 if r["task"] == task and r["phase"] == "eval"})
+
+
 def _evals(runs, task, row, n, point=None):
   """``row``'s runs at ``n`` workers at ``point``, by default its current
   pick (a saved study re-tuned under a wider grid keeps the runs of its
@@ -388,8 +394,7 @@ def summary_table(runs: list[dict], task: str) -> str:
   """Rows x N: metric mean +- half-range, bits sent, the pick and whether
   it is interior."""
   conv = TASKS[task]
-  workers = sorted({r["workers"] for r in runs
-                    if r["task"] == task and r["phase"] == "eval"})
+  workers = eval_workers(runs, task)
   if not workers:
     return "(tuned only: no run at the picked settings yet)"
   rows = [row for row in ROWS if any(
@@ -435,8 +440,7 @@ def matched_table(runs: list[dict], task: str) -> str:
   """The matched rows at each of the task's ``matched_lrs``, every other
   setting at their picks, and the difference between the first two."""
   conv = TASKS[task]
-  workers = sorted({r["workers"] for r in runs
-                    if r["task"] == task and r["phase"] == "eval"})
+  workers = eval_workers(runs, task)
   body = []
   for lr in conv.matched_lrs:
     means = {}
@@ -493,8 +497,7 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
   better = 1 if conv.task.higher_is_better else -1
   unit = "points" if conv.task.scale == 100 else "bits/byte"
   lines = []
-  for n in sorted({r["workers"] for r in runs
-                   if r["task"] == task and r["phase"] == "eval"}):
+  for n in eval_workers(runs, task):
     means = {row: mean for row in ROWS
              for mean in [_mean(runs, task, row, n)] if mean is not None}
     if "D-Lion MaVo" not in means or "global Lion" not in means:
@@ -516,8 +519,7 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
 def breakdown(runs: list[dict], task: str, points: float = 1.0) -> list[str]:
   """The first N at which MaVo trails global Lion by more than ``points``,
   and which rows are within ``points`` of global Lion there."""
-  ns = sorted({r["workers"] for r in runs
-               if r["task"] == task and r["phase"] == "eval"})
+  ns = eval_workers(runs, task)
   if TASKS[task].task.scale != 100 or len(ns) < 3:
     return []
   mean = lambda row, n: _mean(runs, task, row, n)
@@ -544,8 +546,7 @@ def plot(runs: list[dict], path: str) -> None:
   fig = Figure(figsize=(4.6 * len(tasks) + 2.5, 4.2), layout="constrained")
   axes = fig.subplots(1, len(tasks), squeeze=False)[0]
   for ax, task in zip(axes, tasks):
-    all_n = sorted({r["workers"] for r in runs
-                    if r["task"] == task and r["phase"] == "eval"})
+    all_n = eval_workers(runs, task)
     for row in ROWS:
       pick = best_setting(runs, task, row)
       # The pick (solid), then the matched learning rates it lacks (dashed).
@@ -554,13 +555,14 @@ def plot(runs: list[dict], path: str) -> None:
       color = None
       for lr in lrs:
         point = None if lr is None else {**pick, "lr": lr}
-        ns = [n for n in all_n
-              if seed_stats(runs, task, row, n, point) is not None]
-        if not ns:
+        stats = {n: st for n in all_n
+                 if (st := seed_stats(runs, task, row, n, point))}
+        if not stats:
           continue
-        stats = [seed_stats(runs, task, row, n, point) for n in ns]
+        ns = list(stats)
         bars = ax.errorbar(
-            ns, [s[0] for s in stats], yerr=[s[1] for s in stats],
+            ns, [s[0] for s in stats.values()],
+            yerr=[s[1] for s in stats.values()],
             marker="o" if lr is None else "x", capsize=3, color=color,
             label=(f"{row}, lr {lr:g}" if lr else
                    f"{row}, lr {pick['lr']:g} (pick)" if len(lrs) > 1
@@ -568,8 +570,7 @@ def plot(runs: list[dict], path: str) -> None:
             ls=("-" if lr is None else "--") if len(ns) > 1 else "none")
         color = bars[0].get_color()
     ax.set_xscale("log", base=2)
-    ax.set_xticks(sorted({r["workers"] for r in runs if r["task"] == task
-                          and r["phase"] == "eval"}))
+    ax.set_xticks(all_n)
     ax.get_xaxis().set_major_formatter("{x:g}")
     ax.set(xlabel="workers N (32 examples each)",
            ylabel=f"test {TASKS[task].task.unit}", title=task)

@@ -131,7 +131,7 @@ def train(task: Task, overrides: dict, workers: int, seed: int) -> dict:
   value = _metric(task, summary)
   if not math.isfinite(value):   # a diverged run ranks last, not first
     value = -math.inf if task.higher_is_better else math.inf
-  text = {"text": text_id(task.text())} if task.text else {}
+  text = {"text": text_id(cfg.data.path)} if task.text else {}
   return {**text, "workers": workers, "seed": seed, "metric": value,
           "bits": summary["sent_bits_per_param"], "steps": cfg.train.steps,
           "seconds": seconds, "diverged": not math.isfinite(value),
