@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import math
 from typing import Any, Callable
 
 import jax
@@ -170,75 +171,78 @@ def limit_in_flight(fn: Callable, max_in_flight: int = MAX_IN_FLIGHT, *,
   return _InFlightLimit(fn, max_in_flight)
 
 
-# Primitives that move data between the workers of a named axis.
-_COLLECTIVES = frozenset({
-    "psum", "psum_invariant", "pmax", "pmin", "ppermute", "pbroadcast",
-    "all_gather", "all_gather_invariant", "all_to_all", "ragged_all_to_all",
-    "reduce_scatter"})
+def _drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
+                     axis_name) -> list[str]:
+  """The params leaves whose new value (the first outputs of ``jaxpr``, one
+  worker's step) varies over ``axis_name`` when the batch (its last
+  ``num_batch_leaves`` inputs) does; empty leaves cannot drift."""
+  inputs = _drift.open_jaxpr(jaxpr).invars
+  fixed = len(inputs) - num_batch_leaves
+  varying = [frozenset()] * fixed + [frozenset({axis_name})] * num_batch_leaves
+  new = _drift.varying_outputs(jaxpr, varying)
+  outvars = _drift.open_jaxpr(jaxpr).outvars
+  return [jax.tree_util.keystr(path) or "<root>"
+          for (path, _), axes, var in zip(
+              jax.tree_util.tree_leaves_with_path(params), new, outvars)
+          if axis_name in axes and math.prod(var.aval.shape)]
 
 
-def _exchanges(eqn, axis_name) -> bool:
-  """Whether ``eqn`` is, or holds, a collective over ``axis_name``."""
-  if eqn.primitive.name in _COLLECTIVES:
-    axes = eqn.params.get("axes", eqn.params.get("axis_name"))
-    if axis_name in (axes if isinstance(axes, (tuple, list)) else (axes,)):
-      return True
-  return any(_exchanges(inner, axis_name)
-             for sub in jex.jaxprs_in_params(eqn.params) for inner in sub.eqns)
-
-
-def _depends_on_exchange(jaxpr, outvars, axis_name) -> bool:
-  """Whether ``outvars`` of ``jaxpr`` are computed from a collective over
-  ``axis_name`` (a backward walk over the equations that produce them)."""
-  needed = {v for v in outvars if isinstance(v, jex.Var)}
-  for eqn in reversed(jaxpr.eqns):
-    if not needed.intersection(eqn.outvars):
-      continue
-    if _exchanges(eqn, axis_name):
-      return True
-    needed.update(v for v in eqn.invars if isinstance(v, jex.Var))
-  return False
-
-
-def _exchange_error(axis_name, num_workers) -> ValueError:
+def _drift_error(leaves: list[str], total: int, axis_name,
+                 num_workers) -> ValueError:
+  named = ", ".join(leaves[:4]) + (
+      f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
   return ValueError(
-      f"The optimizer exchanges nothing over axis {axis_name!r}: each of "
-      f"its {num_workers} workers would apply an update computed from its "
-      "own batch alone, and the replicated params would silently differ "
-      "from worker to worker. Build the optimizer with "
-      f"axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
-      f"axis_name={axis_name!r})), or chain a global optimizer after "
-      f"dl.parallel.pmean_gradients({axis_name!r}).")
+      f"The optimizer exchanges nothing over axis {axis_name!r} for params "
+      f"leaves {named} ({len(leaves)} of {total}): each of its "
+      f"{num_workers} workers would apply an update to them computed from "
+      "its own batch alone, and the replicated params would silently "
+      "differ from worker to worker. Build the optimizer that updates them "
+      f"with axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
+      f"axis_name={axis_name!r}), inside optax.masked, "
+      "optax.multi_transform and dl.apply_if_finite too), or chain a global "
+      f"optimizer after dl.parallel.pmean_gradients({axis_name!r}). A psum "
+      "of a scalar (a global gradient norm, a token count, a finite flag) "
+      "does not make the workers' updates equal.")
+
+
+def _check_no_drift(jaxpr, params: Any, batch: Any, axis_name,
+                    num_workers) -> None:
+  """Raises unless every new params leaf is equal on all workers: each must
+  come from an exchange of its own update (or a reduction of its own
+  gradient) over ``axis_name``."""
+  drifting = _drifting_leaves(jaxpr, params, len(jax.tree.leaves(batch)),
+                              axis_name)
+  if drifting:
+    raise _drift_error(drifting, len(jax.tree.leaves(params)), axis_name,
+                       num_workers)
 
 
 class _ExchangeCheck:
   """A jitted ``shard_map`` step that, when first traced, checks that its
-  new params depend on a collective over the axis. It reads the trace jit
-  caches anyway, so the check costs no second trace."""
+  new params are equal on every worker (:mod:`dlion_jax._drift`). It reads
+  the trace jit caches anyway, so the check costs no second trace."""
 
   def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
     functools.update_wrapper(self, jitted)
     self._jitted, self._axis, self._n = jitted, axis_name, num_workers
     self._checked = num_workers == 1
 
-  def trace(self, params, *args):
-    traced = self._jitted.trace(params, *args)
+  def trace(self, params, state, batch):
+    traced = self._jitted.trace(params, state, batch)
     if not self._checked:
       body = next(e for e in traced.jaxpr.jaxpr.eqns
                   if e.primitive.name == "shard_map").params["jaxpr"]
-      new_params = body.outvars[:len(jax.tree.leaves(params))]
-      if not _depends_on_exchange(body, new_params, self._axis):
-        raise _exchange_error(self._axis, self._n)
+      _check_no_drift(body, params, batch, self._axis, self._n)
       self._checked = True
     return traced
 
-  def lower(self, *args):
-    return self.trace(*args).lower()
+  def lower(self, params, state, batch):
+    return self.trace(params, state, batch).lower()
 
-  def __call__(self, *args):
+  def __call__(self, params, state, batch):
     if not self._checked:
-      self.trace(*args)
-    return self._jitted(*args)
+      self.trace(params, state, batch)
+    return self._jitted(params, state, batch)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)

@@ -1,0 +1,119 @@
+"""Which values of a traced step differ from worker to worker.
+
+A data-parallel step keeps its params replicated only if every new param is
+computed from values that are equal on every worker. This module follows the
+values that *vary* over a mesh axis through a jaxpr: a worker's batch varies;
+an elementwise op of anything varying varies; a collective whose result is
+the same on every worker (``psum``, ``pmax``, ``all_gather``, ...) ends the
+variation over its axes, one whose result is per worker (``all_to_all``,
+``ppermute``, ``psum_scatter``, ``axis_index``) starts it. A new param that
+still varies over the data axis would drift apart between the replicas.
+
+Unlike JAX's own ``check_vma`` typing, only the inputs named as varying
+start a variation: a per-worker step counter that every worker advances
+alike (what an optax schedule reads) does not make the update vary.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax.extend.core as jex
+
+Axes = frozenset
+
+_NONE: Axes = frozenset()
+
+# Collectives whose result is equal on every worker of their axes.
+_INVARIANT = frozenset({"psum", "psum_invariant", "pmax", "pmin",
+                        "all_gather", "all_gather_invariant"})
+# Collectives (and axis_index) whose result differs from worker to worker.
+_PER_WORKER = frozenset({"all_to_all", "ragged_all_to_all", "ppermute",
+                         "reduce_scatter", "psum_scatter", "axis_index"})
+
+
+def _axes(eqn) -> Axes:
+  axes = eqn.params.get("axes", eqn.params.get("axis_name"))
+  return frozenset(axes if isinstance(axes, (tuple, list)) else (axes,))
+
+
+def open_jaxpr(jaxpr):
+  return getattr(jaxpr, "jaxpr", jaxpr)
+
+
+def varying_outputs(jaxpr, varying_inputs: Sequence[Axes]) -> list[Axes]:
+  """The axes each output of ``jaxpr`` varies over, given its inputs'.
+
+  Args:
+    jaxpr: a ``Jaxpr`` or ``ClosedJaxpr`` (its constants vary over nothing).
+    varying_inputs: for each of its inputs, the axes it varies over.
+
+  Returns:
+    For each output, the frozenset of mesh axes it varies over.
+  """
+  jaxpr = open_jaxpr(jaxpr)
+  env = dict(zip(jaxpr.invars, varying_inputs, strict=True))
+  read = lambda v: env.get(v, _NONE) if isinstance(v, jex.Var) else _NONE
+  for eqn in jaxpr.eqns:
+    outs = _equation(eqn, [read(v) for v in eqn.invars])
+    env.update(zip(eqn.outvars, outs, strict=True))
+  return [read(v) for v in jaxpr.outvars]
+
+
+def _union(axes: Sequence[Axes]) -> Axes:
+  return frozenset().union(*axes)
+
+
+def _equation(eqn, ins: list[Axes]) -> list[Axes]:
+  name, n_out = eqn.primitive.name, len(eqn.outvars)
+  if name in _INVARIANT or name in _PER_WORKER:
+    axes = _axes(eqn)
+    move = (lambda a: a - axes) if name in _INVARIANT else (
+        lambda a: a | axes)
+    if len(ins) == n_out:                # psum of several operands
+      return [move(a) for a in ins]
+    return [move(_union(ins))] * n_out
+  if name == "cond":
+    return _cond(eqn, ins)
+  if name == "scan":
+    return _loop(eqn.params["jaxpr"], ins, eqn.params["num_consts"],
+                 eqn.params["num_carry"])
+  if name == "while":
+    return _while(eqn, ins)
+  for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
+    inner = eqn.params.get(key)
+    if (inner is not None and len(open_jaxpr(inner).invars) == len(ins)
+        and len(open_jaxpr(inner).outvars) == n_out):
+      return varying_outputs(inner, ins)
+  return [_union(ins)] * n_out         # elementwise, or not understood
+
+
+def _cond(eqn, ins: list[Axes]) -> list[Axes]:
+  """Either branch may run; which one is decided by the index (``ins[0]``)."""
+  index, operands = ins[0], ins[1:]
+  outs = [varying_outputs(b, operands) for b in eqn.params["branches"]]
+  return [index | _union(per_branch) for per_branch in zip(*outs)]
+
+
+def _loop(body, ins: list[Axes], num_consts: int, num_carry: int):
+  """A scan: the carry's variation, iterated to its fixed point."""
+  consts = ins[:num_consts]
+  carry = ins[num_consts:num_consts + num_carry]
+  xs = ins[num_consts + num_carry:]
+  while True:
+    outs = varying_outputs(body, consts + carry + xs)
+    grown = [a | b for a, b in zip(carry, outs[:num_carry])]
+    if grown == carry:
+      return carry + outs[num_carry:]
+    carry = grown
+
+
+def _while(eqn, ins: list[Axes]) -> list[Axes]:
+  """A while loop: its carry as a scan's; a varying predicate makes every
+  output vary (the workers may stop after different trip counts)."""
+  n_cond, n_body = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
+  cond_consts, rest = ins[:n_cond], ins[n_cond:]
+  carry = _loop(eqn.params["body_jaxpr"], rest, n_body, len(rest) - n_body)
+  (predicate,) = varying_outputs(eqn.params["cond_jaxpr"],
+                                 cond_consts + carry)
+  return [a | predicate for a in carry]
