@@ -6,6 +6,7 @@ import itertools
 import json
 import math
 import pathlib
+import re
 
 import numpy as np
 import pytest
@@ -225,3 +226,98 @@ def test_a_missing_measurement_file_is_named(tmp_path, capsys):
   with pytest.raises(SystemExit):
     project.main(["--measured", str(tmp_path / "none.json")])
   assert "none.json: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(not NETWORK.exists(), reason="no docs/data/network.json")
+def test_the_packaged_measurement_is_docs_data_network_json():
+  # docs/data/network.json is what benchmarks/network.py writes; the
+  # package ships a copy so that bench.project runs where it is installed.
+  assert project.MEASURED.read_bytes() == NETWORK.read_bytes(), (
+      f"cp {NETWORK.relative_to(ROOT)} "
+      f"{project.MEASURED.relative_to(ROOT)} after re-measuring")
+
+
+def test_the_default_measurement_needs_no_checkout(tmp_path, monkeypatch,
+                                                   capsys):
+  monkeypatch.chdir(tmp_path)
+  text = project.main([])
+  assert text.startswith("Constants fitted on the 2-process rows")
+  assert "| D-Lion MaVo, int8 psum (paper) |" in capsys.readouterr().out
+
+
+def _edit_row(field, value, config=0):
+  def edit(data):
+    next(iter(data["configs"][config]["rows"].values()))[field] = value
+  return edit
+
+
+def _edit_configs(field, value):
+  def edit(data):
+    for c in data["configs"]:
+      c[field] = value
+  return edit
+
+
+def _drop_field(field):
+  def edit(data):
+    del next(iter(data["configs"][3]["rows"].values()))[field]
+  return edit
+
+
+# (what is wrong, how network.json is edited, what the message says).
+BAD_MEASUREMENTS = [
+    ("zero rate", lambda d: d["configs"][0].update(rate="0mbit"),
+     r"configs\[0\] \(procs=2, rate='0mbit'\): rate='0mbit' is not a "
+     r"positive tc rate"),
+    ("no configs", lambda d: d.update(configs=[]),
+     r"has no measured runs \('configs' is \[\]\)"),
+    ("one process", _edit_configs("procs", 1),
+     r"configs\[0\] \(procs=1, rate='100mbit'\): procs=1"),
+    ("no 2-process runs", _edit_configs("procs", 4),
+     r"fewer than 2 rows of a 2-process run with a shaped rate"),
+    ("zero exchange", _edit_row("exchange_s", 0),
+     r"configs\[0\] \(procs=2, rate='100mbit'\), row 'a': "
+     r"exchange_s=0 must be a positive number of seconds"),
+    ("negative step", _edit_row("e2e_s", -5, config=4),
+     r"configs\[4\] \(procs=4, rate='1gbit'\), row 'a': e2e_s=-5 must be "
+     r"a positive number of seconds"),
+    ("step shorter than its exchange", _edit_row("e2e_s", 1e-9),
+     r"row 'a': e2e_s=1e-09 is not longer than its exchange_s="),
+    ("zero bytes", _edit_row("wire_bytes", 0, config=3),
+     r"row 'a': wire_bytes=0 must be a positive number of bytes"),
+    ("unknown op", _edit_row("ops", "all-reduce+broadcast"),
+     r"row 'a': ops='all-reduce\+broadcast' names 'broadcast', not one of"),
+    ("missing field", _drop_field("e2e_s"),
+     r"configs\[3\] \(procs=4, rate='100mbit'\), row 'a': has no "
+     r"'e2e_s'"),
+    ("no rows", lambda d: d["configs"][1].update(rows={}),
+     r"configs\[1\] \(procs=2, rate='1gbit'\): has no rows"),
+]
+
+
+@pytest.mark.parametrize("edit,message", [c[1:] for c in BAD_MEASUREMENTS],
+                         ids=[c[0] for c in BAD_MEASUREMENTS])
+def test_bad_measurements_are_named_with_the_fix(edit, message, tmp_path,
+                                                  capsys):
+  data = _synthetic({"latency_s": 1e-3, "efficiency": 1.0,
+                     "loopback_latency_s": 0.0, "loopback_bits_per_s": 1e9})
+  edit(data)
+  path = tmp_path / "bad.json"
+  path.write_text(json.dumps(data))
+  with pytest.raises(SystemExit) as exit_:
+    project.main(["--measured", str(path)])
+  assert exit_.value.code == 2
+  err = capsys.readouterr().err.strip().splitlines()[-1]
+  assert err.startswith("python -m dlion_jax.bench.project: error: "
+                        f"--measured {path}: ")
+  assert re.search(message, err), err
+  assert "benchmarks.network" in err          # the fix: how to re-measure
+
+
+def test_a_measurement_file_that_is_not_json_is_named(tmp_path, capsys):
+  path = tmp_path / "bad.json"
+  path.write_text("{configs: []")
+  with pytest.raises(SystemExit) as exit_:
+    project.main(["--measured", str(path)])
+  assert exit_.value.code == 2
+  assert f"--measured {path}: not JSON (line 1" in capsys.readouterr().err

@@ -21,12 +21,26 @@ runs of a checkout's ``benchmarks/`` (not installed).
 
 from __future__ import annotations
 
+import argparse
+import importlib
 import sys
 from typing import Iterable
 
 import jax
 
 from dlion_jax.parallel import use_cpu_devices  # noqa: F401  (re-export)
+
+
+def require_examples(parser: argparse.ArgumentParser, module: str,
+                     what: str) -> None:
+  """Exits through ``parser.error`` (status 2) when ``module``, which
+  ``what`` needs and the ``[examples]`` extra installs, does not import;
+  call it before any work."""
+  try:
+    importlib.import_module(module)
+  except ImportError as e:
+    parser.error(f"{what} needs the [examples] extra, which is not installed "
+                 f'({e}): pip install "dlion_jax[examples]"')
 
 
 def progress(items: Iterable, total: int, desc: str):

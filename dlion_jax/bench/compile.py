@@ -185,6 +185,9 @@ def main(argv=None) -> str:
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--out", help="also write the report to this file")
   args = parser.parse_args(argv)
+  if args.gpt:
+    bench.require_examples(parser, "dlion_jax.train.models",
+                           "--gpt (the train CLI's GPT)")
   bench.use_cpu_devices(args.workers)
   mesh = parallel.data_mesh(args.workers, axis_name=AXIS)
   jobs = [((n, name), functools.partial(time_one, name, tx, pmean, mesh,

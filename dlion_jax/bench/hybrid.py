@@ -95,6 +95,8 @@ def main(argv=None) -> str:
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--out", help="also write the report to this file")
   args = parser.parse_args(argv)
+  bench.require_examples(parser, "dlion_jax.train.models",
+                         "the train CLI's GPT")
   bench.use_cpu_devices(args.workers)
   return reporting.emit(report(args.workers), args.out)
 

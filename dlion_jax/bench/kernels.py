@@ -73,7 +73,8 @@ def run(num_workers: int, size: int, repeats: int) -> list[tuple[str, float]]:
 
 
 def main(argv=None):
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.kernels",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--sizes", type=float, nargs="+", default=[4e6, 16e6])
   parser.add_argument("--repeats", type=int, default=20)

@@ -27,9 +27,10 @@ of Collective Communication Operations in MPICH"):
 
 The constants (per-message latency, the share of the shaped rate that the
 wire delivers, the unshaped loopback's bandwidth) are fitted on the
-2-process rows of ``docs/data/network.json``; the 4-process rows are held
-out and predicted. Compute is each row's unshaped step less its measured
-exchange. The measured rows check the one-link (hub) rule only; the
+2-process rows of ``docs/data/network.json`` (the package ships a copy,
+``dlion_jax/bench/data/network.json``, read by default); the 4-process rows
+are held out and predicted. Compute is each row's unshaped step less its
+measured exchange. The measured rows check the one-link (hub) rule only; the
 two-level rules and the projections' link constants are assumptions that
 no measurement here tests. Then the model projects the NeurIPS paper's
 setting (3B params, 64 A100s, 8 per node) and finds, per model size and
@@ -38,7 +39,7 @@ and 10x.
 
 Usage::
 
-  python -m dlion_jax.bench.project [--measured docs/data/network.json]
+  python -m dlion_jax.bench.project [--measured NETWORK.json]
       [--out docs/benchmarks.md] [--plot docs/img/projection.png]
 """
 
@@ -48,6 +49,8 @@ import argparse
 import dataclasses
 import json
 import math
+import numbers
+import pathlib
 import re
 from typing import Sequence
 
@@ -57,9 +60,12 @@ from dlion_jax import accounting
 from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import quantize
+from dlion_jax import bench
 from dlion_jax.bench import reporting
 
-MEASURED = "docs/data/network.json"
+# A copy of docs/data/network.json (tests check they are equal), so that an
+# installed package runs without a checkout.
+MEASURED = pathlib.Path(__file__).parent / "data" / "network.json"
 MARKER = "bench.project"
 # The NeurIPS paper's step times (ms) for its 3B model on 64 A100s.
 PAPER_MS = {"AdamW, fp32 all-reduce": 291.0, "Lion, fp32 all-reduce": 288.0,
@@ -207,20 +213,104 @@ def exchange_seconds(plan: Sequence[Collective], params: float,
 
 # --- Calibration on the measured rows ----------------------------------------
 
+REMEASURE = ("measure it again with `python -m benchmarks.network` (a "
+             "checkout's), or remove it from the file")
+# What check_measured asks of each row: field and unit.
+ROW_FIELDS = (("wire_bytes", "bytes"), ("exchange_s", "seconds"),
+              ("e2e_s", "seconds"))
+
+
+def check_measured(data) -> None:
+  """Raises ValueError naming the first entry of a network.json that the
+  model cannot use (config, row, field and value) and what to do."""
+  configs = data.get("configs") if isinstance(data, dict) else None
+  if not isinstance(configs, list) or not configs:
+    got = (f"'configs' is {configs!r}" if isinstance(data, dict)
+           else f"a {type(data).__name__}, not an object")
+    raise ValueError(f"has no measured runs ({got}); pass the JSON that "
+                     "`python -m benchmarks.network --json FILE` wrote.")
+  for i, config in enumerate(configs):
+    _check_config(i, config)
+  unshaped = {(c["procs"], name) for c in configs if c["rate"] == "none"
+              for name in c["rows"]}
+  for i, config in enumerate(configs):
+    for name in config["rows"]:
+      if (config["procs"], name) not in unshaped:
+        raise ValueError(
+            f"configs[{i}], row {name!r} at {config['procs']} processes has "
+            "no unshaped (rate 'none') run to read its compute from; "
+            "measure it with `python -m benchmarks.network` including rate "
+            "none.")
+  for shaped, what in ((True, "with a shaped rate"), (False, "at rate none")):
+    if sum(len(c["rows"]) for c in configs if c["procs"] == FIT_PROCS
+           and (c["rate"] != "none") == shaped) < 2:
+      raise ValueError(
+          f"has fewer than 2 rows of a {FIT_PROCS}-process run {what}; the "
+          "model's constants are fitted on them: measure them with "
+          f"`python -m benchmarks.network --procs {FIT_PROCS} ...`.")
+
+
+def _check_config(i: int, config) -> None:
+  if not isinstance(config, dict):
+    raise ValueError(f"configs[{i}] is {config!r}, not an object.")
+  where = (f"configs[{i}] (procs={config.get('procs')!r}, "
+           f"rate={config.get('rate')!r})")
+  for key in ("procs", "rate", "rows"):
+    if key not in config:
+      raise ValueError(f"{where}: has no {key!r}; {REMEASURE}.")
+  procs = config["procs"]
+  if (not isinstance(procs, int) or isinstance(procs, bool)
+      or procs < 2):
+    raise ValueError(f"{where}: procs={procs!r} must be an int >= 2 (a "
+                     f"single process exchanges nothing); {REMEASURE}.")
+  try:
+    _rate(config["rate"])
+  except ValueError as e:
+    raise ValueError(f"{where}: {e} Correct it, {REMEASURE}.") from None
+  if not isinstance(config["rows"], dict) or not config["rows"]:
+    raise ValueError(f"{where}: has no rows; {REMEASURE}.")
+  for name, row in config["rows"].items():
+    _check_row(f"{where}, row {name!r}", row)
+
+
+def _check_row(where: str, row) -> None:
+  if not isinstance(row, dict):
+    raise ValueError(f"{where}: is {row!r}, not an object; {REMEASURE}.")
+  for field in [f for f, _ in ROW_FIELDS] + ["ops"]:
+    if field not in row:
+      raise ValueError(f"{where}: has no {field!r}; {REMEASURE}.")
+  for field, unit in ROW_FIELDS:
+    value = row[field]
+    if not (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0):
+      raise ValueError(f"{where}: {field}={value!r} must be a positive "
+                       f"number of {unit}; {REMEASURE}.")
+  if row["e2e_s"] <= row["exchange_s"]:
+    raise ValueError(
+        f"{where}: e2e_s={row['e2e_s']!r} is not longer than its "
+        f"exchange_s={row['exchange_s']!r}, but a step is its compute and "
+        f"its exchange; {REMEASURE}.")
+  ops = row["ops"]
+  unknown = [k for k in str(ops).split("+") if k not in KINDS]
+  if not isinstance(ops, str) or unknown:
+    raise ValueError(f"{where}: ops={ops!r} names {unknown[0]!r}, not one "
+                     f"of {KINDS} joined by '+'; {REMEASURE}.")
+
+
 def measured_rows(data: dict) -> list[dict]:
   """One dict per measured (row, procs, rate) of network.json, with the
-  compute read off the same row's unshaped configuration."""
+  compute read off the same row's unshaped configuration.
+
+  Raises:
+    ValueError: an entry the model cannot use (see :func:`check_measured`).
+  """
+  check_measured(data)
   unshaped = {(c["procs"], name): r for c in data["configs"]
               if c["rate"] == "none" for name, r in c["rows"].items()}
   out = []
   for config in data["configs"]:
     for name, r in config["rows"].items():
-      base = unshaped.get((config["procs"], name))
-      if base is None:
-        raise ValueError(
-            f"row {name!r} at {config['procs']} processes has no unshaped "
-            "(rate 'none') run to read its compute from; measure it with "
-            "`python -m benchmarks.network` including rate none.")
+      base = unshaped[(config["procs"], name)]
       out.append(dict(
           name=name, procs=config["procs"], rate=config["rate"],
           bits=r["wire_bytes"] * 8, kinds=r["ops"].split("+"),
@@ -233,10 +323,10 @@ def _rate(rate: str) -> float | None:
   """bits/s of a tc rate (``'100mbit'``), ``None`` for ``'none'``."""
   if rate == "none":
     return None
-  m = re.fullmatch(r"([0-9.]+)([kmg])bit", rate)
-  if m is None:
-    raise ValueError(f"rate={rate!r} is not a tc rate like '100mbit', "
-                     "'1gbit' or 'none'.")
+  m = re.fullmatch(r"([0-9]*\.?[0-9]+)([kmg])bit", str(rate))
+  if m is None or float(m[1]) <= 0:
+    raise ValueError(f"rate={rate!r} is not a positive tc rate like "
+                     "'100mbit', '1gbit' or 'none'.")
   return float(m[1]) * {"k": 1e3, "m": 1e6, "g": 1e9}[m[2]]
 
 
@@ -574,19 +664,29 @@ def report(data: dict, plot_path: str | None = None) -> str:
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.project",
                                    description=__doc__.split("\n")[0])
-  parser.add_argument("--measured", default=MEASURED,
-                      help="network.json of benchmarks/network.py")
+  parser.add_argument("--measured", default=str(MEASURED),
+                      help="network.json of benchmarks/network.py (default: "
+                      "the copy of docs/data/network.json the package "
+                      "ships)")
   parser.add_argument("--out", help="write the report to this file (between "
                       f"<!-- {MARKER} --> markers when it has them)")
   parser.add_argument("--plot", help="write the figure to this PNG")
   args = parser.parse_args(argv)
+  if args.plot:
+    bench.require_examples(parser, "matplotlib", "--plot")
   try:
     with open(args.measured, encoding="utf-8") as f:
       data = json.load(f)
+    check_measured(data)
   except FileNotFoundError:
-    parser.error(f"--measured {args.measured}: no such file. Run from the "
-                 "repository root, or pass the JSON that "
+    parser.error(f"--measured {args.measured}: no such file. Pass the JSON "
+                 "that `python -m benchmarks.network --json FILE` wrote.")
+  except json.JSONDecodeError as e:
+    parser.error(f"--measured {args.measured}: not JSON (line {e.lineno}, "
+                 f"column {e.colno}: {e.msg}). Pass the JSON that "
                  "`python -m benchmarks.network --json FILE` wrote.")
+  except ValueError as e:
+    parser.error(f"--measured {args.measured}: {e}")
   return reporting.write_section(report(data, args.plot), args.out, MARKER)
 
 

@@ -281,7 +281,8 @@ def profile_table(runners: dict[str, Runner], steps: int = 5,
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.step",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--reps", type=int, default=15)
   parser.add_argument("--profile", action="store_true",

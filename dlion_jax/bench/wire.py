@@ -341,13 +341,16 @@ def floor_lines(sizes) -> list[str]:
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.wire",
+                                   description=__doc__.splitlines()[0])
   parser.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                       help="comma-separated axis sizes N")
   parser.add_argument("--out", default=None, help="also write markdown here")
   parser.add_argument("--plot", default=None,
                       help="write the bits-vs-N PNG here")
   args = parser.parse_args(argv)
+  if args.plot:
+    bench.require_examples(parser, "matplotlib", "--plot")
   sizes = [int(s) for s in args.sizes.split(",") if s]
   bench.use_cpu_devices(max(sizes))
   start = time.perf_counter()
