@@ -42,6 +42,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _drift
 from dlion_jax import shards
 from dlion_jax._checks import positive_int
 from dlion_jax.devices import axis_size
@@ -65,12 +66,29 @@ MAX_IN_FLIGHT = 8
 
 def _size(mesh: Mesh, axes) -> int:
   """Devices along one mesh axis or the product over a tuple of them."""
-  axes = axes if isinstance(axes, tuple) else (axes,)
-  return int(np.prod([axis_size(mesh, a) for a in axes]))
+  return axis_size(mesh, axes)
 
 
-def _workers(axis_name, shard_axis):
-  return axis_name if shard_axis is None else (axis_name, shard_axis)
+def _workers(axis_name, shard_axis, mesh: Mesh):
+  """The mesh axes a step's workers span: ``axis_name``, and with a
+  ``shard_axis`` both.
+
+  Raises:
+    ValueError: naming the argument that is not an axis of ``mesh``, or a
+      ``shard_axis`` that is ``axis_name``.
+  """
+  axis_size(mesh, axis_name)
+  if shard_axis is None:
+    return axis_name
+  if shard_axis == axis_name:
+    raise ValueError(
+        f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
+        "votes cross axis_name and each node's shards are cut over "
+        "shard_axis, two different axes of the mesh. Pass the mesh's other "
+        "axis (parallel.hybrid_mesh names them 'data' and 'fsdp'), or drop "
+        "shard_axis.")
+  axis_size(mesh, shard_axis, name="shard_axis")
+  return (axis_name, shard_axis)
 
 
 def init_worker_states(tx: optax.GradientTransformation, params: Any,
@@ -95,7 +113,7 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   mine = (lambda p: p) if shard_axis is None else (
       lambda p: shards.own_shards(p, shard_axis))
   init = per_worker(lambda p: tx.init(mine(p)), mesh,
-                    axis_name=_workers(axis_name, shard_axis),
+                    axis_name=_workers(axis_name, shard_axis, mesh),
                     ins=("replicated",), outs="stacked")
   return jax.jit(init)(params)
 
@@ -251,14 +269,12 @@ class _ExchangeCheck:
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                       *args) -> Any:
   """``fn(*args)``, traced once; raises if its first output (the new
-  params) does not depend on a collective over the axis. For ``pmap``,
-  which offers no trace to read: the jaxpr is evaluated in place of a
-  second trace."""
+  params) would differ between workers (``args[-1]`` is the batch). For
+  ``pmap``, which offers no trace to read: the jaxpr is evaluated in place
+  of a second trace."""
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-  new_params = closed.jaxpr.outvars[:len(jax.tree.leaves(out_shape[0]))]
-  if num_workers > 1 and not _depends_on_exchange(closed.jaxpr, new_params,
-                                                  axis_name):
-    raise _exchange_error(axis_name, num_workers)
+  if num_workers > 1:
+    _check_no_drift(closed, out_shape[0], args[-1], axis_name, num_workers)
   flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
@@ -366,7 +382,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   and the optimizer state is sharded over ``shard_axis``
   (:func:`init_worker_states` with the same ``shard_axis``). The new shards
   are all-gathered back, so params stay replicated (ZeRO-2). It equals
-  Distributed Lion over the nodes, each fed its node's mean gradient.
+  Distributed Lion over the nodes, each fed its node's mean gradient, bit
+  for bit with sign votes. The L1-scaled quantizers (``ternary_l1``,
+  ``pbit_l1``, and error feedback) take a leaf's scale as the sum of its
+  shards' sums, which may round differently from one sum over the whole
+  leaf: bit for bit when the sums are exact, otherwise within the rounding
+  of the scale (its last bit; a level may then differ by one where
+  ``L c / a`` lies on a rounding boundary).
 
   Args:
     loss_fn: ``loss_fn(params, local_batch) -> scalar`` on one worker's batch.
@@ -409,7 +431,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     >>> float(loss)
     9.0
   """
-  workers = _workers(axis_name, shard_axis)
+  workers = _workers(axis_name, shard_axis, mesh)
   n = _size(mesh, workers)
   micro_batches = positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
@@ -430,7 +452,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     check_vma=check_vma)
 
   def checked_step(params, state, batch):
-    _check_worker_states(state, n)
+    _check_worker_states(state, n, shard_axis)
     return step(params, state, batch)
 
   jitted = jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
@@ -451,11 +473,18 @@ def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
           f"{fix}")
 
 
-def _check_worker_states(state: Any, n: int) -> None:
-  _check_leading_axis(
-      state, n, "optimizer state", "every worker's state stacked",
-      "Build it with parallel.init_worker_states(tx, params, mesh), not "
-      "tx.init(params).")
+def _check_worker_states(state: Any, n: int, shard_axis=None) -> None:
+  """Raises a ValueError naming the first state leaf not stacked for the
+  ``n`` workers of the step, and the call that builds the state."""
+  if shard_axis is None:
+    fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
+           "not tx.init(params).")
+  else:
+    fix = ("Build it with parallel.init_worker_states(tx, params, mesh, "
+           f"shard_axis={shard_axis!r}), the step's shard_axis: each device "
+           "keeps the state of its shards.")
+  _check_leading_axis(state, n, "optimizer state",
+                      "every worker's state stacked", fix)
 
 
 def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
