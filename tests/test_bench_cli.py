@@ -2,6 +2,8 @@
 that needs the [examples] extra says how to install it before it runs."""
 
 import importlib
+import os
+import pathlib
 import pkgutil
 import subprocess
 import sys
@@ -10,6 +12,7 @@ import pytest
 
 from dlion_jax import bench
 
+ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMANDS = sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
                   if hasattr(importlib.import_module(
                       f"dlion_jax.bench.{m.name}"), "main"))
@@ -49,7 +52,11 @@ def test_a_command_without_the_examples_extra_says_how_to_install_it(
   code = (f"import sys; sys.modules[{missing!r}] = None\n"
           f"from dlion_jax.bench import {name}\n"
           f"{name}.main({args!r})")
+  # It starts in tmp_path: make this checkout importable there.
+  path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH"))
+                         if p)
   run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path,
+                       env=dict(os.environ, PYTHONPATH=path),
                        capture_output=True, text=True, timeout=120)
   assert run.returncode == 2, run.stderr
   last = run.stderr.strip().splitlines()[-1]
