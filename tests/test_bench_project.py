@@ -290,8 +290,9 @@ BAD_MEASUREMENTS = [
     ("missing field", _drop_field("e2e_s"),
      r"configs\[3\] \(procs=4, rate='100mbit'\), row 'a': has no "
      r"'e2e_s'"),
-    ("no rows", lambda d: d["configs"][1].update(rows={}),
-     r"configs\[1\] \(procs=2, rate='1gbit'\): has no rows"),
+    ("rows not an object", lambda d: d["configs"][1].update(rows=[]),
+     r"configs\[1\] \(procs=2, rate='1gbit'\): rows=\[\] must be an "
+     r"object"),
 ]
 
 

@@ -267,8 +267,9 @@ def _check_config(i: int, config) -> None:
     _rate(config["rate"])
   except ValueError as e:
     raise ValueError(f"{where}: {e} Correct it, {REMEASURE}.") from None
-  if not isinstance(config["rows"], dict) or not config["rows"]:
-    raise ValueError(f"{where}: has no rows; {REMEASURE}.")
+  if not isinstance(config["rows"], dict):
+    raise ValueError(f"{where}: rows={config['rows']!r} must be an object "
+                     f"of measured rows by name; {REMEASURE}.")
   for name, row in config["rows"].items():
     _check_row(f"{where}, row {name!r}", row)
 
