@@ -57,10 +57,10 @@ from typing import Sequence
 import numpy as np
 
 from dlion_jax import accounting
+from dlion_jax import bench
 from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import quantize
-from dlion_jax import bench
 from dlion_jax.bench import reporting
 
 # A copy of docs/data/network.json (tests check they are equal), so that an
@@ -252,15 +252,15 @@ def check_measured(data) -> None:
 
 def _check_config(i: int, config) -> None:
   if not isinstance(config, dict):
-    raise ValueError(f"configs[{i}] is {config!r}, not an object.")
+    raise ValueError(f"configs[{i}] is {config!r}, not an object; "
+                     f"{REMEASURE}.")
   where = (f"configs[{i}] (procs={config.get('procs')!r}, "
            f"rate={config.get('rate')!r})")
   for key in ("procs", "rate", "rows"):
     if key not in config:
       raise ValueError(f"{where}: has no {key!r}; {REMEASURE}.")
   procs = config["procs"]
-  if (not isinstance(procs, int) or isinstance(procs, bool)
-      or procs < 2):
+  if not isinstance(procs, int) or isinstance(procs, bool) or procs < 2:
     raise ValueError(f"{where}: procs={procs!r} must be an int >= 2 (a "
                      f"single process exchanges nothing); {REMEASURE}.")
   try:
