@@ -57,8 +57,9 @@ def data_mesh(num_workers: int | None = None, *, axis_name: str = "data",
               devices=None) -> Mesh:
   """A 1-D mesh of the first ``num_workers`` devices (all by default)."""
   devices = list(jax.devices() if devices is None else devices)
-  num_workers = len(devices) if num_workers is None else num_workers
-  if not 1 <= num_workers <= len(devices):
+  num_workers = len(devices) if num_workers is None else positive_int(
+      "num_workers", num_workers, "devices on the mesh")
+  if num_workers > len(devices):
     raise ValueError(
         f"num_workers={num_workers} but {len(devices)} devices are visible. "
         "On CPU, simulate more with XLA_FLAGS="
@@ -92,23 +93,43 @@ def hybrid_mesh(nodes: int | None = None, *, axis_name: str = "data",
   """
   devices = sorted(jax.devices() if devices is None else devices,
                    key=lambda d: (d.process_index, d.id))
-  nodes = jax.process_count() if nodes is None else nodes
-  if not isinstance(nodes, int) or nodes < 1 or len(devices) % nodes:
+  nodes = jax.process_count() if nodes is None else positive_int(
+      "nodes", nodes, "rows of the mesh")
+  if len(devices) % nodes:
     raise ValueError(
         f"nodes={nodes!r} must be a positive int dividing the {len(devices)} "
         f"devices: each node gets the same number. Pass a divisor of "
         f"{len(devices)}, or the devices to use.")
+  if shard_axis == axis_name:
+    raise ValueError(
+        f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
+        "mesh needs two axes, the slow one the optimizer votes over and the "
+        "fast one the shards are cut over. Give them different names (by "
+        "default axis_name='data', shard_axis='fsdp').")
   return Mesh(np.array(devices).reshape(nodes, -1), (axis_name, shard_axis))
 
 
-def axis_size(mesh: Mesh, axis_name: str) -> int:
-  """The size of ``axis_name`` in ``mesh``; a ValueError naming the axes if
-  it is not one of them."""
-  if axis_name not in mesh.shape:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not an axis of the mesh, whose axes are "
-        f"{tuple(mesh.axis_names)}.")
-  return mesh.shape[axis_name]
+def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...], *,
+              name: str = "axis_name") -> int:
+  """The size of ``axis_name`` in ``mesh``, or the product of the sizes of a
+  tuple of axes.
+
+  Raises:
+    ValueError: naming the argument (``name``) and the mesh's axes, if an
+      axis is not one of them or a tuple names one twice.
+  """
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  for axis in axes:
+    if axis not in mesh.shape:
+      which = "" if axis == axis_name else f": {axis!r}"
+      raise ValueError(
+          f"{name}={axis_name!r}{which} is not an axis of the mesh, whose "
+          f"axes are {tuple(mesh.axis_names)}.")
+    if axes.count(axis) > 1:
+      raise ValueError(
+          f"{name}={axis_name!r} names axis {axis!r} twice; name each axis "
+          "of the mesh at most once.")
+  return math.prod(mesh.shape[axis] for axis in axes)
 
 
 def replicate(tree: Any, mesh: Mesh) -> Any:
@@ -116,13 +137,27 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
   Always a copy, never the caller's own buffers: the steps of this module
   donate their params, which would otherwise delete the caller's arrays
-  (say, initial params meant for a second run).
+  (say, initial params meant for a second run, or a flax model's).
   """
-  return jax.device_put(tree, NamedSharding(mesh, P()), may_alias=False)
+  leaves, treedef = jax.tree.flatten(tree)
+  ours = [isinstance(x, jax.Array) for x in leaves]
+  arrays = [x for x, own in zip(leaves, ours) if own]
+  # device_put keeps an array's buffer as the shard on the array's own
+  # device, may_alias=False or not: copy each array where it lies first (a
+  # device-side copy, no compilation), then place the copies.
+  copies = iter(jax.device_put(arrays, [x.sharding for x in arrays],
+                               may_alias=False))
+  leaves = [next(copies) if own else x for x, own in zip(leaves, ours)]
+  placed = jax.device_put(leaves, NamedSharding(mesh, P()),
+                          may_alias=[None if own else False for own in ours])
+  return jax.tree.unflatten(treedef, placed)
 
 
-def shard_batch(batch: Any, mesh: Mesh, *, axis_name: str = "data") -> Any:
-  """Splits the leading axis of every leaf of ``batch`` over ``axis_name``.
+def shard_batch(batch: Any, mesh: Mesh, *,
+                axis_name: str | tuple[str, ...] = "data") -> Any:
+  """Splits the leading axis of every leaf of ``batch`` over ``axis_name``
+  (one mesh axis, or a tuple of them, the first major: e.g.
+  ``("data", "fsdp")`` for a step with ``shard_axis``).
 
   Example:
     >>> import numpy as np

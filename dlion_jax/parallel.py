@@ -118,6 +118,23 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   return jax.jit(init)(params)
 
 
+@jax.jit
+def _first_entry(x: jax.Array) -> jax.Array:
+  return x.reshape(-1)[:1]
+
+
+def _marker(out: Any) -> jax.Array | None:
+  """A one-entry copy of an output of a call, ready once the call's part on
+  its first device is: what to wait on for the call (the outputs themselves
+  may be donated to the next call, and are deleted by then)."""
+  arrays = [x for x in jax.tree.leaves(out)
+            if isinstance(x, jax.Array) and x.size and not x.is_deleted()]
+  if not arrays:
+    return None
+  smallest = min(arrays, key=lambda x: x.size)
+  return _first_entry(smallest.addressable_shards[0].data)
+
+
 class _InFlightLimit:
   """``fn`` that waits for its oldest queued call once ``limit`` are queued."""
 

@@ -15,7 +15,11 @@ stages 1 and 2: gradients and optimizer state sharded, params whole):
 Invariant: a shard holds whole elements of one leaf at the same positions
 on every node, so an elementwise optimizer that runs on the shards (Lion's
 update, its sign vote across nodes) computes exactly what it would on the
-whole leaves; padding is zero in and cut off on the way back.
+whole leaves; padding is zero in and cut off on the way back. A statistic
+of a whole leaf (Lion Cub's L1 scale, via :class:`LeafShard`) is the sum
+over the axis of each shard's sum: bit for bit the whole leaf's sum when
+the sums are exact, otherwise within its rounding (the two orders of
+addition may round the last bit differently).
 """
 
 from __future__ import annotations

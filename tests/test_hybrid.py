@@ -3,7 +3,9 @@
 ``make_train_step(..., shard_axis=...)`` on an (n nodes, k devices) mesh must
 equal flat Distributed Lion over the n nodes, each fed its node's mean
 gradient, bit for bit against the numpy reference: params every step and
-every node's momentum at the end, for leaves not divisible by k.
+every node's momentum at the end, for leaves not divisible by k. With the
+L1-scaled quantizers, whose scale sums the shards' sums, a large leaf may
+differ within the rounding of that scale.
 """
 
 import jax
@@ -13,7 +15,9 @@ import pytest
 
 import dlion_jax as dl
 from dlion_jax import parallel
+from dlion_jax import quantize
 from dlion_jax import shards
+from messages import assert_names
 from tests.reference import DistributedLionReference
 
 SHAPES = {"b": (3,), "big": (37,), "w": (5, 7)}
@@ -233,3 +237,100 @@ def test_check_vma_true_gives_the_same_step(comm):
                                     check_vma=check_vma)
     out.append(np.asarray(step(p, state, batch)[0]["w"]))
   np.testing.assert_array_equal(out[1], out[0])
+
+
+def test_large_leaf_l1_votes_within_the_rounding_of_the_scale():
+  """On a leaf of 2,000,003 elements the L1 scale, a sum of the shards'
+  sums, may round unlike one sum over the leaf: the hybrid step equals flat
+  D-Lion over the nodes except for votes one level apart where ``L c / a``
+  lies on a rounding boundary (here one coordinate, at step 3). The
+  momenta, which no scale touches, stay equal bit for bit."""
+  size, nodes, per_node, lr, level = 2_000_003, 2, 4, 1e-2, 127
+  rng = np.random.default_rng(2)
+  params = {"w": rng.normal(size=size).astype(np.float32)}
+  tx = dl.distributed_lion(lr, axis_name="data", quantizer="pbit_l1", bits=8,
+                           aggregation="avg")
+  hybrid = trainer(tx, params, hybrid_mesh(nodes, per_node), "fsdp")
+  flat = trainer(tx, params, parallel.data_mesh(nodes), None)
+  one_level = lr / (nodes * level)     # a vote's level moves Avg by 1/(N L)
+  for t in range(1, 4):
+    rows = rng.integers(-3, 4, size=(nodes * per_node, size)).astype(
+        np.float32)
+    means = node_means({"w": rows}, nodes, per_node)
+    (p, hybrid_mu), (q, flat_mu) = hybrid(rows), flat(
+        np.stack([m["w"] for m in means]))
+    moved = np.abs(p - q) / one_level
+    assert np.count_nonzero(moved) <= 5, t
+    assert moved.max() <= t * 1.01, t   # at most one level a step
+  np.testing.assert_array_equal(hybrid_mu.reshape(nodes, -1)[:, :size],
+                                flat_mu)
+
+
+def trainer(tx, params, mesh, shard_axis):
+  """``advance(rows) -> (params["w"], momenta)``: one step of a run of
+  ``linear_loss`` on ``mesh``, one row per worker."""
+  p = parallel.replicate(params, mesh)
+  state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis=shard_axis)
+  axes = "data" if shard_axis is None else ("data", shard_axis)
+
+  def advance(rows):
+    nonlocal p, state
+    p, state, _ = step(p, state, parallel.shard_batch({"w": rows}, mesh,
+                                                      axis_name=axes))
+    return np.asarray(p["w"]), np.asarray(state[0].mu["w"])
+  return advance
+
+
+def test_l1_scale_of_shards_within_an_ulp_of_the_whole_leaf():
+  """The scale of a 2,000,003-element leaf cut in 4 shards, against the
+  whole leaf's: at most an ulp apart (the two orders of addition)."""
+  size = 2_000_003
+  mesh = hybrid_mesh(1, 4)
+  fn = jax.jit(parallel.per_worker(
+      lambda c: quantize.l1_scale(shards.own_shards(c, "fsdp"),
+                                  shards.LeafShard("fsdp", size)),
+      mesh, axis_name="fsdp", ins=("replicated",), outs="replicated"))
+  rng = np.random.default_rng(0)
+  for _ in range(4):
+    c = rng.normal(size=size).astype(np.float32)
+    np.testing.assert_array_max_ulp(np.asarray(fn(c)),
+                                    np.asarray(jax.jit(quantize.l1_scale)(c)),
+                                    maxulp=1)
+
+
+def test_state_built_without_shard_axis_names_it():
+  """Was: "Build it with parallel.init_worker_states(...)", which the user
+  had called, only without shard_axis."""
+  mesh = hybrid_mesh(2, 4)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  p = parallel.replicate({"w": np.ones(11, np.float32)}, mesh)
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
+  batch = parallel.shard_batch({"w": np.ones((8, 11), np.float32)}, mesh,
+                               axis_name=("data", "fsdp"))
+  with pytest.raises(ValueError) as e:
+    step(p, parallel.init_worker_states(tx, p, mesh), batch)
+  assert_names(e, "shape (2,)", "size 8",
+               "parallel.init_worker_states(tx, params, mesh, "
+               "shard_axis='fsdp')")
+
+
+@pytest.mark.parametrize("build", ["make_train_step", "init_worker_states"])
+def test_shard_axis_misuse_names_shard_axis(build):
+  """Was: a shard_axis not in the mesh was reported as axis_name; the same
+  axis twice raised jax's DuplicateSpecError from init_worker_states and
+  was accepted by make_train_step (4 "workers" on 2 devices)."""
+  mesh = hybrid_mesh(2, 4)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  p = parallel.replicate({"w": np.ones(11, np.float32)}, mesh)
+  call = {"make_train_step": lambda s: parallel.make_train_step(
+              linear_loss, tx, mesh, shard_axis=s),
+          "init_worker_states": lambda s: parallel.init_worker_states(
+              tx, p, mesh, shard_axis=s)}[build]
+  with pytest.raises(ValueError) as e:
+    call("model")
+  assert_names(e, "shard_axis='model' is not an axis of the mesh",
+               "('data', 'fsdp')")
+  with pytest.raises(ValueError) as e:
+    call("data")
+  assert_names(e, "shard_axis='data' is also axis_name='data'", "'fsdp'")

@@ -262,6 +262,58 @@ def test_unblocked_loop_on_simulated_devices_completes(builder, steps):
   assert "finished" in done.stdout
 
 
+_DONATED_ONLY_LOOP = """
+import jax, jax.numpy as jnp
+import dlion_jax as dl
+from dlion_jax import parallel
+mesh = parallel.data_mesh(8)
+tx = dl.distributed_lion(1e-3, axis_name="data")
+params = parallel.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
+                            mesh)
+state = parallel.init_worker_states(tx, params, mesh)
+batch = parallel.shard_batch(jax.random.normal(jax.random.key(0), (64, 256)),
+                             mesh)
+def local(p, s, b):
+  s = jax.tree.map(lambda x: x[0], s)
+  g = jax.grad(lambda p: jnp.mean((b @ p["w"] + p["b"]) ** 2))(p)
+  u, s = tx.update(g, s, p)
+  return jax.tree.map(jnp.add, p, u), jax.tree.map(lambda x: x[None], s)
+step = parallel.limit_in_flight(jax.jit(jax.shard_map(
+    local, mesh=mesh, in_specs=(jax.P(), jax.P("data"), jax.P("data")),
+    out_specs=(jax.P(), jax.P("data")), check_vma=False),
+    donate_argnums=(0, 1)))
+for _ in range(300):
+  params, state = step(params, state, batch)     # every output donated
+print("finished", float(params["b"][0]))
+"""
+
+
+@pytest.mark.integration
+def test_limit_in_flight_holds_when_every_output_is_donated():
+  """Was: the queued outputs were deleted by the donating next step when
+  waited on, so nothing was waited on and the loop aborted (exit 134)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=8")
+  done = subprocess.run([sys.executable, "-c", _DONATED_ONLY_LOOP], env=env,
+                        capture_output=True, text=True, timeout=120)
+  assert done.returncode == 0, done.stderr[-2000:]
+  assert "finished" in done.stdout
+
+
+def test_limit_in_flight_keeps_one_entry_per_queued_call_not_its_outputs():
+  """Was: the queue held every output of the last calls (8 steps' params
+  and optimizer states); now a one-entry copy each, which survives the
+  outputs' deletion (donation) and is waited on."""
+  step = parallel.limit_in_flight(
+      lambda x: (jnp.full((1000,), x), jnp.full((7,), x)), 3)
+  for i in range(10):
+    big, small = step(i)
+    big.delete()                                 # as a donating call would
+  queued = list(step._queued)    # pylint: disable=protected-access
+  assert [q.shape for q in queued] == [(1,)] * 3
+  assert [int(q[0]) for q in queued] == [7, 8, 9] and not small.is_deleted()
+
+
 def test_limit_in_flight_waits_for_the_oldest_call():
   calls = []
 
@@ -281,13 +333,18 @@ class _FakeGpu:
   platform = "gpu"
 
 
-def test_replicate_copies_so_a_donating_step_spares_the_callers_arrays():
-  """Was: ``replicate`` of arrays already placed so returned the caller's
-  own buffers; the step donated them and the caller's initial params were
-  deleted ("Array has been deleted" when reused for a second run)."""
+@pytest.mark.parametrize("placed", ["replicated", "one_device"])
+def test_replicate_copies_so_a_donating_step_spares_the_callers_arrays(
+    placed):
+  """Was: ``replicate`` of arrays already placed so, or on one device (as
+  ``jnp.ones`` or a model's init gives them: shard 0 kept their buffer),
+  returned the caller's own buffers; the step donated them and the caller's
+  initial params were deleted ("Array has been deleted" when reused for a
+  second run)."""
   params, batches = make_problem()
   mesh = parallel.data_mesh(N)
-  initial = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+  initial = (jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
+             if placed == "replicated" else jax.tree.map(jnp.asarray, params))
   for _ in range(2):                           # two runs from the same start
     tx = dl.distributed_lion(1e-2, axis_name="data")
     p = parallel.replicate(initial, mesh)
