@@ -145,13 +145,9 @@ class _InFlightLimit:
 
   def __call__(self, *args, **kwargs):
     out = self._fn(*args, **kwargs)
-    self._queued.append(out)
+    self._queued.append(_marker(out))
     while len(self._queued) > self._limit:
-      # Donated outputs (params fed to the next step) are gone; any of the
-      # others is ready once that whole execution has finished.
-      oldest = [x for x in jax.tree.leaves(self._queued.popleft())
-                if isinstance(x, jax.Array) and not x.is_deleted()]
-      jax.block_until_ready(oldest)
+      jax.block_until_ready(self._queued.popleft())
     return out
 
   def __getattr__(self, name):         # lower, trace, eval_shape, ...
