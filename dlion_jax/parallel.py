@@ -500,23 +500,57 @@ def _check_worker_states(state: Any, n: int, shard_axis=None) -> None:
                       "every worker's state stacked", fix)
 
 
+def _differentiable(leaf) -> bool:
+  try:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+  except TypeError:               # not an array: left to jax.grad to name
+    return True
+
+
+def _value_and_grad(loss_fn, has_aux):
+  """``jax.value_and_grad`` over the floating-point leaves of the params
+  only: the others (an integer step counter, a flag) get zero gradients of
+  their own dtype, so that an optimizer can leave them out with
+  ``optax.masked`` and they stay unchanged."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  def value_and_grad(params, batch):
+    leaves, treedef = jax.tree.flatten(params)
+    floats = [_differentiable(x) for x in leaves]
+    if all(floats):
+      return grad_fn(params, batch)
+    def on_floats(float_leaves, batch):
+      it = iter(float_leaves)
+      return loss_fn(treedef.unflatten(
+          [next(it) if f else x for x, f in zip(leaves, floats)]), batch)
+    value, grads = jax.value_and_grad(on_floats, has_aux=has_aux)(
+        [x for x, f in zip(leaves, floats) if f], batch)
+    it = iter(grads)
+    return value, treedef.unflatten(
+        [next(it) if f else jnp.zeros_like(x) for x, f in zip(leaves, floats)])
+  return value_and_grad
+
+
 def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
   """``value_and_grad``, averaged over ``micro_batches`` slices of batch."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  grad_fn = _value_and_grad(loss_fn, has_aux)
   if micro_batches == 1:
     return grad_fn(params, batch)
   def split(x):
-    if x.shape[0] % micro_batches:
+    rows = x.shape[0]
+    if rows % micro_batches:
       raise ValueError(
           f"micro_batches={micro_batches} must divide each worker's batch, "
-          f"which has {x.shape[0]} rows.")
-    return x.reshape((micro_batches, -1) + x.shape[1:])
+          f"which has {rows} rows.")
+    return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
   def body(total, micro):
     return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
   micro = jax.tree.map(split, batch)
   first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-  total, _ = lax.scan(body, first, jax.tree.map(lambda x: x[1:], micro))
-  return jax.tree.map(lambda x: x / micro_batches, total)
+  (value, grads), _ = lax.scan(body, first,
+                               jax.tree.map(lambda x: x[1:], micro))
+  mean = lambda x: x / micro_batches
+  return jax.tree.map(mean, value), jax.tree.map(
+      lambda g: mean(g) if _differentiable(g) else g, grads)
 
 
 def init_pmap_states(tx: optax.GradientTransformation, params: Any,
