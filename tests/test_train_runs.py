@@ -2,9 +2,12 @@
 mixes with an old one, ``--resume`` only continues the run that wrote the
 checkpoint, and Ctrl-C ends in one line that says how to continue."""
 
+import errno
 import json
+import logging
 import os
 import pathlib
+import re
 import shlex
 import shutil
 import signal
@@ -17,6 +20,7 @@ import pytest
 pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 
 from dlion_jax.train import checkpoint  # noqa: E402
+from dlion_jax.train import signals  # noqa: E402
 from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import data as data_lib  # noqa: E402
 from dlion_jax.train import rundir  # noqa: E402
@@ -244,9 +248,153 @@ def test_ctrl_c_during_a_checkpoint_write_waits_for_it():
   (seen under load: orbax's threads printed a traceback of their own)."""
   finished = []
   with pytest.raises(KeyboardInterrupt):
-    with checkpoint._ctrl_c_deferred():  # pylint: disable=protected-access
+    with signals.deferred():
       os.kill(os.getpid(), signal.SIGINT)
       time.sleep(0.05)                 # the signal is delivered by now
       finished.append(True)
   assert finished == [True]
   assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_sigterm_during_a_checkpoint_write_waits_for_it():
+  """SIGTERM too is held while orbax writes, then goes to the handler that
+  was in place (the CLI's, which raises Terminated)."""
+  finished = []
+  with pytest.raises(signals.Terminated):
+    with signals.raising():
+      with signals.deferred():
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+        finished.append(True)
+  assert finished == [True]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigterm_in_a_step_saves_that_step(tmp_path, capsys, monkeypatch):
+  """SIGTERM while step 3 runs: the step finishes, a checkpoint of it is
+  written (the last periodic one was step 2), and the line says so; the
+  command it prints continues the run."""
+  real_next, calls = data_lib.Batches.__next__, []
+
+  def terminated_next(self):
+    calls.append(1)
+    if len(calls) == 4:          # the compile's example batch, steps 1..3
+      os.kill(os.getpid(), signal.SIGTERM)
+    return real_next(self)
+  monkeypatch.setattr(data_lib.Batches, "__next__", terminated_next)
+  argv = _argv(tmp_path)
+  code, err = _cli(capsys, argv)
+  assert code == 143
+  command = shlex.join(["python", "-m", "dlion_jax.train", *argv])
+  assert err == [
+      f"terminated (SIGTERM) at step 3 of 4; the last checkpoint is step 3 "
+      f"in {tmp_path}/checkpoints. Continue with: {command} --resume"]
+  assert rundir.checkpoint_steps(tmp_path) == [2, 3]
+  assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+  monkeypatch.setattr(data_lib.Batches, "__next__", real_next)
+  code, _ = _cli(capsys, shlex.split(err[0].rsplit("Continue with: ", 1)[1])[
+      3:])
+  assert code == 0
+  assert _steps_logged(tmp_path) == [1, 2, 3, 4, 4]
+
+
+def test_sigterm_ends_in_one_line_and_exit_143(tmp_path):
+  """A real SIGTERM (what a scheduler sends on preemption) to a training
+  process: it saves the step it reached and says how to resume."""
+  argv = ["--no-progress", "--set", f"run_dir={tmp_path}",
+          "--set", "model.hidden=[8]", "--set", "train.steps=100000",
+          "--set", "train.checkpoint_every=20", "--set", "train.eval_every=0"]
+  proc = subprocess.Popen([sys.executable, "-m", "dlion_jax.train", *argv],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, cwd=ROOT)
+  deadline = time.monotonic() + 120
+  try:
+    while not rundir.checkpoint_steps(tmp_path):
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, "no checkpoint after 120 s"
+      time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    tic = time.monotonic()
+    out, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert time.monotonic() - tic < 5
+  assert proc.returncode == 143, err
+  assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+  step = int(err.split("terminated (SIGTERM) at step ", 1)[1].split(" ")[0])
+  assert rundir.checkpoint_steps(tmp_path)[-1] == step > 20
+  assert (f"of 100000; the last checkpoint is step {step} in {tmp_path}/"
+          "checkpoints. Continue with: python -m dlion_jax.train "
+          f"{shlex.join(argv)} --resume") in err
+  assert "test accuracy" not in out
+
+
+def _disk_full_at(tmp_path, monkeypatch, step):
+  """Makes orbax fail as it does on a full disk from checkpoint ``step``
+  on: a partial tmp directory left, a logged error and a printed
+  traceback from its threads, then tensorstore's ValueError."""
+  real_save = checkpoint.ocp.CheckpointManager.save
+
+  def full_save(self, at, *args, **kwargs):
+    if at < step:
+      return real_save(self, at, *args, **kwargs)
+    partial = tmp_path / "checkpoints" / f"{at}.orbax-checkpoint-tmp-1"
+    (partial / "state").mkdir(parents=True)
+    (partial / "state" / "_sharding").write_bytes(b"\0" * 100)
+    logging.getLogger("absl").error("_SignalingThread.run() raised")
+    print("Traceback (most recent call last):\nRuntimeError: Event loop "
+          "is closed", file=sys.stderr)
+    raise ValueError(
+        f'RESOURCE_EXHAUSTED: Error writing local file "{partial}/state/'
+        '_sharding": Failed to write 3217 bytes to file 4: No space left on '
+        "device [os_error_code='28']")
+  monkeypatch.setattr(checkpoint.ocp.CheckpointManager, "save", full_save)
+
+
+def test_disk_full_during_a_checkpoint_is_one_line(tmp_path, capsys,
+                                                   monkeypatch):
+  """What failed, the last good checkpoint, what to free; the partial
+  checkpoint is removed and the run resumes from step 2 once there is
+  space (was: 337 lines, 6 tracebacks, then orbax's error)."""
+  _disk_full_at(tmp_path, monkeypatch, 4)
+  argv = _argv(tmp_path)
+  code, err = _cli(capsys, argv)
+  assert code == 1
+  command = shlex.join(["python", "-m", "dlion_jax.train", *argv])
+  assert len(err) == 1, err
+  head, size = err[0].split(", each about ")
+  assert head == (
+      f"error: writing checkpoint step 4 to {tmp_path}/checkpoints failed: "
+      f"no space left on the device. Free space on the file system holding "
+      f"{tmp_path} (delete runs you no longer need, or keep fewer "
+      "checkpoints: train.keep_checkpoints=5")
+  assert re.fullmatch(
+      r"\d+\.\d KiB\); the last checkpoint is step 2 in "
+      + re.escape(f"{tmp_path}/checkpoints. Continue with: {command} "
+                  "--resume"), size), size
+  assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+      "2"]
+  monkeypatch.undo()
+  code, _ = _cli(capsys, argv + ["--resume"])
+  assert code == 0 and rundir.checkpoint_steps(tmp_path) == [2, 4]
+
+
+def test_disk_full_writing_metrics_is_one_line(tmp_path, capsys,
+                                               monkeypatch):
+  from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
+  real_write = trainer._Writer.write  # pylint: disable=protected-access
+
+  def full_write(self, record):
+    if record.get("step", 0) >= 3:
+      raise OSError(errno.ENOSPC, "No space left on device")
+    real_write(self, record)
+  monkeypatch.setattr(trainer._Writer, "write", full_write)  # pylint: disable=protected-access
+  code, err = _cli(capsys, _argv(tmp_path))
+  assert code == 1
+  assert len(err) == 1 and err[0].startswith(
+      f"error: writing to {tmp_path} failed: no space left on the device. "
+      f"Free space on the file system holding {tmp_path} (delete runs you "
+      "no longer need, or keep fewer checkpoints: train.keep_checkpoints=5)"
+      f"; the last checkpoint is step 2 in {tmp_path}/checkpoints. Continue "
+      "with: python -m dlion_jax.train "), err

@@ -17,20 +17,112 @@ naming the step directory and the fix.
 from __future__ import annotations
 
 import contextlib
+import errno
+import io
 import logging
 import pathlib
+import re
+import shutil
 import signal
-import threading
+import sys
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from dlion_jax.train import signals
+
 
 class CheckpointError(ValueError):
   """A checkpoint is unreadable (corrupt, truncated) or does not fit the
   run that restores it."""
+
+
+class DiskFullError(OSError):
+  """A checkpoint could not be written: no space left on the device (or the
+  disk quota is used up).
+
+  Attributes:
+    step: the checkpoint that failed (its partial files are removed).
+    directory: where the checkpoints are.
+    last_good: the newest finished checkpoint's step, or None.
+    checkpoint_bytes: what that checkpoint takes on disk, or None.
+  """
+
+  def __init__(self, message: str, *, step: int, directory: pathlib.Path,
+               last_good: int | None, checkpoint_bytes: int | None):
+    super().__init__(errno.ENOSPC, message)
+    self.step, self.directory = step, directory
+    self.last_good, self.checkpoint_bytes = last_good, checkpoint_bytes
+
+  def __str__(self) -> str:
+    return self.strerror
+
+
+# How tensorstore (under orbax) and the OS say it, e.g. "RESOURCE_EXHAUSTED:
+# Error writing local file ...: No space left on device [os_error_code='28']".
+_DISK_FULL = re.compile(r"no space left on device|disk quota exceeded|"
+                        r"os_error_code='(?:28|122)'", re.IGNORECASE)
+
+
+def disk_full(error: BaseException | None) -> bool:
+  """Whether ``error``, or an error it was raised from, says the disk (or
+  the disk quota) is full."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.errno in (errno.ENOSPC,
+                                                      errno.EDQUOT):
+      return True
+    if _DISK_FULL.search(str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+class _Collect(logging.Handler):
+  def __init__(self):
+    super().__init__()
+    self.records: list[logging.LogRecord] = []
+
+  def emit(self, record):
+    self.records.append(record)
+
+
+@contextlib.contextmanager
+def _quiet_orbax():
+  """Collects absl's log records (where orbax logs) and what is printed to
+  ``sys.stderr`` instead of printing them: a failed save logs each of its
+  threads' tracebacks, and its callbacks into closed event loops print
+  theirs."""
+  absl = logging.getLogger("absl")
+  collect, propagate = _Collect(), absl.propagate
+  handlers, stderr = absl.handlers[:], sys.stderr
+  absl.handlers, absl.propagate = [collect], False
+  sys.stderr = io.StringIO()
+  try:
+    yield collect.records, sys.stderr
+  finally:
+    absl.handlers, absl.propagate = handlers, propagate
+    sys.stderr = stderr
+
+
+def _replay(logged) -> None:
+  """Logs and prints what :func:`_quiet_orbax` collected, where it would
+  have gone; not orbax's note that a SIGTERM's checkpoint is being written
+  (the CLI reports that checkpoint)."""
+  records, printed = logged
+  absl = logging.getLogger("absl")
+  for record in records:
+    if "preemption sync point" not in record.getMessage():
+      absl.handle(record)
+  if printed.getvalue():
+    sys.stderr.write(printed.getvalue())
+
+
+def _size(path: pathlib.Path) -> int:
+  return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
 def _array_name(path) -> str:
@@ -50,22 +142,6 @@ def _short(error: BaseException | str, limit: int = 300) -> str:
   return text if len(text) <= limit else text[:limit] + " ..."
 
 
-@contextlib.contextmanager
-def _ctrl_c_deferred():
-  """Holds SIGINT back until the block ends, then raises KeyboardInterrupt."""
-  if threading.current_thread() is not threading.main_thread():
-    yield
-    return
-  caught = []
-  previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
-  try:
-    yield
-  finally:
-    signal.signal(signal.SIGINT, previous)
-  if caught:
-    raise KeyboardInterrupt
-
-
 class Checkpointer:
   """Saves and restores ``{'params', 'opt_state'}`` plus JSON metadata.
 
@@ -83,14 +159,41 @@ class Checkpointer:
   def save(self, step: int, state: Any, meta: dict) -> None:
     """Writes ``state`` (a pytree of global arrays) and ``meta`` (JSON).
 
-    A Ctrl-C during the write takes effect once it is finished: the
-    checkpoint is complete, and orbax's writer threads are not torn down
-    mid-save (they would print a traceback of their own).
+    A Ctrl-C (or SIGTERM) during the write takes effect once it is
+    finished: the checkpoint is complete, and orbax's writer threads are not
+    torn down mid-save (they would print a traceback of their own).
+
+    Raises:
+      DiskFullError: no space left for it; its partial files are removed
+        (orbax's own log of the failure is not printed).
     """
-    with _ctrl_c_deferred():
-      self._manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
-      self._manager.wait_until_finished()
+    held = ((signal.SIGINT,) if jax.process_count() > 1 else
+            (signal.SIGINT, signal.SIGTERM))   # jax's own, multi-process
+    with signals.deferred(held), _quiet_orbax() as logged:
+      try:
+        self._manager.save(step, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)))
+        self._manager.wait_until_finished()
+      except Exception as e:  # pylint: disable=broad-except
+        if not disk_full(e):
+          _replay(logged)
+          raise
+        raise self._disk_full(step, e) from e
+    _replay(logged)
+
+  def _disk_full(self, step: int, error: BaseException) -> DiskFullError:
+    """Removes the partial checkpoint ``step``; says what is left."""
+    for partial in self.directory.glob(f"{step}.orbax-checkpoint-tmp*"):
+      shutil.rmtree(partial, ignore_errors=True)
+    self._manager.reload()
+    last = self.latest_step()
+    size = None if last is None else _size(self.directory / str(last))
+    full = ("the disk quota is used up" if "quota" in str(error).lower()
+            else "no space left on the device")
+    return DiskFullError(
+        f"writing checkpoint step {step} to {self.directory} failed: {full}",
+        step=step,
+        directory=self.directory, last_good=last, checkpoint_bytes=size)
 
   def latest_step(self) -> int | None:
     """The newest finished checkpoint's step (None if there is none)."""

@@ -4,8 +4,10 @@ The command-line front of :func:`dlion_jax.train.trainer.train`: reads a
 shipped config or a YAML file, applies ``--set`` overrides, starts jax
 (several processes with ``--coordinator``), trains, and turns every expected
 failure into one line on stderr: ``config error: ...`` (exit 2), ``error:
-...`` (exit 1), or, on Ctrl-C, the step reached and how to resume (exit
-130).
+...`` (exit 1; a full disk included: what failed, the last good checkpoint,
+what to free), or, on Ctrl-C (exit 130) or SIGTERM (exit 143, once a
+checkpoint of the step reached is written), the step reached and how to
+resume.
 """
 
 from __future__ import annotations
@@ -15,9 +17,11 @@ import os
 import pathlib
 import re
 import shlex
+import signal
 import sys
 
 from dlion_jax.train import rundir
+from dlion_jax.train import signals
 from dlion_jax.train.config import ConfigError
 from dlion_jax.train.config import load_config
 from dlion_jax.train.config import locate
@@ -171,16 +175,18 @@ def main(argv=None) -> int:
   except ConfigError as e:
     return config_error(e, path, args.overrides)
   try:
-    _start_jax(cfg, args)
-    return _train(cfg, args)
+    with signals.raising():     # SIGTERM ends the run as Ctrl-C does
+      _start_jax(cfg, args)
+      return _train(cfg, args, argv)
   except ConfigError as e:
     return config_error(e, path, args.overrides)
   except KeyboardInterrupt as e:
     return _interrupted(e, cfg, args, argv)
 
 
-def _train(cfg, args) -> int:
+def _train(cfg, args, argv) -> int:
   """Trains; reports an expected failure as one ``error:`` line (exit 1)."""
+  from dlion_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
   try:
     trainer.train(cfg, resume=args.resume, overwrite=args.overwrite,
@@ -190,11 +196,51 @@ def _train(cfg, args) -> int:
   except Exception as e:  # pylint: disable=broad-except
     if args.num_processes > 1 and lost_peer(e):
       _exit_lost_peer(e, cfg, args)
+    if checkpoint.disk_full(e):
+      print(_disk_full(e, cfg, args, argv), file=sys.stderr, flush=True)
+      _EXIT_AT_ONCE.append(1)
+      return 1
     if not isinstance(e, (FileNotFoundError, ValueError, FloatingPointError)):
       raise
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0
+
+
+# Set when the process should end without the interpreter's shutdown: after a
+# full disk, orbax's failed writer threads may still print tracebacks.
+_EXIT_AT_ONCE: list[int] = []
+
+
+def run() -> None:
+  """``python -m dlion_jax.train``: :func:`main`, then exit with its code."""
+  code = main()
+  if _EXIT_AT_ONCE:
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # pylint: disable=protected-access
+  sys.exit(code)
+
+
+def _disk_full(error: Exception, cfg, args, argv) -> str:
+  """One line: what failed, the last good checkpoint, what to free."""
+  size = getattr(error, "checkpoint_bytes", None)
+  each = f", each about {_fmt_bytes(size)}" if size else ""
+  what = (str(error) if getattr(error, "step", None) is not None else
+          f"writing to {cfg.run_path} failed: no space left on the device")
+  return (f"error: {what}. Free space on the file system holding "
+          f"{cfg.run_path.absolute()} (delete runs you no longer need, or "
+          f"keep fewer checkpoints: train.keep_checkpoints="
+          f"{cfg.train.keep_checkpoints}{each}); "
+          f"{_how_to_continue(cfg, args, argv)}")
+
+
+def _fmt_bytes(n: float) -> str:
+  for unit in ("B", "KiB", "MiB", "GiB"):
+    if n < 1024 or unit == "GiB":
+      return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+    n /= 1024
+  return f"{n:.1f} GiB"
 
 
 def config_error(error: ConfigError, path=None, overrides=()) -> int:
@@ -218,18 +264,22 @@ def _related(a: str, b: str) -> bool:
 
 
 def _interrupted(error: KeyboardInterrupt, cfg, args, argv) -> int:
-  """Reports Ctrl-C in one line: the step reached, the last checkpoint and
-  how to continue. Returns 130 (exits at once in a multi-process run, as
-  jax's shutdown barrier would wait for the others)."""
+  """Reports Ctrl-C or SIGTERM in one line: the step reached, the last
+  checkpoint and how to continue. Returns 130 (Ctrl-C) or 143 (SIGTERM),
+  128 + the signal's number; exits at once in a multi-process run, as jax's
+  shutdown barrier would wait for the others."""
+  signum = getattr(error, "signum", signal.SIGINT)
   step = getattr(error, "step", None)
   reached = ("before training started" if step is None else
              f"at step {step} of {cfg.train.steps}")
-  print(f"interrupted {reached}; {_how_to_continue(cfg, args, argv)}",
+  how = "interrupted" if signum == signal.SIGINT else "terminated (SIGTERM)"
+  print(f"{how} {reached}; {_how_to_continue(cfg, args, argv)}",
         file=sys.stderr, flush=True)
+  code = 128 + signum
   if args.num_processes > 1:
     sys.stdout.flush()
-    os._exit(130)  # pylint: disable=protected-access
-  return 130
+    os._exit(code)  # pylint: disable=protected-access
+  return code
 
 
 def _how_to_continue(cfg, args, argv) -> str:

@@ -15,10 +15,12 @@ nodes (:data:`AXIS`) only.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import json
 import math
+import signal
 import time
 from typing import Any, Callable
 
@@ -38,6 +40,7 @@ from dlion_jax.train import data as data_lib
 from dlion_jax.train import models
 from dlion_jax.train import optimizers
 from dlion_jax.train import rundir
+from dlion_jax.train import signals
 from dlion_jax.train.config import Config
 from dlion_jax.train.config import ConfigError
 from dlion_jax.train.config import to_dict
@@ -47,15 +50,16 @@ SHARD_AXIS = "fsdp"    # a hybrid mesh's devices inside one node
 
 
 class Interrupted(KeyboardInterrupt):
-  """Ctrl-C during :func:`train`.
+  """Ctrl-C or SIGTERM during :func:`train`.
 
   Attributes:
     step: the last training step that finished.
+    signum: ``signal.SIGINT`` (Ctrl-C) or ``signal.SIGTERM``.
   """
 
-  def __init__(self, step: int):
+  def __init__(self, step: int, signum: int = signal.SIGINT):
     super().__init__(step)
-    self.step = step
+    self.step, self.signum = step, signum
 
 
 def _model_kwargs(cfg: Config, dataset) -> dict:
@@ -280,7 +284,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
   Raises:
     rundir.RunDirError: the run directory holds another run (fresh run),
       or its checkpoint is of another config (``resume``).
-    Interrupted: on Ctrl-C, with the last step that finished.
+    Interrupted: on Ctrl-C, with the last step that finished; on SIGTERM
+      during training, once the step in progress has finished and a
+      checkpoint of it is written (multi-process: at the step that jax's
+      preemption service agrees on, a step or two later).
   """
   if resume and overwrite:
     raise ValueError("resume=True continues the run in the run directory, "
@@ -302,8 +309,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
   try:
     return _train_from(cfg, run, say=say, progress=progress and main_process,
                        main_process=main_process)
-  except KeyboardInterrupt:
-    raise Interrupted(run.step) from None
+  except KeyboardInterrupt as e:
+    raise Interrupted(run.step, getattr(e, "signum", signal.SIGINT)) from None
 
 
 def _prepare_run_dir(cfg: Config, *, resume: bool, overwrite: bool,
@@ -456,6 +463,36 @@ def _headline(cfg: Config, num_params: int) -> str:
 def _loop(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
           per_worker) -> None:
   """Steps ``run.step`` to ``train.steps``: logs, evaluates, checkpoints."""
+  with _sigterm_at_step_end() as terminated:
+    _steps(cfg, run, compiled, writer=writer, bar=bar, run_eval=run_eval,
+           per_worker=per_worker, terminated=terminated)
+
+
+def _sigterm_at_step_end():
+  """SIGTERM held until the step in progress ends (single process); a
+  multi-process run leaves it to jax's preemption service."""
+  if jax.process_count() > 1:
+    return contextlib.nullcontext([])
+  return signals.held()
+
+
+def _terminate(cfg: Config, run: _Run, terminated: list[int]) -> None:
+  """After a SIGTERM: saves a checkpoint of the step just done and raises
+  Terminated. After the last step no checkpoint is saved: it would mark the
+  run finished, without its summary."""
+  if not terminated and not (
+      jax.process_count() > 1
+      and multihost_utils.reached_preemption_sync_point(run.step)):
+    return
+  if run.step < cfg.train.steps:
+    _save(run.ckpt, run.step, run.params, run.opt_state, run.batches, cfg)
+  raise signals.Terminated
+
+
+def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
+           per_worker, terminated) -> None:
+  """:func:`_loop`'s steps; ``terminated`` is not empty once a SIGTERM
+  arrived."""
   schedule = optimizers.make_schedule(cfg.optimizer, cfg.train.steps)
   tic, last_step = time.perf_counter(), run.step
   for step in range(run.step, cfg.train.steps):
@@ -480,6 +517,7 @@ def _loop(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
       tic, last_step = time.perf_counter(), done
     if bar is not None:
       bar.update(1)
+    _terminate(cfg, run, terminated)
     if (cfg.train.eval_every and done % cfg.train.eval_every == 0
         and done < cfg.train.steps):
       writer.write({"step": done, **run_eval(run.params)})
