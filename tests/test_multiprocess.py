@@ -155,6 +155,51 @@ def test_launcher_forwards_ctrl_c():
   assert "SIGINT" in err
 
 
+def test_sigterm_to_the_launcher_saves_a_step_both_processes_agree_on(
+    tmp_path):
+  """SIGTERM (a scheduler's preemption) to the launcher reaches both
+  training processes; jax's preemption service picks one step for both,
+  they checkpoint it and each says how to resume (was: killed silently,
+  SIGKILL after the launcher's 5 s grace, progress since the last
+  checkpoint lost)."""
+  pytest.importorskip("flax", reason="the train CLI needs the [examples] "
+                      "extra")
+  sets = [a for s in ["workers=2", "model.hidden=[8]", "train.steps=100000",
+                      "train.checkpoint_every=20", "train.eval_every=0",
+                      f"run_dir={tmp_path}"] for a in ("--set", s)]
+  proc = subprocess.Popen(
+      LAUNCH + ["-n", "2", "--timeout", "150", "--", PY, "-m",
+                "dlion_jax.train", "--no-progress", *sets],
+      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+  first = tmp_path / "checkpoints" / "20"
+  deadline = time.monotonic() + 120
+  try:
+    while not first.is_dir():
+      assert proc.poll() is None, proc.communicate()
+      assert time.monotonic() < deadline, "no checkpoint after 120 s"
+      time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert proc.returncode == 143, err
+  assert "Traceback" not in err and "was killed by SIGKILL" not in err, err
+  lines = {i: [line for line in err.splitlines()
+               if line.startswith(f"[{i}] terminated (SIGTERM) at step ")]
+           for i in (0, 1)}
+  assert len(lines[0]) == 1 and len(lines[1]) == 1, err
+  step = int(lines[0][0].split(" at step ")[1].split(" ")[0])
+  assert step > 20 and f" at step {step} of " in lines[1][0], err
+  saved = sorted(int(p.name) for p in (tmp_path / "checkpoints").iterdir()
+                 if p.name.isdigit())
+  assert saved[-1] == step, (saved, err)
+  assert (f"the last checkpoint is step {step} in {tmp_path}/checkpoints. "
+          "Continue on every process with: python -m dlion_jax.train "
+          "--no-progress ") in lines[0][0]
+  assert lines[0][0].endswith(" --resume")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["-n", "2", "python", "-c", "1"], "missing '--' before the command"),
     (["-n", "2", "--"], "no command after '--'"),
