@@ -126,6 +126,32 @@ def test_pmap_example_script():
   assert accuracy > 0.6, out
 
 
+@pytest.mark.parametrize("module, package, program, argv", [
+    ("yaml", "pyyaml", "dlion_jax.train", ["--help"]),
+    ("flax", "flax", "dlion_jax.train", ["--no-progress"]),
+    ("sklearn", "scikit-learn", "dlion_jax.train", ["--no-progress"]),
+    ("flax", "flax", "dlion_jax.train.pmap_example", ["--steps", "1"]),
+])
+def test_without_the_examples_extra_says_how_to_install_it(
+    tmp_path, module, package, program, argv):
+  """``sys.modules[module] = None`` makes its import fail as it does when
+  the package is not installed (was: a ModuleNotFoundError traceback)."""
+  if program == "dlion_jax.train" and argv != ["--help"]:
+    argv += ["--set", "train.steps=2", "--set", f"run_dir={tmp_path}"]
+  code = (f"import runpy, sys; sys.modules[{module!r}] = None; "
+          f"sys.argv = ['x', *{argv!r}]; "
+          f"runpy.run_module({program!r}, run_name='__main__')")
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                       text=True, timeout=120)
+  assert out.returncode == 1, out.stderr
+  assert out.stderr.splitlines() == [
+      f"error: python -m {program} needs the [examples] extra (flax, "
+      "orbax-checkpoint, pyyaml, tqdm, matplotlib, scikit-learn), and "
+      f'{package} is not installed. Install it with: pip install '
+      '"dlion_jax[examples]" (in a clone of the repository: pip install -e '
+      '".[examples]")']
+
+
 def test_help_is_plain_text_listing_configs_and_optimizers(capsys,
                                                            monkeypatch):
   from dlion_jax.train.config import OPTIMIZER_NAMES  # pylint: disable=g-import-not-at-top

@@ -1,5 +1,15 @@
 """``python -m dlion_jax.train``; see :mod:`dlion_jax.train.cli`."""
 
-from dlion_jax.train.cli import run
+import sys
+
+from dlion_jax.train import missing_extra
+
+try:
+  from dlion_jax.train.cli import run
+except ModuleNotFoundError as e:
+  line = missing_extra(e, "python -m dlion_jax.train")
+  if line is None:
+    raise
+  sys.exit(line)
 
 run()

@@ -20,6 +20,7 @@ import shlex
 import signal
 import sys
 
+from dlion_jax.train import missing_extra
 from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import ConfigError
@@ -186,14 +187,17 @@ def main(argv=None) -> int:
 
 def _train(cfg, args, argv) -> int:
   """Trains; reports an expected failure as one ``error:`` line (exit 1)."""
-  from dlion_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
-  from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
   try:
+    from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
     trainer.train(cfg, resume=args.resume, overwrite=args.overwrite,
                   progress=not args.no_progress)
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except
+    if missing_extra(e, PROG):
+      print(missing_extra(e, PROG), file=sys.stderr)
+      return 1
+    from dlion_jax.train import checkpoint  # pylint: disable=g-import-not-at-top
     if args.num_processes > 1 and lost_peer(e):
       _exit_lost_peer(e, cfg, args)
     if checkpoint.disk_full(e):

@@ -10,6 +10,9 @@ holds each device's own momentum, and the step votes over the ``pmap`` axis.
 from __future__ import annotations
 
 import argparse
+import sys
+
+from dlion_jax.train import missing_extra
 
 
 def main(argv=None) -> float:
@@ -55,4 +58,10 @@ def main(argv=None) -> float:
 
 
 if __name__ == "__main__":
-  main()
+  try:
+    main()
+  except ModuleNotFoundError as e:
+    line = missing_extra(e, "python -m dlion_jax.train.pmap_example")
+    if line is None:
+      raise
+    sys.exit(line)
