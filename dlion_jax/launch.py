@@ -11,12 +11,14 @@ Each line a process prints is prefixed with ``[i] `` (stdout to stdout,
 stderr to stderr). If any process exits with a non-zero code, the launcher
 stops the others at once (their collectives would otherwise wait for the
 missing process until jax's own timeouts) and exits with that code, naming
-the process. Ctrl-C is forwarded to every process.
+the process. Ctrl-C and SIGTERM are forwarded to every process (the train
+CLI then checkpoints the step its processes agree on and says how to
+resume).
 
 Usage::
 
-  python -m dlion_jax.launch -n 2 -- \\
-      python -m dlion_jax.train --config quickstart --set train.steps=20
+  python -m dlion_jax.launch -n 2 -- python -m dlion_jax.train \\
+      --set workers=2 --set run_dir=runs/quickstart-2proc
   python -m dlion_jax.launch -n 4 --port 12345 --timeout 600 -- python my.py
 
 Options:
@@ -56,15 +58,35 @@ def free_port(host: str = HOST) -> int:
     return s.getsockname()[1]
 
 
+PROG = "python -m dlion_jax.launch"
+# --help's text: the module docstring's, without its reStructuredText.
+DESCRIPTION = """\
+Starts N local processes of a multi-process JAX command (everything after
+--, run as is, without a shell). Each gets the environment that
+jax.distributed.initialize and python -m dlion_jax.train read:
+  JAX_COORDINATOR_ADDRESS=127.0.0.1:PORT   (process 0 serves it)
+  JAX_NUM_PROCESSES=N
+  JAX_PROCESS_ID=i                         (0 .. N-1)
+Each line a process prints is prefixed with [i]. If one process fails, the
+others are stopped at once."""
+EPILOG = f"""\
+exit status: 0 when every process exits 0; the first failing process's code
+(128 + the signal's number if a signal killed it); 124 after --timeout; 130
+on Ctrl-C and 143 on SIGTERM, both forwarded to every process (SIGKILL
+{GRACE_S:g} s later); 2 for a usage error.
+
+examples:
+  {PROG} -n 2 -- python -m dlion_jax.train \\
+      --set workers=2 --set run_dir=runs/quickstart-2proc
+  {PROG} -n 4 --port 12345 --timeout 600 -- python my.py"""
+
+
 def _parser() -> argparse.ArgumentParser:
-  doc = __doc__ or ""
   parser = argparse.ArgumentParser(
-      prog="python -m dlion_jax.launch",
+      prog=PROG,
       usage="%(prog)s -n N [--port PORT] [--timeout S] -- COMMAND [ARG ...]",
-      description=doc.split("\n", 1)[0],
-      formatter_class=argparse.RawDescriptionHelpFormatter,
-      epilog="Example:\n  %(prog)s -n 2 -- python -m dlion_jax.train "
-             "--set train.steps=20")
+      description=DESCRIPTION,
+      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
   parser.add_argument("-n", "--num-processes", type=int, required=True,
                       metavar="N", help="how many processes to start")
   parser.add_argument("--port", type=int,

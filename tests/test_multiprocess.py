@@ -216,6 +216,22 @@ def test_launcher_usage_errors(argv, message, capsys):
   assert message in err and "usage:" in err
 
 
+def test_launcher_help_is_plain_text_with_its_own_run_dir(capsys):
+  """--help: no reStructuredText, and its example trains in a run_dir of
+  its own (was: the quickstart's runs/quickstart, which then refused the
+  quickstart)."""
+  from dlion_jax import launch  # pylint: disable=g-import-not-at-top
+  with pytest.raises(SystemExit) as exit_info:
+    launch.main(["--help"])
+  assert exit_info.value.code == 0
+  out = capsys.readouterr().out
+  assert "``" not in out and "::" not in out, out
+  assert "JAX_PROCESS_ID" in out and "143 on SIGTERM" in out
+  example = out.split("examples:\n", 1)[1].split("\n  python", 1)[0]
+  assert "dlion_jax.train" in example, out
+  assert "--set run_dir=runs/quickstart-2proc" in example, out
+
+
 def test_launcher_timeout():
   out = _run(LAUNCH + ["-n", "2", "--timeout", "1", "--", PY, "-c",
                        "import time; time.sleep(60)"], timeout=30)
