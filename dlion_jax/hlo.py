@@ -9,9 +9,11 @@ algorithms (``N`` workers, a ``B``-byte buffer):
 * all-gather of a ``B``-byte result, all-to-all of a ``B``-byte buffer:
   ``(N - 1) / N * B``; reduce-scatter of a ``B``-byte result: ``(N - 1) B``
 
-Collectives in loops count once per trip (XLA's ``known_trip_count``);
-those in branches of conditionals are marked, since they run only on the
-steps that take the branch (a scheduled momentum sync).
+Collectives in loops count once per trip (XLA's ``known_trip_count``).
+A conditional runs one of its branches per call, so it counts one: the
+branch that sends the most (what a step sends at most: a scheduled momentum
+sync), or with ``conditional=False`` the one that sends the least (what
+every step sends); collectives in branches are marked ``conditional``.
 
 :func:`collective_bytes_by_axis` splits the same figure by the mesh axes
 each collective crosses, read off its replica groups: on a hybrid mesh the
@@ -20,12 +22,14 @@ bytes under the slow axis are the ones that cost.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from collections.abc import Mapping
 from collections.abc import Sequence
 import dataclasses
 import math
 import re
 
+import jax
 import numpy as np
 
 _OPS = {
@@ -84,11 +88,19 @@ _TRIP_COUNT = re.compile(
     r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(?P<n>\d+)')
 # These name the computation their async-start already ran.
 _NOT_CALLING = ("async-update", "async-done")
+# Text that is not compiled HLO: StableHLO (``Lowered.as_text()``), and HLO
+# still carrying the annotations the SPMD partitioner consumes
+# (``Lowered.as_text(dialect="hlo")``; Shardy's or GSPMD's).
+_MLIR = re.compile(r"\bfunc\.func\b|\bstablehlo\.[a-z]")
+_UNPARTITIONED = re.compile(
+    r'xla\.sdy\.|custom_call_target="(?:Sharding|SPMDFullToShardShape|'
+    r'SPMDShardToFullShape)"')
 
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
 Groups = tuple[tuple[int, ...], ...]
 AxisKey = str | tuple[str, ...]
+Pick = Callable[..., list] | None   # max or min over a conditional's branches
 
 
 def _shape_bytes(shape: str) -> int:
@@ -145,7 +157,7 @@ class Collective:
   result_bytes: int  # bytes of the result (all tuple elements)
   group_size: int    # workers taking part
   sent_bytes: float  # bytes each worker sends per run, by the conventions above
-  conditional: bool = False  # in a branch of a conditional (lax.cond)
+  conditional: bool = False  # in a branch of a conditional (cond, switch)
   count: int = 1     # runs per call: trip counts of the enclosing loops
   replica_groups: Groups | None = None  # None: every device, one group
   instruction: str = ""  # the HLO instruction's name
@@ -353,23 +365,92 @@ def _unknown_trips(call: _Call, callee: str) -> ValueError:
       "its bytes by the number of steps.")
 
 
+def _branch_bytes(found: list[Collective]) -> float:
+  return sum(c.bytes_per_call for c in found)
+
+
 def _walk(computations: dict, sending: set, name, count: int,
-          conditional: bool, seen: frozenset):
-  """Yields the collectives ``name`` runs, each with its runs per call."""
+          conditional: bool, seen: frozenset, pick: Pick):
+  """Yields the collectives ``name`` runs, each with its runs per call.
+
+  ``pick`` (``max`` or ``min``) keeps, of a conditional's branches, the one
+  sending the most or the least; None keeps every branch.
+  """
   for item in computations.get(name, ()):
     if isinstance(item, Collective):
       yield dataclasses.replace(item, conditional=conditional, count=count)
       continue
+    branches = []
     for callee, runs, branch in item.callees:
       if callee in seen or callee not in sending:
+        branches += [[]] if branch else []
         continue
       if runs is None:
         raise _unknown_trips(item, callee)
-      yield from _walk(computations, sending, callee, count * runs,
-                       conditional or branch, seen | {callee})
+      found = _walk(computations, sending, callee, count * runs,
+                    conditional or branch, seen | {callee}, pick)
+      if branch and pick:
+        branches.append(list(found))
+      else:
+        yield from found
+    if branches and pick:
+      yield from pick(branches, key=_branch_bytes)
 
 
-def collectives(hlo_text: str) -> list[Collective]:
+def _module_text(value, where: tuple[str, str]) -> str:
+  """The HLO text of a ``Compiled`` or a string; refuses earlier stages,
+  whose collectives XLA has not all inserted yet."""
+  if isinstance(value, str):
+    return value
+  if isinstance(value, jax.stages.Compiled):
+    return value.as_text()
+  function, arg = where
+  if isinstance(value, jax.stages.Lowered):
+    name, fix = "a jax.stages.Lowered", "lowered.compile()"
+  elif isinstance(value, jax.stages.Traced):
+    name, fix = "a jax.stages.Traced", "traced.lower().compile()"
+  elif callable(value) and hasattr(value, "lower"):
+    name, fix = "a jitted function", "jit(f).lower(*args).compile()"
+  else:
+    raise TypeError(
+        f"{function}: {arg} must be a jax.stages.Compiled "
+        "(jit(f).lower(*args).compile()) or its HLO text (.as_text()), got "
+        f"{type(value).__name__}: {_short(value)}.")
+  raise TypeError(
+      f"{function}: {arg} is {name}, not a compiled function. The reader "
+      "counts the collectives of the compiled HLO; before compiling, those "
+      "the SPMD partitioner inserts for jit's shardings are missing and "
+      f"loops carry no trip count. Pass {fix} (or its .as_text()).")
+
+
+def _uncompiled(text: str, where: tuple[str, str], sending: set) -> None:
+  """Refuses text that is not compiled HLO where it would read too little:
+  StableHLO, and unpartitioned HLO without any collective."""
+  function, arg = where
+  fix = "Pass jit(f).lower(...).compile() or its .as_text()."
+  if _MLIR.search(text) and not text.lstrip().startswith("HloModule"):
+    raise ValueError(
+        f"{function}: {arg} is StableHLO (MLIR) text, which this reader "
+        f"cannot read. {fix}")
+  if not sending and _UNPARTITIONED.search(text):
+    raise ValueError(
+        f"{function}: {arg} is HLO that XLA has not partitioned (it still "
+        "carries jit's sharding annotations) and holds no collective: those "
+        f"the partitioner inserts are not in it yet. {fix}")
+
+
+def _collectives(value, where: tuple[str, str],
+                 pick: Pick = None) -> list[Collective]:
+  text = _module_text(value, where)
+  computations, roots = _parse(text)
+  sending = _sending(computations)
+  _uncompiled(text, where, sending)
+  return [c for root in roots
+          for c in _walk(computations, sending, root, 1, False,
+                         frozenset([root]), pick)]
+
+
+def collectives(hlo_text) -> list[Collective]:
   """Lists the collectives of an HLO module's text.
 
   Collectives in a while loop (``lax.scan``, ``lax.fori_loop``) run once
@@ -377,8 +458,12 @@ def collectives(hlo_text: str) -> list[Collective]:
   of the trip counts of the loops around them, which XLA writes into each
   compiled loop's ``backend_config`` (``"known_trip_count":{"n":"10"}``).
 
+  Every branch of a conditional is listed, though a call runs only one: to
+  total them, use :func:`collective_bytes`, which counts one branch.
+
   Args:
-    hlo_text: ``jitted.lower(*args).compile().as_text()``.
+    hlo_text: ``jitted.lower(*args).compile().as_text()``, or the
+      ``jax.stages.Compiled`` itself.
 
   Returns:
     One :class:`Collective` per instruction and way to reach it from the
@@ -388,44 +473,53 @@ def collectives(hlo_text: str) -> list[Collective]:
 
   Raises:
     ValueError: a while loop whose trip count XLA does not know (a
-      ``lax.while_loop`` with a data-dependent bound) runs collectives.
+      ``lax.while_loop`` with a data-dependent bound) runs collectives; or
+      the text is StableHLO, or HLO not yet partitioned that holds no
+      collective (``Lowered.as_text()``: compile it first).
+    TypeError: ``hlo_text`` is a ``Lowered``, a ``Traced`` or a function.
   """
-  computations, roots = _parse(hlo_text)
-  sending = _sending(computations)
-  return [c for root in roots
-          for c in _walk(computations, sending, root, 1, False,
-                         frozenset([root]))]
+  return _collectives(hlo_text, ("collectives", "hlo_text"))
 
 
 def collective_bytes(compiled_or_text, *, conditional: bool = True) -> float:
   """Bytes each worker sends per call of a compiled function.
 
   A collective in a loop counts once per trip (``lax.scan`` over 10 steps:
-  10 steps' bytes); a loop whose trip count is not static is refused.
+  10 steps' bytes); a loop whose trip count is not static is refused. A
+  conditional (``lax.cond``, ``lax.switch``) runs one branch per call, so it
+  counts one branch: the one that sends the most bytes in all (the first
+  such), or with ``conditional=False`` the least. Branches are picked
+  inside out: a conditional in a branch counts its own pick.
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled``
-      (``jit(f).lower(...).compile()``) or its HLO text.
-    conditional: count the collectives in branches of conditionals too (an
-      upper bound: a step that syncs momenta); ``False`` gives what a step
-      taking no such branch sends.
+      (``jit(f).lower(...).compile()``) or its HLO text. A ``Lowered`` is
+      refused: its collectives are not all in it yet.
+    conditional: ``True`` counts each conditional's largest branch: what a
+      step sends at most (a step that syncs momenta). ``False`` counts its
+      smallest: what every step sends (a step without a sync; 0 for a
+      branch that sends nothing). Collectives outside conditionals count
+      the same either way.
 
   Returns:
-    The sum of :attr:`Collective.bytes_per_call` over the module.
+    The sum of :attr:`Collective.bytes_per_call` over the collectives
+    counted.
 
   Raises:
-    ValueError: collectives in a while loop of unknown trip count (see
-      :func:`collectives`).
+    ValueError: collectives in a while loop of unknown trip count, or text
+      that is not compiled HLO (see :func:`collectives`).
+    TypeError: ``compiled_or_text`` is a ``Lowered``, a ``Traced`` or a
+      function: compile it.
   """
-  return sum(c.bytes_per_call for c in _counted(compiled_or_text,
-                                                 conditional))
+  return sum(c.bytes_per_call for c in _counted(
+      compiled_or_text, conditional, "collective_bytes"))
 
 
-def _counted(compiled_or_text, conditional: bool) -> list[Collective]:
+def _counted(compiled_or_text, conditional: bool,
+             function: str) -> list[Collective]:
   """The collectives :func:`collective_bytes` counts."""
-  text = compiled_or_text if isinstance(compiled_or_text, str) else (
-      compiled_or_text.as_text())
-  return [c for c in collectives(text) if conditional or not c.conditional]
+  return _collectives(compiled_or_text, (function, "compiled_or_text"),
+                      max if conditional else min)
 
 
 def _short(value, limit: int = 120) -> str:
@@ -474,6 +568,8 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled`` or its HLO text.
+      Each conditional counts one branch, picked by its bytes in all (as
+      :func:`collective_bytes`), so the values add up to that figure.
     mesh: the ``jax.sharding.Mesh`` (or ``AbstractMesh``) the function was
       compiled on: the HLO's device ids are positions in
       ``mesh.devices.flat``, so its device order must be the module's.
@@ -490,7 +586,10 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
   Raises:
     ValueError: a collective whose groups are not those of any axes of
       ``mesh`` (a subset of an axis, or another mesh); or, as
-      :func:`collective_bytes`, a loop of unknown trip count.
+      :func:`collective_bytes`, a loop of unknown trip count or text that
+      is not compiled HLO.
+    TypeError: ``compiled_or_text`` is not compiled (as
+      :func:`collective_bytes`), or ``mesh`` is not a mesh.
 
   Example:
     >>> from jax.sharding import AbstractMesh
@@ -510,7 +609,8 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
         "function was compiled on, e.g. parallel.hybrid_mesh(nodes).")
   shape = dict(shape)
   out = {name: 0.0 for name in shape}
-  for c in _counted(compiled_or_text, conditional):
+  for c in _counted(compiled_or_text, conditional,
+                    "collective_bytes_by_axis"):
     key = _axis_key(c, shape)
     out[key] = out.get(key, 0.0) + c.bytes_per_call
   return out

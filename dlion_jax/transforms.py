@@ -9,7 +9,6 @@ worker at once. ``dl.apply_if_finite`` and ``dl.parallel`` re-export them.
 from __future__ import annotations
 
 import jax
-import jax.extend.core as jex
 import jax.numpy as jnp
 import optax
 from jax import lax
@@ -55,11 +54,16 @@ def apply_if_finite(inner: optax.GradientTransformation,
   after 40 s); under ``vmap`` both branches run and the skipping worker keeps
   its old parameters while the others move. Here the finiteness flag is
   all-reduced over ``axis_name`` (one int32 ``psum``) first, so every worker
-  takes the same branch: a step with a non-finite gradient on *any* worker is
+  decides alike: a step with a non-finite gradient on *any* worker is
   skipped on *every* worker (parameters and every worker's state unchanged,
   ``notfinite_count`` the same everywhere), and after
   ``max_consecutive_errors`` such steps every worker gives up and applies
-  the update together. In a hybrid step
+  the update together. The inner update, its vote included, runs on every
+  step and a select keeps it or the old state: its collectives sit in no
+  conditional, so :func:`dlion_jax.collective_bytes` counts the vote with
+  ``conditional=False`` too (a skipped step sends what an applied one
+  does), and an applied step equals the inner optimizer's bit for bit.
+  In a hybrid step
   (:func:`dlion_jax.parallel.make_train_step` with ``shard_axis``) each
   device sees only its shard of the gradients, so the flag is also summed
   over the shard axis: a node skips or applies a step as one.
@@ -90,21 +94,15 @@ def apply_if_finite(inner: optax.GradientTransformation,
     isfinite = bad_workers == 0
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
                                 optax.safe_increment(state.notfinite_count))
-    # Traced once; the skip branch returns zeros typed like the inner
-    # update, which may differ from the gradients (bf16 params, f32 mu).
-    args = (updates, state.inner_state, params, extra_args)
-    closed, out_shape = jax.make_jaxpr(
-        lambda u, s, p, e: inner.update(u, s, p, **e),
-        return_shape=True)(*args)
-    def apply():
-      flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
-      return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
-    def skip():
-      zeros = jax.tree.map(lambda g, u: jnp.zeros_like(g, dtype=u.dtype),
-                           updates, out_shape[0])
-      return zeros, state.inner_state
-    updates, inner_state = lax.cond(
-        isfinite | (notfinite_count > max_consecutive_errors), apply, skip)
+    # A select, not a lax.cond: in a branch the vote would read as sent only
+    # on some steps, and XLA would fuse the update unlike the inner's own.
+    new_updates, new_state = inner.update(updates, state.inner_state, params,
+                                          **extra_args)
+    apply = isfinite | (notfinite_count > max_consecutive_errors)
+    updates = jax.tree.map(
+        lambda u: jnp.where(apply, u, jnp.zeros_like(u)), new_updates)
+    inner_state = jax.tree.map(lambda new, old: jnp.where(apply, new, old),
+                               new_state, state.inner_state)
     return updates, optax.ApplyIfFiniteState(
         notfinite_count=notfinite_count, last_finite=isfinite,
         total_notfinite=jnp.where(isfinite, state.total_notfinite,

@@ -316,7 +316,7 @@ def compile_steps(num_workers, steps, **options):
 
   fn = jax.jit(parallel.per_worker(
       local, mesh, axis_name=AXIS, ins=("replicated", "replicated", "stacked"),
-      outs=("replicated", "replicated")))
+      outs=("replicated", "stacked")))
   params = {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in SHAPES.items()}
   lead = (num_workers,) if steps is None else (num_workers, steps)
   grads = {k: jax.ShapeDtypeStruct(lead + s, jnp.float32)
@@ -372,6 +372,30 @@ def test_scan_inside_cond_stays_conditional():
   assert (c.count, c.conditional) == (5, True)
   assert accounting.collective_bytes(text) == 5 * 2 * 7 / 8 * 256
   assert accounting.collective_bytes(text, conditional=False) == 0
+
+
+def _psum_bytes(floats, n=8):
+  """What one ring all-reduce of ``floats`` float32s over n workers sends."""
+  return 2 * (n - 1) / n * 4 * floats
+
+
+@pytest.mark.parametrize("sizes", [(64, 64, 64), (16, 64, 32)])
+def test_switch_counts_one_branch(sizes):
+  """lax.switch runs one branch a call: its largest, or with
+  conditional=False its smallest, not the sum of the three."""
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  branches = [lambda y, s=s: y.at[:s].set(lax.psum(y[:s], AXIS))
+              for s in sizes]
+  fn = lambda x: lax.switch(x[0].astype(jnp.int32) % 3, branches, x)
+  text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
+  found = accounting.collectives(text)
+  assert sorted(c.result_bytes for c in found) == sorted(4 * s for s in sizes)
+  assert all(c.conditional for c in found)
+  assert accounting.collective_bytes(text) == _psum_bytes(max(sizes))
+  assert accounting.collective_bytes(text, conditional=False) == (
+      _psum_bytes(min(sizes)))
+  by_axis = dl.collective_bytes_by_axis(text, mesh)
+  assert by_axis == {AXIS: _psum_bytes(max(sizes))}
 
 
 def test_fori_loop_with_static_bounds_counts_each_trip():
@@ -457,6 +481,75 @@ def test_handwritten_loop_module():
                                      conditional=False) == pytest.approx(sent)
   assert accounting.collective_bytes(_LOOP_MODULE) == pytest.approx(
       sent + 6 * 2 * 7 / 8 * 64)
+
+
+_SWITCH_MODULE = _HEADER + """
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%one (p: f32[16]) -> f32[16] {
+  %p = f32[16]{0} parameter(0)
+  ROOT %ar16 = f32[16]{0} all-reduce(%p), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%gather (q: f32[16]) -> f32[16] {
+  %q = f32[16]{0} parameter(0)
+  ROOT %ag16 = f32[16]{0} all-gather(%q), replica_groups=[1,8]<=[8], dimensions={0}
+}
+
+%cond (u: f32[16]) -> pred[] {
+  %u = f32[16]{0} parameter(0)
+  ROOT %w = pred[] constant(false)
+}
+
+%loop (r: f32[16]) -> f32[16] {
+  %r = f32[16]{0} parameter(0)
+  ROOT %l = f32[16]{0} while(%r), condition=%cond, body=%gather, backend_config={"known_trip_count":{"n":"3"}}
+}
+
+%sync (v: f32[64]) -> f32[64] {
+  %v = f32[64]{0} parameter(0)
+  ROOT %ar64 = f32[64]{0} all-reduce(%v), replica_groups=[1,8]<=[8], to_apply=%add
+}
+
+%keep (k: f32[64]) -> f32[64] {
+  ROOT %k = f32[64]{0} parameter(0)
+}
+
+%nested (t: f32[64]) -> f32[64] {
+  %t = f32[64]{0} parameter(0)
+  %ag8 = f32[8]{0} all-gather(%t), replica_groups=[1,8]<=[8], dimensions={0}
+  %pr = pred[] constant(true)
+  ROOT %inner = f32[64]{0} conditional(%pr, %t, %t), true_computation=%sync, false_computation=%keep
+}
+
+ENTRY %main (x: f32[16], y: f32[64], i: s32[]) -> f32[16] {
+  %x = f32[16]{0} parameter(0)
+  %y = f32[64]{0} parameter(1)
+  %i = s32[] parameter(2)
+  %outer = f32[64]{0} conditional(%i, %y, %y, %y), branch_computations={%one, %loop, %nested}
+  ROOT %after = f32[16]{0} all-reduce(%x), replica_groups=[1,8]<=[8], to_apply=%add
+}
+"""
+
+
+def test_nested_conditionals_count_their_largest_or_smallest_branch():
+  """Branches sending 112 (%one), 3 x 56 (%loop) and 28 + a nested
+  conditional of 448 or 0 (%nested); an all-reduce of 112 after them."""
+  found = accounting.collectives(_SWITCH_MODULE)
+  assert [(c.instruction, c.count, c.conditional) for c in found] == [
+      ("ar16", 1, True), ("ag16", 3, True), ("ag8", 1, True),
+      ("ar64", 1, True), ("after", 1, False)]
+  ar16, ag16, ag8, ar64 = (_psum_bytes(16), 7 / 8 * 64, 7 / 8 * 32,
+                           _psum_bytes(64))
+  assert accounting.collective_bytes(_SWITCH_MODULE) == pytest.approx(
+      ar16 + max(ar16, 3 * ag16, ag8 + ar64))
+  assert accounting.collective_bytes(
+      _SWITCH_MODULE, conditional=False) == pytest.approx(
+          ar16 + min(ar16, 3 * ag16, ag8 + 0))
 
 
 def test_async_wrapper_counts_once():

@@ -128,3 +128,59 @@ def test_dynamic_while_loop_with_collectives_is_refused():
     dl.collective_bytes(compiled)
   with pytest.raises(ValueError, match=message):
     accounting.collectives(compiled.as_text())
+
+
+# --- what was not compiled -------------------------------------------------
+
+
+def _sharded_sum():
+  """``jnp.sum`` of a vector sharded over 8 devices: jit inserts its
+  all-reduce of one float32 only when it partitions the module."""
+  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  x = jax.ShapeDtypeStruct((8 * 64,), jnp.float32,
+                           sharding=jax.NamedSharding(mesh, P(AXIS)))
+  return jax.jit(jnp.sum), x, mesh
+
+
+@pytest.mark.parametrize("stage,kind,fix", [
+    (lambda f, x: f.lower(x), "a jax.stages.Lowered",
+     r"Pass lowered\.compile\(\)"),
+    (lambda f, x: f.trace(x), "a jax.stages.Traced",
+     r"Pass traced\.lower\(\)\.compile\(\)"),
+    (lambda f, x: f, "a jitted function",
+     r"Pass jit\(f\)\.lower\(\*args\)\.compile\(\)"),
+], ids=["lowered", "traced", "function"])
+def test_uncompiled_stages_are_refused(stage, kind, fix):
+  fn, x, mesh = _sharded_sum()
+  for name, count in [
+      ("collective_bytes", dl.collective_bytes),
+      ("collective_bytes_by_axis",
+       lambda v: dl.collective_bytes_by_axis(v, mesh))]:
+    message = (rf"{name}: compiled_or_text is {kind}, not a compiled "
+               rf"function.*{fix}")
+    with pytest.raises(TypeError, match=message):
+      count(stage(fn, x))
+  with pytest.raises(TypeError, match=r"collective_bytes: compiled_or_text "
+                     r"must be a jax\.stages\.Compiled.*got int"):
+    dl.collective_bytes(3)
+  # what the fix gives: one all-reduce of a float32 over 8 devices
+  assert dl.collective_bytes(fn.lower(x).compile()) == 2 * 7 / 8 * 4
+
+
+def test_uncompiled_texts_are_refused():
+  fn, x, _ = _sharded_sum()
+  lowered = fn.lower(x)
+  with pytest.raises(ValueError, match=(
+      r"collective_bytes: compiled_or_text is StableHLO \(MLIR\) text, which "
+      r"this reader cannot read\. Pass jit\(f\)\.lower\(\.\.\.\)\.compile\(\) "
+      r"or its \.as_text\(\)\.")):
+    dl.collective_bytes(lowered.as_text())
+  with pytest.raises(ValueError, match=(
+      r"collectives: hlo_text is HLO that XLA has not partitioned \(it still "
+      r"carries jit's sharding annotations\) and holds no collective: those "
+      r"the partitioner inserts are not in it yet\. Pass "
+      r"jit\(f\)\.lower\(\.\.\.\)\.compile\(\) or its \.as_text\(\)\.")):
+    accounting.collectives(lowered.as_text(dialect="hlo"))
+  with pytest.raises(ValueError, match="has not partitioned"):
+    dl.collective_bytes(lowered.as_text(dialect="hlo"))
+  assert dl.collective_bytes(lowered.compile().as_text()) == 2 * 7 / 8 * 4

@@ -270,3 +270,52 @@ def test_guard_on_another_axis_names_the_argument():
         _grads(0))
   assert_names(e, "dl.apply_if_finite", "axis_name='data'",
                "dl.apply_if_finite(tx, 5, axis_name=")
+
+
+def _compiled_step(tx):
+  """The compiled step of ``tx`` on N workers (never run)."""
+  mesh = parallel.data_mesh(N, axis_name=AXIS)
+  step = parallel.make_train_step(
+      lambda p, x: sum(jax.numpy.sum(p[k] * x[k]) for k in p), tx, mesh,
+      donate=False)
+  params = parallel.replicate(_params(), mesh)
+  return step.lower(params, parallel.init_worker_states(tx, params, mesh),
+                    parallel.shard_batch(_grads(0), mesh)).compile()
+
+
+@pytest.mark.parametrize("sync", [None, 3])
+def test_guarded_vote_is_counted_as_sent_on_every_step(sync):
+  """The guard adds its flag (one int32 psum) to what a step sends; the
+  vote stays out of its conditional, so conditional=False keeps it and
+  only a momentum sync is left out. Was: the vote ran in the guard's
+  lax.cond and conditional=False left only the flag."""
+  inner = dl.distributed_lion(LR, axis_name=AXIS, momentum_sync=sync)
+  plain = _compiled_step(inner)
+  guarded = _compiled_step(dl.apply_if_finite(inner, 3))
+  flag = 2 * (N - 1) / N * 4
+  for conditional in (True, False):
+    assert dl.collective_bytes(guarded, conditional=conditional) == (
+        dl.collective_bytes(plain, conditional=conditional) + flag)
+  assert dl.collective_bytes(plain, conditional=False) > flag
+  synced = [c for c in dl.accounting.collectives(guarded.as_text())
+            if c.conditional]
+  assert len(synced) == (sync is not None)
+
+
+@pytest.mark.parametrize("options", [
+    dict(), dict(momentum_sync=2, vote="ternary", comm="psum"),
+    dict(error_feedback=True, aggregation="avg")])
+def test_guard_on_finite_steps_is_the_unguarded_optimizer(options):
+  """On finite steps the guarded optimizer's params and updates equal the
+  inner one's bit for bit (was: an ulp apart where the weight decay term
+  decided, the update being computed in a branch of a lax.cond)."""
+  inner = dl.distributed_lion(LR, axis_name=AXIS, weight_decay=0.1,
+                              **options)
+  seq = [_grads(i) for i in range(4)]
+  run = lambda tx: run_on_mesh({"t": tx}, _params(), seq, N,
+                               check_vma=False)["t"]
+  params, _, updates = run(inner)
+  guarded_params, _, guarded_updates = run(dl.apply_if_finite(inner, 3))
+  jax.tree.map(np.testing.assert_array_equal, (guarded_params,
+                                               guarded_updates),
+               (params, updates))
