@@ -320,7 +320,8 @@ _LAYOUTS = ("replicated", "stacked", "split")
 
 def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
                ins: tuple[str, ...], outs: tuple[str, ...] | str,
-               check_vma: bool = False) -> Callable:
+               check_vma: bool = False,
+               check_replicated: bool = True) -> Callable:
   """``jax.shard_map`` of ``fn``, written for one worker.
 
   Each positional argument and each output of ``fn`` has one of three
@@ -333,6 +334,15 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   * ``"split"``: the leading axis is split over the workers
     (``P(axis_name)``), e.g. a global batch. ``fn`` sees its slice.
 
+  A ``"replicated"`` output must be equal on every worker: ``shard_map``
+  returns worker 0's copy without looking at the others. With
+  ``check_replicated`` (and no ``check_vma``, more than one worker) ``fn``
+  is traced once more to check that: a value computed from a ``"split"``
+  argument, or from a floating-point leaf of a ``"stacked"`` one, must pass
+  through a reduction over the axis (``psum``, ``pmean``, ``all_gather``,
+  ...). Integer leaves of ``"stacked"`` arguments are taken as equal on
+  every worker (step counters every worker advances alike).
+
   Args:
     fn: one worker's computation; it may use collectives over ``axis_name``.
     mesh: the device mesh; ``axis_name`` must be one of its axes.
@@ -341,10 +351,15 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     ins: the layout of each positional argument.
     outs: the layout of each output of ``fn``, or one layout when ``fn``
       returns a single pytree rather than a tuple.
-    check_vma: passed to :func:`jax.shard_map`.
+    check_vma: passed to :func:`jax.shard_map` (JAX's own, stricter check
+      of the replicated outputs).
+    check_replicated: check the ``"replicated"`` outputs as above; turn it
+      off for a value that is equal on every worker by construction.
 
   Returns:
-    The mapped function (not jitted) on the global arrays.
+    The mapped function (not jitted) on the global arrays. It raises a
+    ValueError for a ``"stacked"`` argument whose leading axis is not ``N``
+    and for a ``"replicated"`` output that differs between workers.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -356,27 +371,91 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     >>> jax.jit(fn)(jnp.ones(2), jnp.ones((1, 2)))
     Array([2., 2.], dtype=float32)
   """
-  _size(mesh, axis_name)
+  n = _size(mesh, axis_name)
   single = isinstance(outs, str)
-  outs_ = (outs,) if single else tuple(outs)
+  ins, outs_ = tuple(ins), (outs,) if single else tuple(outs)
   for name, layouts in (("ins", ins), ("outs", outs_)):
     bad = [x for x in layouts if x not in _LAYOUTS]
     if bad:
       raise ValueError(f"per_worker: {name} has {bad[0]!r}; each layout is "
                        f"one of {_LAYOUTS}.")
+  checked = _replication_checked(fn, ins, outs_, single, axis_name) if (
+      check_replicated and not check_vma and n > 1
+      and "replicated" in outs_) else fn
   spec = lambda layout: P() if layout == "replicated" else P(axis_name)
   def local(*args):
     args = [jax.tree.map(lambda x: x[0], a) if k == "stacked" else a
-            for a, k in zip(args, ins, strict=True)]
-    out = fn(*args)
-    out = (out,) if single else out
+            for a, k in zip(args, ins)]
+    out = checked(*args)
+    out = (out,) if single else _outputs(out, outs_)
     out = tuple(jax.tree.map(lambda x: x[None], o) if k == "stacked" else o
-                for o, k in zip(out, outs_, strict=True))
+                for o, k in zip(out, outs_))
     return out[0] if single else out
   out_specs = tuple(map(spec, outs_))
-  return jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
-                       out_specs=out_specs[0] if single else out_specs,
-                       check_vma=check_vma)
+  mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
+                         out_specs=out_specs[0] if single else out_specs,
+                         check_vma=check_vma)
+  def call(*args):
+    if len(args) != len(ins):
+      raise TypeError(
+          f"per_worker: the function got {len(args)} positional arguments "
+          f"but ins gives {len(ins)} layouts {ins}; give one layout per "
+          "argument.")
+    for i, (arg, layout) in enumerate(zip(args, ins)):
+      if layout == "stacked":
+        _check_leading_axis(
+            arg, n, f"per_worker argument {i} (\"stacked\")",
+            "one row per worker", "Stack one row per worker, or lay the "
+            "argument out \"split\" if its rows are to be divided among "
+            "the workers.")
+    return mapped(*args)
+  return call
+
+
+def _outputs(out, outs: tuple[str, ...]) -> tuple:
+  if not isinstance(out, (tuple, list)) or len(out) != len(outs):
+    got = (f"{len(out)} outputs" if isinstance(out, (tuple, list))
+           else f"one {type(out).__name__}")
+    raise ValueError(
+        f"per_worker: fn returned {got} but outs gives {len(outs)} layouts "
+        f"{outs}; return a tuple with one output per layout, or pass one "
+        "layout as a string for a single output.")
+  return tuple(out)
+
+
+def _replication_checked(fn, ins, outs, single, axis_name) -> Callable:
+  """``fn``, traced once to check that its ``"replicated"`` outputs are
+  equal on every worker (:mod:`dlion_jax._drift`)."""
+  axes = frozenset(axis_name if isinstance(axis_name, tuple) else
+                   (axis_name,))
+  def varies(leaf, layout):
+    if layout == "split":
+      return axes
+    if layout == "stacked" and _differentiable(leaf):
+      return axes
+    return frozenset()
+  def checked(*args):
+    closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
+    varying = [varies(leaf, layout) for a, layout in zip(args, ins)
+               for leaf in jax.tree.leaves(a)]
+    flags = iter(_drift.varying_outputs(closed, varying))
+    shapes = (shape,) if single else _outputs(shape, outs)
+    for i, (out, layout) in enumerate(zip(shapes, outs)):
+      for path, _ in jax.tree_util.tree_leaves_with_path(out):
+        if next(flags) and layout == "replicated":
+          raise ValueError(
+              f"per_worker: output {i} is laid out \"replicated\" but its "
+              f"leaf {jax.tree_util.keystr(path) or '<root>'} differs from "
+              "worker to worker (it comes from a \"split\" or "
+              "\"stacked\" argument without a reduction over "
+              f"{axis_name!r}): shard_map would return worker 0's. Reduce it "
+              f"in fn (e.g. jax.lax.pmean(x, {axis_name!r})), lay it out "
+              "\"stacked\" to get every worker's, or pass "
+              "check_replicated=False if it is equal on every worker by "
+              "construction.")
+    flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shape), flat)
+  return checked
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -462,7 +541,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   step = per_worker(local_step, mesh, axis_name=workers,
                     ins=("replicated", "stacked", "split"),
                     outs=("replicated", "stacked", "replicated"),
-                    check_vma=check_vma)
+                    check_vma=check_vma, check_replicated=False)
 
   def checked_step(params, state, batch):
     _check_worker_states(state, n, shard_axis)

@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from jax import lax
 
 import dlion_jax as dl
 from dlion_jax import parallel
@@ -413,8 +414,8 @@ def test_micro_batches_accept_an_empty_batch_leaf():
   step = parallel.make_train_step(loss, tx, mesh, micro_batches=2)
   batch = parallel.shard_batch({"x": jnp.ones((4 * N, 3)),
                                 "mask": jnp.ones((4 * N, 0))}, mesh)
-  _, _, l = step(p, parallel.init_worker_states(tx, p, mesh), batch)
-  assert float(l) == 9.0
+  _, _, loss = step(p, parallel.init_worker_states(tx, p, mesh), batch)
+  assert float(loss) == 9.0
 
 
 def test_steps_take_keyword_arguments():
@@ -436,3 +437,39 @@ def test_steps_take_keyword_arguments():
                         batch=local)
   chex.assert_trees_all_equal(params_single(new),
                               jax.device_get(step(p, s, batch)[0]))
+
+
+def test_per_worker_checks_stacked_rows_and_replicated_outputs():
+  """Was: a "stacked" argument of 8 rows on 4 workers silently kept rows
+  0, 2, 4, 6; a "replicated" output of a per-worker value returned worker
+  0's; a layout list of the wrong length said "zip() argument 2 is
+  longer"."""
+  mesh = parallel.data_mesh(N)
+  double = parallel.per_worker(lambda x: 2 * x, mesh, ins=("stacked",),
+                               outs="stacked")
+  with pytest.raises(ValueError) as e:
+    double(jnp.ones((2 * N, 3)))
+  assert_names(e, "per_worker argument 0", "shape (8, 3)", "size 4",
+               '"split"')
+  np.testing.assert_array_equal(double(jnp.ones((N, 3))), 2 * np.ones((N, 3)))
+  local = parallel.per_worker(lambda x: 2 * x, mesh, ins=("stacked",),
+                              outs="replicated")
+  with pytest.raises(ValueError) as e:
+    jax.jit(local)(jnp.arange(float(N)))
+  assert_names(e, "output 0", '"replicated"', "jax.lax.pmean(x, 'data')",
+               '"stacked"', "check_replicated=False")
+  mean = parallel.per_worker(lambda x: lax.pmean(2 * x, "data"), mesh,
+                             ins=("stacked",), outs="replicated")
+  assert float(jax.jit(mean)(jnp.arange(float(N)))) == N - 1.0
+  counter = parallel.per_worker(lambda c, x: (c + 1, x), mesh,
+                                ins=("stacked", "split"),
+                                outs=("replicated", "split"))
+  assert int(jax.jit(counter)(jnp.zeros(N, jnp.int32), jnp.ones(8))[0]) == 1
+  with pytest.raises(TypeError) as e:
+    double(jnp.ones((N, 3)), jnp.ones((N, 3)))
+  assert_names(e, "2 positional arguments", "1 layouts")
+  pair = parallel.per_worker(lambda x: (x, x), mesh, ins=("stacked",),
+                             outs=("stacked",))
+  with pytest.raises(ValueError) as e:
+    pair(jnp.ones((N, 3)))
+  assert_names(e, "returned 2 outputs", "1 layouts")

@@ -131,7 +131,8 @@ def make_step(tx: optax.GradientTransformation, mesh, *,
   # worker 0's copy.
   step = parallel.per_worker(local, mesh, axis_name=AXIS,
                              ins=("replicated", "stacked", grads_in),
-                             outs=("replicated", "stacked"))
+                             outs=("replicated", "stacked"),
+                             check_replicated=False)
   return jax.jit(step, donate_argnums=(0, 1))
 
 
