@@ -199,3 +199,33 @@ def test_binary_config_file_is_a_config_error(tmp_path, capsys):
   assert capsys.readouterr().err.splitlines() == [
       f"config error: {binary}: not a UTF-8 text file (byte 8); --config "
       "takes a YAML file."]
+
+
+def test_a_warmup_longer_than_the_run_warns(tmp_path, capsys):
+  """fashion_mnist_mlp has warmup_steps=100; a 50-step run of it never
+  reaches its learning rate (was: no word about it)."""
+  pytest.importorskip("flax", reason="trains: the [examples] extra")
+  sets = ["train.steps=50", "data.name=digits", "model.hidden=[8]",
+          "train.eval_every=0", f"run_dir={tmp_path}"]
+  assert cli.main(["--config", "fashion_mnist_mlp", "--no-progress",
+                   *[a for s in sets for a in ("--set", s)]]) == 0
+  assert capsys.readouterr().err.splitlines() == [
+      "warning: optimizer.warmup_steps=100 is not below train.steps=50: the "
+      "learning rate rises for the whole run and ends at 0.00049, never "
+      "reaching optimizer.learning_rate=0.001, and the cosine decay never "
+      "starts. Lower it, e.g. --set optimizer.warmup_steps=5."]
+
+
+def test_schedule_warning_only_for_a_warmup_as_long_as_the_run():
+  from dlion_jax.train.config import schedule_warning  # pylint: disable=g-import-not-at-top
+  path = cli.resolve_config("quickstart")          # warmup_steps: 20
+  assert schedule_warning(load_config(path)) is None
+  assert schedule_warning(load_config(path, ["train.steps=21"])) is None
+  assert schedule_warning(load_config(path, ["train.steps=4",
+                                             "optimizer.warmup_steps=0"])
+                          ) is None
+  assert schedule_warning(load_config(path, [
+      "train.steps=20", "optimizer.schedule=constant"])).startswith(
+          "optimizer.warmup_steps=20 is not below train.steps=20: the "
+          "learning rate rises for the whole run and ends at 0.00285, never "
+          "reaching optimizer.learning_rate=0.003. Lower it")

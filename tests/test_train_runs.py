@@ -29,7 +29,8 @@ pytestmark = pytest.mark.integration
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 TINY = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=0",
-        "train.log_every=1", "model.hidden=[8]", "train.keep_checkpoints=5"]
+        "train.log_every=1", "model.hidden=[8]", "train.keep_checkpoints=5",
+        "optimizer.warmup_steps=0"]
 
 
 def _argv(run_dir, *overrides):

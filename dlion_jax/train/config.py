@@ -225,6 +225,22 @@ def validate(config: Config) -> Config:
   return config
 
 
+def schedule_warning(config: Config) -> str | None:
+  """What is odd about the learning-rate schedule, if anything: a warmup
+  as long as the run, or longer, so the rate never reaches its peak."""
+  opt, steps = config.optimizer, config.train.steps
+  if not opt.warmup_steps or opt.warmup_steps < steps:
+    return None
+  reached = opt.learning_rate * (steps - 1) / opt.warmup_steps
+  return (f"optimizer.warmup_steps={opt.warmup_steps} is not below "
+          f"train.steps={steps}: the learning rate rises for the whole run "
+          f"and ends at {reached:.3g}, never reaching "
+          f"optimizer.learning_rate={opt.learning_rate:g}"
+          + ("" if opt.schedule == "constant" else
+             ", and the cosine decay never starts")
+          + f". Lower it, e.g. --set optimizer.warmup_steps={steps // 10}.")
+
+
 # The data.limit_* keys each dataset's loader takes.
 _LIMITS = {"fashion_mnist": ("limit_train", "limit_test"),
            "text": ("limit_test",), "digits": ()}

@@ -21,6 +21,7 @@ import functools
 import json
 import math
 import signal
+import sys
 import time
 from typing import Any, Callable
 
@@ -43,6 +44,7 @@ from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import Config
 from dlion_jax.train.config import ConfigError
+from dlion_jax.train.config import schedule_warning
 from dlion_jax.train.config import to_dict
 
 AXIS = "data"          # the optimizer's axis: workers, or nodes if hybrid
@@ -305,6 +307,8 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     say(f"resumed from step {start}")
   if main_process:
     _start_files(cfg, start)
+    if schedule_warning(cfg):
+      print(f"warning: {schedule_warning(cfg)}", file=sys.stderr, flush=True)
   run.step = start
   try:
     return _train_from(cfg, run, say=say, progress=progress and main_process,
