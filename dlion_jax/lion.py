@@ -303,7 +303,10 @@ def distributed_lion(
   worker its *local* gradient: no gradient all-reduce is needed.
 
   Args:
-    learning_rate: a float or an optax schedule.
+    learning_rate: a float or an optax schedule. Under
+      ``jax.shard_map(..., check_vma=True)`` a schedule reads the step count
+      after one 4-byte ``pmax`` over the workers, so that JAX can tell the
+      update is the same on every worker.
     b1: rate combining the momentum and the current gradient.
     b2: decay rate of the momentum.
     mu_dtype: dtype of the momentum; ``None`` infers it from the params.
@@ -351,6 +354,34 @@ def distributed_lion(
           bits=bits, momentum_sync=momentum_sync,
           momentum_sync_mask=momentum_sync_mask,
           min_compress_size=min_compress_size, error_feedback=error_feedback),
-      optax.add_decayed_weights(weight_decay, mask),
-      optax.scale_by_learning_rate(learning_rate),
+      optax.add_decayed_weights(_replicated_schedule(weight_decay), mask),
+      optax.scale_by_learning_rate(_replicated_schedule(learning_rate)),
   )
+
+
+def _replicated_schedule(value: optax.ScalarOrSchedule):
+  """A schedule whose step count is typed equal on every worker.
+
+  Inside ``jax.shard_map(..., check_vma=True)`` the per-worker optimizer
+  state, and so the step count a schedule reads, is typed as varying over
+  the workers, although every worker counts alike: the learning rate, and
+  with it the new params, would be typed per worker and the step refused
+  ("out_specs ... could not infer replication"). There the count takes its
+  maximum over those axes, one 4-byte all-reduce a step. Elsewhere
+  (``check_vma=False``, ``pmap``, ``vmap``) the schedule runs unchanged.
+  """
+  if not callable(value):
+    return value
+  def schedule(count):
+    axes = _varying_axes(count)
+    return value(jax.lax.pmax(count, axes) if axes else count)
+  return schedule
+
+
+def _varying_axes(x) -> tuple:
+  """The mesh axes ``check_vma`` types ``x`` as varying over (in jax <= 0.9
+  ``aval.vma``, later ``aval.manual_axis_type.varying``)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  axes = getattr(aval, "vma", None) if manual is None else manual.varying
+  return tuple(sorted(axes or (), key=str))

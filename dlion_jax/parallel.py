@@ -493,9 +493,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       statically that the new params are replicated; the parameters are then
       marked per-worker before differentiation so that JAX does not insert
       its implicit gradient all-reduce. The check fails whenever per-worker
-      optimizer state enters after the vote (e.g. a learning-rate schedule
-      reads its step count from the per-worker state), although the values
-      are identical on every worker; hence off by default.
+      optimizer state enters after the vote although it is identical on
+      every worker (a schedule outside ``dl.distributed_lion`` reading its
+      own step count, a learning rate under ``optax.inject_hyperparams``);
+      hence off by default, with this module's own check of the new params.
     donate: donate ``params`` and ``state`` buffers to the step.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
       scalars, e.g. accuracy) is averaged over workers and returned with the

@@ -473,3 +473,27 @@ def test_per_worker_checks_stacked_rows_and_replicated_outputs():
   with pytest.raises(ValueError) as e:
     pair(jnp.ones((N, 3)))
   assert_names(e, "returned 2 outputs", "1 layouts")
+
+
+def test_schedules_work_under_check_vma_and_match_it_off():
+  """Was: JAX's "out_specs ... could not infer replication" under
+  check_vma=True, since a schedule read the per-worker (varying) count."""
+  params, batches = make_problem(3)
+  tx = dl.distributed_lion(
+      optax.warmup_cosine_decay_schedule(0.0, 3e-2, 2, 6),
+      weight_decay=optax.linear_schedule(1e-2, 0.0, 6), axis_name="data")
+  on = train_shard_map(tx, params, batches, check_vma=True)
+  off = train_shard_map(tx, params, batches, check_vma=False)
+  chex.assert_trees_all_equal(on[0], off[0])
+  assert on[2] == off[2] and on[2][-1] < on[2][0]
+  mesh = parallel.data_mesh(N)
+  p = parallel.replicate(params, mesh)
+  s = parallel.init_worker_states(tx, p, mesh)
+  b = parallel.shard_batch(batches[0], mesh)
+  constant = dl.distributed_lion(3e-2, weight_decay=1e-2, axis_name="data")
+  plain = parallel.make_train_step(loss_fn, constant, mesh)
+  s0 = parallel.init_worker_states(constant, p, mesh)
+  # Off, the schedule adds no collective; on, one 4-byte pmax each.
+  sent = lambda step, s: dl.collective_bytes(step.lower(p, s, b).compile())
+  assert sent(off[3], s) == sent(plain, s0)
+  assert sent(on[3], s) > sent(plain, s0)

@@ -31,6 +31,23 @@ def test_readme_example_runs(tmp_path):
   assert f"sent {bits:.2f} bits/param/step" in readme.replace("\n", " ")
 
 
+def test_readme_example_runs_with_a_schedule(tmp_path):
+  """Was: JAX's "out_specs ... could not infer replication" (the Example's
+  shard_map checks replication, and a schedule read the per-worker count)."""
+  code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                   re.S).group(1)
+  lr = "optax.warmup_cosine_decay_schedule(0.0, 1e-2, 30, 300)"
+  scheduled = code.replace("dl.distributed_lion(1e-2,",
+                           f"dl.distributed_lion({lr},")
+  assert scheduled != code
+  script = tmp_path / "example.py"
+  script.write_text(scheduled)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(re.search(r"loss (\S+);", out.stdout).group(1)) < 5.0
+
+
 def _clone_folder(readme: str) -> str:
   """The folder the README's ``git clone ... && cd ...`` line creates."""
   line = re.search(r"^git clone .*$", readme, re.M).group(0)
