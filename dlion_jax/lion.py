@@ -50,12 +50,23 @@ class ErrorFeedbackState(NamedTuple):
 
 def _check_state(state, state_type):
   # Field names, not the class: optax's ScaleByLionState is accepted too.
-  if getattr(state, "_fields", None) != state_type._fields:
+  if getattr(state, "_fields", None) == state_type._fields:
+    return
+  if isinstance(state, dict) and set(state) == set(state_type._fields):
     raise TypeError(
         f"state must be the {state_type.__name__} made by this transform's "
-        f"`init`, got {type(state).__name__}. Re-create the optimizer state "
-        "with `tx.init(params)` when switching optimizers or options "
-        "(error_feedback changes the state).")
+        f"`init`, got a dict of its fields ({', '.join(state)}): a state "
+        "restored without its structure (orbax gives plain dicts and lists "
+        "when restoring without a target). Restore onto a freshly built "
+        "state: checkpointer.restore(path, dl.parallel.init_worker_states("
+        "tx, params, mesh)) for the per-worker states of "
+        "parallel.make_train_step (parallel.init_pmap_states(tx, params) "
+        "for make_pmap_train_step, tx.init(params) for one worker).")
+  raise TypeError(
+      f"state must be the {state_type.__name__} made by this transform's "
+      f"`init`, got {type(state).__name__}. Re-create the optimizer state "
+      "with `tx.init(params)` when switching optimizers or options "
+      "(error_feedback changes the state).")
 
 
 def _min_compress_size(value) -> int:

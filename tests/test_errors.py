@@ -1,5 +1,6 @@
 """Misuse gives an error that names the argument, the value and the fix."""
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,7 +81,7 @@ def test_state_from_another_optimizer():
   """Another optimizer's state: the state wanted, the one given, the fix."""
   tx = dl.scale_by_distributed_lion()
   for state, got in ((optax.scale_by_adam().init(PARAMS), "ScaleByAdamState"),
-                     ({"count": 0, "mu": PARAMS}, "got dict")):
+                     ({"count": 0, "mu": PARAMS}, "got a dict")):
     with pytest.raises(TypeError) as e:
       tx.update(PARAMS, state)
     assert_names(e, "DistributedLionState", got, "tx.init(params)")
@@ -118,3 +119,31 @@ def test_nan_votes_are_deterministic():
     out = jax.vmap(lambda x: tx.update(x, tx.init(x))[0],
                    axis_name="data")(g)
     np.testing.assert_array_equal(out[0], expected)
+
+
+def test_state_restored_without_a_target_says_how_to_restore(tmp_path):
+  """Was: "Re-create the optimizer state with tx.init(params)", which loses
+  the run's momenta; orbax restores NamedTuples as dicts without a target."""
+  ocp = pytest.importorskip("orbax.checkpoint")
+  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
+  mesh = parallel.data_mesh(4)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(1e-2, axis_name="data"))
+  params = parallel.replicate({"w": jnp.ones((3, 5))}, mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  step = parallel.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2),
+                                  tx, mesh, donate=False)
+  batch = parallel.shard_batch(jnp.ones((8, 3)), mesh)
+  state = step(params, state, batch)[1]
+  checkpointer = ocp.StandardCheckpointer()
+  checkpointer.save(tmp_path / "state", state)
+  checkpointer.wait_until_finished()
+  with pytest.raises(TypeError) as e:
+    step(params, checkpointer.restore(tmp_path / "state"), batch)
+  assert_names(e, "got a dict of its fields (count, mu)", "without a target",
+               "checkpointer.restore(path, dl.parallel.init_worker_states("
+               "tx, params, mesh))")
+  restored = checkpointer.restore(
+      tmp_path / "state", parallel.init_worker_states(tx, params, mesh))
+  chex.assert_trees_all_equal(restored, state)
+  step(params, restored, batch)

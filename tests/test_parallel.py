@@ -497,3 +497,24 @@ def test_schedules_work_under_check_vma_and_match_it_off():
   sent = lambda step, s: dl.collective_bytes(step.lower(p, s, b).compile())
   assert sent(off[3], s) == sent(plain, s0)
   assert sent(on[3], s) > sent(plain, s0)
+
+
+def test_setting_an_injected_learning_rate_in_per_worker_states():
+  """The README's recipe: every worker's copy of the learning rate, set with
+  the leaf's own sharding, trains like an optimizer built with that rate."""
+  params, batches = make_problem(4)
+  mesh = parallel.data_mesh(N)
+  p = parallel.replicate(params, mesh)
+  batch = parallel.shard_batch(batches[0], mesh)
+  tx = optax.inject_hyperparams(dl.distributed_lion, static_args=(
+      "axis_name",))(learning_rate=1e-2, axis_name="data")
+  state = parallel.init_worker_states(tx, p, mesh)
+  lr = state.hyperparams["learning_rate"]
+  state.hyperparams["learning_rate"] = jax.device_put(
+      jnp.full_like(lr, 3e-4), lr.sharding)
+  new = parallel.make_train_step(loss_fn, tx, mesh, donate=False)(
+      p, state, batch)[0]
+  fixed = dl.distributed_lion(3e-4, axis_name="data")
+  want = parallel.make_train_step(loss_fn, fixed, mesh, donate=False)(
+      p, parallel.init_worker_states(fixed, p, mesh), batch)[0]
+  chex.assert_trees_all_equal(new, want)
