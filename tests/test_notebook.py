@@ -1,9 +1,12 @@
 """notebooks/quickstart.ipynb runs top to bottom and draws its plots."""
 
 import base64
+import importlib.util
 import json
 import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 
@@ -70,3 +73,57 @@ def test_notebook_runs_and_plots(tmp_path, monkeypatch):
   dlion = json.loads((tmp_path / "runs" / "dlion" / "summary.json").read_text())
   lion = json.loads((tmp_path / "runs" / "lion" / "summary.json").read_text())
   assert dlion["sent_bytes_per_step"] * 10 < lion["sent_bytes_per_step"]
+
+
+def _install_cell() -> str:
+  nb = nbformat.read(NOTEBOOK, as_version=4)
+  return next(c.source for c in nb.cells if c.cell_type == "code"
+              and "pip" in c.source)
+
+
+def test_install_cell_installs_this_clone(monkeypatch):
+  """The install cell, run with flax missing, installs the clone the
+  notebook is in (was: `pip install dlion_jax[examples]` from a package
+  index that does not have it, and a URL with an <owner> placeholder)."""
+  assert "<owner>" not in NOTEBOOK.read_text()
+  repo = NOTEBOOK.parent.parent
+  calls = []
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "flax" else
+                      real(name, *a))
+  monkeypatch.setattr(subprocess, "check_call", calls.append)
+  monkeypatch.chdir(NOTEBOOK.parent)
+  exec(_install_cell(), {})  # pylint: disable=exec-used
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q", "-e",
+                    f"{repo}[examples]"]]
+  project = (repo / "pyproject.toml").read_text()
+  assert 'name = "dlion_jax"' in project and "examples = [" in project
+
+
+def test_install_cell_outside_a_clone_says_what_to_do(tmp_path, monkeypatch):
+  real = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "flax" else
+                      real(name, *a))
+  monkeypatch.setattr(subprocess, "check_call", pytest.fail)
+  (tmp_path / "notebooks").mkdir()
+  monkeypatch.chdir(tmp_path / "notebooks")
+  with pytest.raises(RuntimeError, match=r"missing: flax\. Run this notebook "
+                     r"from notebooks/ in a clone of the repository, or "
+                     r'install dlion_jax first: pip install -e "\.\[examples'
+                     r'\]" in the clone\.'):
+    exec(_install_cell(), {})  # pylint: disable=exec-used
+
+
+def test_notebook_runs_are_ignored_by_git():
+  """The notebook's default run_dir, runs/notebook next to it, is not
+  offered for a commit (was: only the repository's own runs/ was
+  ignored)."""
+  repo = NOTEBOOK.parent.parent
+  if not (repo / ".git").exists():
+    pytest.skip("not a git checkout")
+  ignored = subprocess.run(
+      ["git", "check-ignore", "-q", "notebooks/runs/notebook/dlion/"
+       "metrics.jsonl"], cwd=repo, check=False)
+  assert ignored.returncode == 0

@@ -18,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import json
 import math
 import signal
@@ -171,13 +172,29 @@ class _Writer:
         f.write(json.dumps(record) + "\n")
 
 
+# Seconds between redraws of a progress bar that is not on a terminal (a
+# notebook without widgets, a log file, the launcher's pipes), where every
+# redraw is kept: a few lines a run, not one every 0.1 s.
+QUIET_REDRAW_S = 10.0
+
+
 def _progress(total: int, initial: int, enabled: bool):
+  """A tqdm bar: a widget in a notebook with ipywidgets, else text, redrawn
+  every 0.1 s on a terminal and every :data:`QUIET_REDRAW_S` elsewhere."""
   try:
-    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import std  # pylint: disable=g-import-not-at-top
   except ImportError:
     return None
+  tqdm, widget = std.tqdm, False
+  if importlib.util.find_spec("ipywidgets") is not None:
+    # Without ipywidgets, tqdm.auto would warn in a notebook, then draw text.
+    from tqdm import notebook  # pylint: disable=g-import-not-at-top
+    from tqdm.auto import tqdm  # pylint: disable=g-import-not-at-top
+    widget = issubclass(tqdm, notebook.tqdm)
+  quiet = not widget and not (enabled and sys.stderr.isatty())
   return tqdm(total=total, initial=initial, disable=not enabled,
-              unit="step", dynamic_ncols=True)
+              unit="step", dynamic_ncols=True,
+              mininterval=QUIET_REDRAW_S if quiet else 0.1)
 
 
 def _fmt_bytes(n: float) -> str:
@@ -517,7 +534,8 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
                     "learning_rate": float(schedule(step)),
                     "examples_per_s": rate})
       if bar is not None:
-        bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:,.0f}")
+        bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:,.0f}",
+                        refresh=False)     # shown at the next redraw
       tic, last_step = time.perf_counter(), done
     if bar is not None:
       bar.update(1)
