@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     return _interrupted(e, cfg, args, argv)
 
 
-def _train(cfg, args, argv) -> int:
+def _train(cfg, args, argv=()) -> int:
   """Trains; reports an expected failure as one ``error:`` line (exit 1)."""
   try:
     from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
