@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import jax
 import jax.extend.core as jex
 
 Axes = frozenset
@@ -26,7 +27,7 @@ _NONE: Axes = frozenset()
 
 # Collectives whose result is equal on every worker of their axes.
 _INVARIANT = frozenset({"psum", "psum_invariant", "pmax", "pmin",
-                        "all_gather", "all_gather_invariant"})
+                        "all_gather", "all_gather_invariant", "pbroadcast"})
 # Collectives (and axis_index) whose result differs from worker to worker.
 _PER_WORKER = frozenset({"all_to_all", "ragged_all_to_all", "ppermute",
                          "reduce_scatter", "psum_scatter", "axis_index"})
@@ -66,6 +67,8 @@ def _union(axes: Sequence[Axes]) -> Axes:
 
 def _equation(eqn, ins: list[Axes]) -> list[Axes]:
   name, n_out = eqn.primitive.name, len(eqn.outvars)
+  if eqn.params.get("axis_index_groups") is not None:   # pmap: per group
+    name = "grouped " + name
   if name in _INVARIANT or name in _PER_WORKER:
     axes = _axes(eqn)
     move = (lambda a: a - axes) if name in _INVARIANT else (
@@ -117,3 +120,20 @@ def _while(eqn, ins: list[Axes]) -> list[Axes]:
   (predicate,) = varying_outputs(eqn.params["cond_jaxpr"],
                                  cond_consts + carry)
   return [a | predicate for a in carry]
+
+
+def typed_varying_axes(x) -> tuple:
+  """The mesh axes ``shard_map(check_vma=True)`` types ``x`` as varying over
+  (``aval.vma`` in older jax, ``aval.manual_axis_type.varying`` later)."""
+  aval = jax.typeof(x)
+  manual = getattr(aval, "manual_axis_type", None)
+  axes = getattr(aval, "vma", None) if manual is None else manual.varying
+  return tuple(sorted(axes or (), key=str))
+
+
+def typed_same_on_every_worker(x):
+  """``x``, a value every worker holds alike (a step count in per-worker
+  state), typed so for ``check_vma``: its ``pmax`` over the axes it is typed
+  varying over, one small all-reduce; unchanged (no collective) elsewhere."""
+  axes = typed_varying_axes(x)
+  return jax.lax.pmax(x, axes) if axes else x

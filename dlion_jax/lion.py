@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from dlion_jax import _drift
 from dlion_jax import exchange
 from dlion_jax import message
 from dlion_jax import quantize
@@ -383,16 +384,4 @@ def _replicated_schedule(value: optax.ScalarOrSchedule):
   """
   if not callable(value):
     return value
-  def schedule(count):
-    axes = _varying_axes(count)
-    return value(jax.lax.pmax(count, axes) if axes else count)
-  return schedule
-
-
-def _varying_axes(x) -> tuple:
-  """The mesh axes ``check_vma`` types ``x`` as varying over (in jax <= 0.9
-  ``aval.vma``, later ``aval.manual_axis_type.varying``)."""
-  aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)
-  axes = getattr(aval, "vma", None) if manual is None else manual.varying
-  return tuple(sorted(axes or (), key=str))
+  return lambda count: value(_drift.typed_same_on_every_worker(count))

@@ -127,7 +127,10 @@ def _marker(out: Any) -> jax.Array | None:
   """A one-entry copy of an output of a call, ready once the call's part on
   its first device is: what to wait on for the call (the outputs themselves
   may be donated to the next call, and are deleted by then)."""
-  arrays = [x for x in jax.tree.leaves(out)
+  leaves = jax.tree.leaves(out)
+  if any(isinstance(x, jax.core.Tracer) for x in leaves):
+    return None                  # traced inside jit, scan, eval_shape, ...
+  arrays = [x for x in leaves
             if isinstance(x, jax.Array) and x.size and not x.is_deleted()]
   if not arrays:
     return None
@@ -340,8 +343,9 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   is traced once more to check that: a value computed from a ``"split"``
   argument, or from a floating-point leaf of a ``"stacked"`` one, must pass
   through a reduction over the axis (``psum``, ``pmean``, ``all_gather``,
-  ...). Integer leaves of ``"stacked"`` arguments are taken as equal on
-  every worker (step counters every worker advances alike).
+  ...). Integer and bool leaves of ``"stacked"`` arguments are taken as
+  equal on every worker (step counters every worker advances alike); PRNG
+  keys are not.
 
   Args:
     fn: one worker's computation; it may use collectives over ``axis_name``.
@@ -429,9 +433,7 @@ def _replication_checked(fn, ins, outs, single, axis_name) -> Callable:
   axes = frozenset(axis_name if isinstance(axis_name, tuple) else
                    (axis_name,))
   def varies(leaf, layout):
-    if layout == "split":
-      return axes
-    if layout == "stacked" and _differentiable(leaf):
+    if layout == "split" or (layout == "stacked" and not _counter(leaf)):
       return axes
     return frozenset()
   def checked(*args):
@@ -495,8 +497,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       its implicit gradient all-reduce. The check fails whenever per-worker
       optimizer state enters after the vote although it is identical on
       every worker (a schedule outside ``dl.distributed_lion`` reading its
-      own step count, a learning rate under ``optax.inject_hyperparams``);
-      hence off by default, with this module's own check of the new params.
+      own step count, a learning rate under ``optax.inject_hyperparams``,
+      :class:`optax.MultiSteps`' counter); hence off by default, with this
+      module's own check of the new params. ``dl.distributed_lion``'s
+      schedules and ``dl.apply_if_finite`` work with it.
     donate: donate ``params`` and ``state`` buffers to the step.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
       scalars, e.g. accuracy) is averaged over workers and returned with the
@@ -580,6 +584,13 @@ def _check_worker_states(state: Any, n: int, shard_axis=None) -> None:
                       "every worker's state stacked", fix)
 
 
+def _counter(leaf) -> bool:
+  """An integer or bool leaf (not a PRNG key): a count every worker keeps
+  alike."""
+  dtype = jnp.result_type(leaf)
+  return jnp.issubdtype(dtype, jnp.integer) or dtype == jnp.bool_
+
+
 def _differentiable(leaf) -> bool:
   try:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
@@ -605,8 +616,11 @@ def _value_and_grad(loss_fn, has_aux):
     value, grads = jax.value_and_grad(on_floats, has_aux=has_aux)(
         [x for x, f in zip(leaves, floats) if f], batch)
     it = iter(grads)
+    # Constants, not zeros_like: those of per-worker typed (check_vma)
+    # params would be typed per worker, and so would the unchanged leaves.
     return value, treedef.unflatten(
-        [next(it) if f else jnp.zeros_like(x) for x, f in zip(leaves, floats)])
+        [next(it) if f else jnp.zeros(jnp.shape(x), jnp.result_type(x))
+         for x, f in zip(leaves, floats)])
   return value_and_grad
 
 

@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from dlion_jax import _drift
 from dlion_jax import shards
 
 
@@ -92,8 +93,10 @@ def apply_if_finite(inner: optax.GradientTransformation,
     bad_workers = lax.psum((~local_ok).astype(jnp.int32),
                            _with_shard_axis(axis_name))
     isfinite = bad_workers == 0
+    # Equal on every worker, but typed per worker under check_vma.
+    count = _drift.typed_same_on_every_worker(state.notfinite_count)
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
-                                optax.safe_increment(state.notfinite_count))
+                                optax.safe_increment(count))
     # A select, not a lax.cond: in a branch the vote would read as sent only
     # on some steps, and XLA would fuse the update unlike the inner's own.
     new_updates, new_state = inner.update(updates, state.inner_state, params,

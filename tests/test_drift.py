@@ -150,3 +150,21 @@ def test_params_of_empty_arrays_are_accepted():
   new, _, _ = step(params, parallel.init_worker_states(tx, params, mesh),
                    batch)
   assert jax.tree.map(jnp.shape, new) == {"a": (3, 0), "b": (0,)}
+
+
+def test_pmap_step_refuses_a_mean_over_groups_of_workers():
+  """A pmean with axis_index_groups agrees within each group only; was:
+  accepted, and the two halves of the workers drifted apart."""
+  def group_mean():
+    def update(grads, state, params=None):
+      del params
+      return jax.tree.map(lambda g: jax.lax.pmean(
+          g, "data", axis_index_groups=[[0, 1], [2, 3]]), grads), state
+    return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+  tx = optax.chain(group_mean(), optax.adam(LR))
+  step = parallel.make_pmap_train_step(loss_fn, tx, devices=jax.devices()[:N])
+  params = {"a": jnp.ones((3, 5)), "b": jnp.zeros(5)}
+  with pytest.raises(ValueError) as e:
+    step(parallel.replicate_for_pmap(params, N),
+         parallel.init_pmap_states(tx, params, N), jnp.ones((N, 2, 3)))
+  assert_names(e, "axis 'data'", "['a'], ['b'] (2 of 2)")

@@ -383,8 +383,10 @@ def _counter_problem():
   return params, tx, loss
 
 
-@pytest.mark.parametrize("micro_batches", [1, 2])
-def test_integer_leaves_left_out_with_masked_train_and_stay(micro_batches):
+@pytest.mark.parametrize("micro_batches,check_vma", [(1, False), (2, False),
+                                                    (1, True)])
+def test_integer_leaves_left_out_with_masked_train_and_stay(micro_batches,
+                                                            check_vma):
   """The integer-leaf error says "exclude it with optax.masked"; was: doing
   so, the step still differentiated every leaf ("grad requires real- or
   complex-valued inputs ... int32"). Integer leaves get zero gradients."""
@@ -392,7 +394,8 @@ def test_integer_leaves_left_out_with_masked_train_and_stay(micro_batches):
   mesh = parallel.data_mesh(N)
   p = parallel.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh)
-  step = parallel.make_train_step(loss, tx, mesh, micro_batches=micro_batches)
+  step = parallel.make_train_step(loss, tx, mesh, micro_batches=micro_batches,
+                                  check_vma=check_vma)
   batch = parallel.shard_batch(jnp.ones((4 * N, 3)), mesh)
   p, state, _ = step(p, state, batch)
   assert p["step"].dtype == jnp.int32 and int(p["step"]) == 0
@@ -461,6 +464,10 @@ def test_per_worker_checks_stacked_rows_and_replicated_outputs():
   mean = parallel.per_worker(lambda x: lax.pmean(2 * x, "data"), mesh,
                              ins=("stacked",), outs="replicated")
   assert float(jax.jit(mean)(jnp.arange(float(N)))) == N - 1.0
+  noise = parallel.per_worker(lambda k: jax.random.normal(k, (2,)), mesh,
+                              ins=("stacked",), outs="replicated")
+  with pytest.raises(ValueError, match="output 0"):   # keys are per worker
+    noise(jax.random.split(jax.random.key(0), N))
   counter = parallel.per_worker(lambda c, x: (c + 1, x), mesh,
                                 ins=("stacked", "split"),
                                 outs=("replicated", "split"))
@@ -518,3 +525,26 @@ def test_setting_an_injected_learning_rate_in_per_worker_states():
   want = parallel.make_train_step(loss_fn, fixed, mesh, donate=False)(
       p, parallel.init_worker_states(fixed, p, mesh), batch)[0]
   chex.assert_trees_all_equal(new, want)
+
+
+def test_limited_steps_can_be_traced():
+  """Was: ConcretizationTypeError when a limited step ran inside jit, scan
+  or eval_shape (the limit looked at its traced outputs)."""
+  step = parallel.limit_in_flight(jax.jit(lambda x: x + 1))
+  x = jnp.zeros(3)
+  np.testing.assert_array_equal(jax.jit(step)(x), np.ones(3))
+  scanned = jax.jit(lambda x: lax.scan(lambda c, _: (step(c), None), x, None,
+                                       length=4)[0])
+  np.testing.assert_array_equal(scanned(x), np.full(3, 4.0))
+  assert jax.eval_shape(step, x).shape == (3,)
+
+
+def test_guard_under_check_vma_equals_check_vma_off():
+  """Was: "out_specs ... could not infer replication": the guard read its
+  per-worker (typed varying) count of bad steps."""
+  params, batches = make_problem(5)
+  tx = dl.apply_if_finite(dl.distributed_lion(3e-2, axis_name="data"), 3)
+  on = train_shard_map(tx, params, batches, check_vma=True)
+  off = train_shard_map(tx, params, batches, check_vma=False)
+  chex.assert_trees_all_equal(on[0], off[0])
+  assert on[2] == off[2]
