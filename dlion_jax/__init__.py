@@ -18,6 +18,7 @@ from dlion_jax import transforms
 from dlion_jax.accounting import allreduce_bits
 from dlion_jax.hlo import collective_bytes
 from dlion_jax.hlo import collective_bytes_by_axis
+from dlion_jax.hlo import collective_bytes_by_link
 from dlion_jax.accounting import wire_bits
 from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
@@ -35,6 +36,7 @@ __all__ = (
     "apply_if_finite",
     "collective_bytes",
     "collective_bytes_by_axis",
+    "collective_bytes_by_link",
     "devices",
     "distributed_lion",
     "exchange",

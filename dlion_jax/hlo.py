@@ -9,7 +9,9 @@ algorithms (``N`` workers, a ``B``-byte buffer):
 * all-gather of a ``B``-byte result, all-to-all of a ``B``-byte buffer:
   ``(N - 1) / N * B``; reduce-scatter of a ``B``-byte result: ``(N - 1) B``
 
-Collectives in loops count once per trip (XLA's ``known_trip_count``).
+Collectives in loops count once per trip (XLA's ``known_trip_count``);
+an async pair (``*-start``/``*-done``) counts once, at its start; a combined
+(tuple) collective counts every element.
 A conditional runs one of its branches per call, so it counts one: the
 branch that sends the most (what a step sends at most: a scheduled momentum
 sync), or with ``conditional=False`` the one that sends the least (what
@@ -18,6 +20,22 @@ every step sends); collectives in branches are marked ``conditional``.
 :func:`collective_bytes_by_axis` splits the same figure by the mesh axes
 each collective crosses, read off its replica groups: on a hybrid mesh the
 bytes under the slow axis are the ones that cost.
+
+TPU multislice executables (compiled ahead of time for a topology of several
+slices, e.g. ``jax.experimental.topologies.get_topology_desc("v5e:2x2",
+"tpu", num_slices=2)``) are one program per slice: a collective that crosses
+slices becomes collectives inside the slice (over ICI; their device ids are
+positions within the slice) and *megascale* transfers between slices over
+the data-centre network (DCN): a ``send`` with ``is_host_transfer=true``
+whose ``_xla_megascale_transfer_type`` is ``ALL_REDUCE``, ``ALL_GATHER`` or
+``ALL_TO_ALL`` and whose ``_xla_megascale_target`` names the devices (``"{1,
+2}x{0:3}"``: slices 1 and 2 (1-based) times positions 0 to 3, one group per
+position; or ``{{100000, ..., 200003}}``: ``slice * 100000 + position``). Each
+counts once (its ``recv`` and ``*-done`` are the same transfer) by the
+conventions above, with ``N`` the devices of its group, and is marked
+``link="dcn"`` (:func:`collective_bytes_by_link`). A host transfer of
+another kind, or an unknown collective opcode, is refused rather than read
+as 0.
 """
 
 from __future__ import annotations
@@ -41,7 +59,22 @@ _OPS = {
     "reduce-scatter": "reduce-scatter",
     "collective-permute": "collective-permute",
     "collective-permute-start": "collective-permute",
+    # Its result buffer: an upper bound on what the ragged chunks fill.
+    "ragged-all-to-all": "all-to-all",
 }
+# Opcodes of collectives this reader does not know: refused, never read as 0
+# (their -done/-update halves belong to a start that is counted).
+_COLLECTIVE_LIKE = re.compile(
+    r"^(?:all-|reduce-scatter|collective-|ragged-)(?!.*-(?:done|update)$)")
+_MEGASCALE_OPS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
+                  "ALL_TO_ALL": "all-to-all"}
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(?P<type>\w+)"')
+_MEGASCALE_TARGET = re.compile(
+    r'_xla_megascale_target=(?:"(?P<product>[^"]*)"|(?P<list>\{\{[^=]*?\}\}))')
+_HOST_TRANSFER = re.compile(r"\bis_host_transfer=true\b")
+_HANDLER = re.compile(r'_xla_host_transfer_handler_name="(?P<name>[^"]*)"')
+# Megascale numbers a device ``slice * 100000 + position`` (slices 1-based).
+MEGASCALE_SLICE = 100000
 # Async starts (GPU) whose result is the tuple (operands, results, ...): only
 # the second element is what the collective produces.
 _OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
@@ -51,8 +84,11 @@ _OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
 _INSTRUCTION = re.compile(
     r"^\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
     r"(?P<op>[a-z][\w\-]*)\(")
+# Every dtype XLA prints: pred, s4 ... s64, u4 ..., f16 ... f64, bf16, c64,
+# c128 and the small floats (f8e4m3fn, f8e5m2, f4e2m1fn, f8e8m0fnu, ...).
 _ARRAY = re.compile(
-    r"\b(?P<dtype>pred|[suf]\d+|bf16|c64|c128)\[(?P<dims>[\d,]*)\]")
+    r"\b(?P<dtype>pred|bf16|c64|c128|f\d+e\d+m\d+\w*|[suf]\d+)"
+    r"\[(?P<dims>[\d,]*)\]")
 # Replica groups in XLA's three printed forms: a list ``{{0,1},{2,3}}`` (or
 # ``{}``: every device), an iota ``[groups,size]<=[dims]T(perm)``, and a
 # mesh's axes ``mesh['x'=2,'y'=4] {'x'}`` (sub-axes ``'x':(pre)size``; a
@@ -107,8 +143,9 @@ def _shape_bytes(shape: str) -> int:
   total = 0
   for m in _ARRAY.finditer(shape):
     dims = [int(d) for d in m["dims"].split(",") if d]
-    bits = _DTYPE_BITS.get(m["dtype"]) or int(m["dtype"][1:])
-    total += math.prod(dims) * bits // 8
+    dtype = m["dtype"]
+    bits = _DTYPE_BITS.get(dtype) or int(re.match(r"\D+(\d+)", dtype)[1])
+    total += -(-math.prod(dims) * bits // 8)      # sub-byte types packed
   return total
 
 
@@ -118,10 +155,10 @@ def _tuple_elements(shape: str) -> list[str]:
   if not shape.startswith("("):
     return [shape]
   parts, depth, start = [], 0, 1
-  for i, char in enumerate(shape):
-    if char == "(":
+  for i, char in enumerate(shape):   # layouts hold commas: {1,0:T(8,128)}
+    if char in "([{":
       depth += 1
-    elif char == ")":
+    elif char in ")]}":
       depth -= 1
     if (char == "," and depth == 1) or depth == 0:
       parts.append(shape[start:i])
@@ -151,7 +188,14 @@ class Collective:
   them in (a collective-permute: its ``(source, target)`` pairs), or None
   for one group of every device. Under ``jit``/``shard_map`` the ids are
   positions in the device assignment (``mesh.devices.flat`` order), not
-  ``Device.id``.
+  ``Device.id``; in a TPU multislice program, positions within a slice,
+  and for a megascale transfer (``link="dcn"``) ``slice * 100000 +
+  position`` with slices counted from 1.
+
+  ``link`` is ``"dcn"`` for a megascale transfer between TPU slices (over
+  the data-centre network) and ``"ici"`` for the collectives a module runs
+  among its own devices (on TPU, inside a slice over ICI; on other backends
+  over their own links).
   """
   op: str            # all-reduce, all-gather, all-to-all, reduce-scatter, ...
   result_bytes: int  # bytes of the result (all tuple elements)
@@ -161,6 +205,7 @@ class Collective:
   count: int = 1     # runs per call: trip counts of the enclosing loops
   replica_groups: Groups | None = None  # None: every device, one group
   instruction: str = ""  # the HLO instruction's name
+  link: str = "ici"  # "dcn": a megascale transfer between TPU slices
 
   @property
   def bytes_per_call(self) -> float:
@@ -287,6 +332,49 @@ def _collective(m: re.Match, line: str, default_n: int) -> Collective:
                     instruction=m["name"])
 
 
+def _megascale(m: re.Match, line: str) -> Collective:
+  """The :class:`Collective` of a megascale ``send`` between TPU slices:
+  its operand (the first element of the send's shape) is this device's
+  buffer (for ``ALL_GATHER``, its piece of the result)."""
+  kind = _MEGASCALE_TYPE.search(line)
+  target = _MEGASCALE_TARGET.search(line)
+  if not kind or kind["type"] not in _MEGASCALE_OPS or not target:
+    handler = _HANDLER.search(line)
+    raise ValueError(
+        f"Cannot count %{m['name']}, a host transfer "
+        f"(handler {handler['name'] if handler else None!r}, transfer type "
+        f"{kind['type'] if kind else None!r}): this reader knows megascale "
+        f"transfers of the types {sorted(_MEGASCALE_OPS)} with a target, "
+        "and would read anything else as 0. Count it by hand from the "
+        "instruction's shape.")
+  op = _MEGASCALE_OPS[kind["type"]]
+  groups = _megascale_groups(target)
+  n = len(groups[0])
+  piece = _shape_bytes(_tuple_elements(m["shape"])[0])
+  size = n * piece if op == "all-gather" else piece
+  return Collective(op, size, n, _sent(op, size, n), replica_groups=groups,
+                    instruction=m["name"], link="dcn")
+
+
+def _megascale_groups(target: re.Match) -> Groups:
+  """Device groups of a megascale target, as ``slice * 100000 +
+  position``: a list ``{{100000,100001},...}``, or a product ``"{1,2}x{0:3}"``
+  (slices by positions, ``a:b`` inclusive): one group per position, across
+  the slices."""
+  if target["list"]:
+    return tuple(tuple(_ints(g)) for g in re.findall(r"\{([^{}]*)\}",
+                                                     target["list"]))
+  def members(text):
+    out = []
+    for part in text.strip("{}").split(","):
+      lo, _, hi = part.partition(":")
+      out += range(int(lo), int(hi or lo) + 1)
+    return out
+  slices, positions = target["product"].split("x")
+  return tuple(tuple(s * MEGASCALE_SLICE + p for s in members(slices))
+               for p in members(positions))
+
+
 def _call(m: re.Match, line: str) -> _Call | None:
   """The computations an instruction runs, and how often (None: none)."""
   if m["op"] in _NOT_CALLING:
@@ -331,6 +419,14 @@ def _parse(hlo_text: str) -> tuple[dict, list]:
     line = _METADATA.sub("", line)
     if m["op"] in _OPS:
       computations[current].append(_collective(m, line, default_n))
+    elif m["op"] == "send" and _HOST_TRANSFER.search(line):
+      computations[current].append(_megascale(m, line))
+    elif _COLLECTIVE_LIKE.match(m["op"]):
+      raise ValueError(
+          f"Cannot count %{m['name']}: its opcode {m['op']!r} is a collective "
+          f"this reader does not know (it knows {sorted(set(_OPS))}, and "
+          "megascale host transfers), so its bytes would read as 0. Count it "
+          "by hand from the instruction's shape and replica groups.")
     call = _call(m, line)
     if call:
       computations[current].append(call)
@@ -540,8 +636,11 @@ def _no_axis(c: Collective, shape: dict, why: str) -> ValueError:
       "hlo.collectives(text), each Collective's replica_groups.")
 
 
-def _axis_key(c: Collective, shape: dict) -> AxisKey:
-  """The mesh axis (or axes, in mesh order) whose groups are ``c``'s."""
+def _axis_key(c: Collective, shape: dict, part: bool = False) -> AxisKey:
+  """The mesh axis (or axes, in mesh order) whose groups are ``c``'s; with
+  ``part``, along which its groups' devices differ (a TPU multislice
+  program runs a collective over an axis as pieces inside and across
+  slices)."""
   sizes, size = tuple(shape.values()), math.prod(shape.values())
   groups = c.replica_groups or (tuple(range(c.group_size)),)
   if len({len(g) for g in groups}) != 1 or not all(groups) or (
@@ -550,7 +649,7 @@ def _axis_key(c: Collective, shape: dict) -> AxisKey:
   coords = np.unravel_index(np.array(groups), sizes)
   crossed = [d for d, x in enumerate(coords) if (x != x[:, :1]).any()]
   want = _rows(np.arange(size).reshape(sizes), crossed)
-  if c.op != "collective-permute" and (
+  if c.op != "collective-permute" and not part and (
       {frozenset(g) for g in groups} != {frozenset(g) for g in want}):
     raise _no_axis(c, shape, "are not the groups of any axes")
   key = tuple(tuple(shape)[d] for d in crossed)
@@ -564,7 +663,13 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
   A collective crosses the axes along which the devices of its replica
   groups differ, and its groups must be exactly those axes' groups (every
   device with the others fixed). On a hybrid mesh the bytes under the slow
-  axis (``"data"``) are what the links between nodes carry.
+  axis (``"data"``) are what the links between nodes carry. On a mesh of
+  TPU chips of several slices (devices with a ``slice_index``), the pieces
+  the compiler splits a collective into (inside each slice, and megascale
+  transfers across) count under the axes their devices differ along: on
+  ``("data", "fsdp")`` = (slices, chips) a vote's megascale transfer counts
+  under ``"data"``; on one flat axis over all chips, every piece under it
+  (:func:`collective_bytes_by_link` tells the links apart).
 
   Args:
     compiled_or_text: a ``jax.stages.Compiled`` or its HLO text.
@@ -609,8 +714,93 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
         "function was compiled on, e.g. parallel.hybrid_mesh(nodes).")
   shape = dict(shape)
   out = {name: 0.0 for name in shape}
-  for c in _counted(compiled_or_text, conditional,
-                    "collective_bytes_by_axis"):
-    key = _axis_key(c, shape)
+  found = _counted(compiled_or_text, conditional, "collective_bytes_by_axis")
+  place = _slice_positions(mesh, found)
+  for c in found:
+    placed = place(c)
+    key = _axis_key(placed, shape, part=placed is not c)
     out[key] = out.get(key, 0.0) + c.bytes_per_call
   return out
+
+
+def _slice_positions(mesh, found: list[Collective]) -> Callable:
+  """Maps a collective of a TPU multislice program onto mesh positions:
+  its groups in ``mesh.devices.flat`` order, one per slice for a group
+  inside a slice. Identity for a mesh within one slice."""
+  devices = getattr(mesh, "devices", None)
+  slice_of = [getattr(d, "slice_index", None)
+              for d in np.asarray(devices).flat] if devices is not None else []
+  if len({s for s in slice_of if s is not None}) < 2 or None in slice_of:
+    dcn = next((c for c in found if c.link == "dcn"), None)
+    if dcn is not None:
+      raise ValueError(
+          f"collective_bytes_by_axis: %{dcn.instruction} is a megascale "
+          "transfer between TPU slices, but the mesh's devices do not span "
+          "several slices (their slice_index). Pass the mesh of the devices "
+          "the executable was compiled for, e.g. a Mesh of "
+          "jax.experimental.topologies.get_topology_desc(..., num_slices=2)"
+          ".devices.")
+    return lambda c: c
+  at, seen = {}, {}
+  for i, s in enumerate(slice_of):
+    at[(s + 1, seen.setdefault(s, 0))] = i      # megascale slices from 1
+    seen[s] += 1
+  slices = sorted(seen)
+  def place(c: Collective) -> Collective:
+    if c.link == "dcn":
+      groups = tuple(tuple(at[divmod(d, MEGASCALE_SLICE)] for d in g)
+                     for g in c.replica_groups)
+    else:
+      inside = c.replica_groups or (tuple(range(seen[slices[0]])),)
+      groups = tuple(tuple(at[(s + 1, p)] for p in g)
+                     for s in slices for g in inside)
+    return dataclasses.replace(c, replica_groups=groups)
+  return place
+
+
+def collective_bytes_by_link(compiled_or_text, *,
+                             conditional: bool = True) -> dict[str, float]:
+  """:func:`collective_bytes` split by the links it crosses on TPU
+  multislice: ``"dcn"`` (megascale transfers between slices) and ``"ici"``
+  (collectives within a slice).
+
+  A megascale all-to-all over devices of several slices sends its chunks for
+  the devices of its own slice within the slice: that share,
+  ``(m - 1) / (N - 1)`` of its bytes with ``m`` of its ``N`` devices in each
+  slice, counts as ICI. On other backends everything is ``"ici"`` (the
+  module's own links).
+
+  Args:
+    compiled_or_text: a ``jax.stages.Compiled`` or its HLO text.
+    conditional: as for :func:`collective_bytes`.
+
+  Returns:
+    ``{"ici": bytes, "dcn": bytes}`` each device sends per call; they add
+    up to :func:`collective_bytes`.
+
+  Example:
+    >>> text = ("  %s = (f32[64]{0}, u32[], token[]) send(%x, %t), "
+    ...         "is_host_transfer=true, frontend_attributes={"
+    ...         '_xla_megascale_target="{1,2}x{0:3}",'
+    ...         '_xla_megascale_transfer_type="ALL_REDUCE"}\n'
+    ...         "  %a = f32[64] all-reduce(%y), replica_groups={{0,1,2,3}}, "
+    ...         "to_apply=%add\n")
+    >>> collective_bytes_by_link(text)
+    {'ici': 384.0, 'dcn': 256.0}
+  """
+  out = {"ici": 0.0, "dcn": 0.0}
+  for c in _counted(compiled_or_text, conditional, "collective_bytes_by_link"):
+    dcn = c.bytes_per_call * _dcn_share(c)
+    out["dcn"] += dcn
+    out["ici"] += c.bytes_per_call - dcn
+  return out
+
+
+def _dcn_share(c: Collective) -> float:
+  """The share of a collective's bytes that crosses slices."""
+  if c.link != "dcn" or c.group_size <= 1:
+    return 0.0
+  group = c.replica_groups[0]
+  mine = sum(d // MEGASCALE_SLICE == group[0] // MEGASCALE_SLICE
+             for d in group)
+  return (len(group) - mine) / (len(group) - 1)
