@@ -727,9 +727,11 @@ def _slice_positions(mesh, found: list[Collective]) -> Callable:
   """Maps a collective of a TPU multislice program onto mesh positions:
   its groups in ``mesh.devices.flat`` order, one per slice for a group
   inside a slice. Identity for a mesh within one slice."""
-  devices = getattr(mesh, "devices", None)
-  slice_of = [getattr(d, "slice_index", None)
-              for d in np.asarray(devices).flat] if devices is not None else []
+  try:
+    devices = np.asarray(mesh.devices).flat
+  except (AttributeError, ValueError):     # an AbstractMesh has no devices
+    devices = []
+  slice_of = [getattr(d, "slice_index", None) for d in devices]
   if len({s for s in slice_of if s is not None}) < 2 or None in slice_of:
     dcn = next((c for c in found if c.link == "dcn"), None)
     if dcn is not None:
@@ -782,9 +784,9 @@ def collective_bytes_by_link(compiled_or_text, *,
     >>> text = ("  %s = (f32[64]{0}, u32[], token[]) send(%x, %t), "
     ...         "is_host_transfer=true, frontend_attributes={"
     ...         '_xla_megascale_target="{1,2}x{0:3}",'
-    ...         '_xla_megascale_transfer_type="ALL_REDUCE"}\n'
+    ...         '_xla_megascale_transfer_type="ALL_REDUCE"}\\n'
     ...         "  %a = f32[64] all-reduce(%y), replica_groups={{0,1,2,3}}, "
-    ...         "to_apply=%add\n")
+    ...         "to_apply=%add\\n")
     >>> collective_bytes_by_link(text)
     {'ici': 384.0, 'dcn': 256.0}
   """
