@@ -10,7 +10,9 @@ stages 1 and 2: gradients and optimizer state sharded, params whole):
   owns elements ``[j s_l, (j + 1) s_l)``;
 * device ``j``'s shards of all leaves lie end to end in one buffer, so the
   gradients travel in **one** ``psum_scatter`` and the new params in one
-  ``all_gather`` per dtype, however many leaves the model has.
+  ``all_gather`` per dtype, however many leaves the model has (the
+  ``psum_scatter``'s buffer is zero-padded to whole TPU tiles, so that
+  XLA:TPU keeps it a reduce-scatter: :func:`_scatter_width`).
 
 Invariant: a shard holds whole elements of one leaf at the same positions
 on every node, so an elementwise optimizer that runs on the shards (Lion's
@@ -150,12 +152,36 @@ def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
   out = [None] * len(leaves)
   for dtype, group in _by_dtype(leaves):
     layout = ShardLayout(tuple(leaves[i].size for i in group), k)
-    total = lax.psum_scatter(layout.stack([leaves[i] for i in group]),
+    rows = layout.stack([leaves[i] for i in group])
+    width = _scatter_width(rows.shape[1], k)
+    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
+    total = lax.psum_scatter(rows.reshape(k, width // _LANES, _LANES),
                              axis_name, scatter_dimension=0, tiled=True)
     # times 1/k, not / k: one rounding a reference can reproduce
-    for i, shard in zip(group, layout.split(total[0] * dtype.type(1 / k))):
+    mine = total.reshape(width) * dtype.type(1 / k)
+    for i, shard in zip(group, layout.split(mine)):
       out[i] = shard
   return jax.tree.unflatten(treedef, out)
+
+
+# TPU memory tiles are (8, 128) elements. XLA:TPU keeps a reduce-scatter
+# only when each device's part is whole tiles along the operand's major
+# dimension and the whole buffer cuts into equal spans of a few MiB, each
+# of whole tiles per device; otherwise its reduce-scatter-decomposer makes
+# it an all-reduce of the whole buffer and a dynamic-slice (twice the
+# bytes). [k, width] scattered over dimension 0 (the tiles' rows) always
+# was; [k, width / 128, 128] with width as below is not (libtpu 0.0.42,
+# v5e/v6e, k = 4 to 64).
+_LANES, _TILE = 128, 8 * 128
+
+
+def _scatter_width(width: int, k: int) -> int:
+  """``width`` rounded up to ``t`` whole tiles, ``t`` a multiple of a power
+  of two ``>= max(2, k t / 1024)``, so that spans of up to 4 MiB (f32)
+  divide the buffer evenly; adds at most 2 tiles or ``k / 512`` of it."""
+  tiles = -(-width // _TILE)
+  step = 1 << max(1, (k * tiles - 1).bit_length() - 10)
+  return -(-tiles // step) * step * _TILE
 
 
 def own_shards(tree: Any, axis_name: Hashable) -> Any:
