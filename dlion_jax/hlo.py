@@ -71,6 +71,8 @@ _MEGASCALE_OPS = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather",
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="(?P<type>\w+)"')
 _MEGASCALE_TARGET = re.compile(
     r'_xla_megascale_target=(?:"(?P<product>[^"]*)"|(?P<list>\{\{[^=]*?\}\}))')
+# XLA:TPU's reduce-scatter emitters that print as a fusion of an all-reduce.
+_SCATTER_FUSION = re.compile(r'"emitter"\s*:\s*"\w*ReduceScatterFusion"')
 _HOST_TRANSFER = re.compile(r"\bis_host_transfer=true\b")
 _HANDLER = re.compile(r'_xla_host_transfer_handler_name="(?P<name>[^"]*)"')
 # Megascale numbers a device ``slice * 100000 + position`` (slices 1-based).
@@ -417,6 +419,10 @@ def _parse(hlo_text: str) -> tuple[dict, list]:
     if not m:
       continue
     line = _METADATA.sub("", line)
+    if m["op"] == "fusion" and _SCATTER_FUSION.search(line):
+      computations[current].append((m, line))   # read once callees are
+      called.add(_CALLEES.search(line)["one"])
+      continue
     if m["op"] in _OPS:
       computations[current].append(_collective(m, line, default_n))
     elif m["op"] == "send" and _HOST_TRANSFER.search(line):
@@ -431,7 +437,28 @@ def _parse(hlo_text: str) -> tuple[dict, list]:
     if call:
       computations[current].append(call)
       called.update(name for name, _, _ in call.callees)
+  for items in computations.values():
+    items[:] = [_scatter_fusion(*i, computations) if isinstance(i, tuple)
+                else i for i in items]
   return computations, [c for c in computations if c not in called]
+
+
+def _scatter_fusion(m: re.Match, line: str, computations: dict) -> Collective:
+  """XLA:TPU's reduce-scatter emitted as a fusion: its computation holds an
+  all-reduce of the (padded) buffer and a dynamic-slice, but the emitter
+  sends what a reduce-scatter of the fusion's result sends."""
+  callee = _CALLEES.search(line)
+  inner = [c for c in computations.get(callee["one"], ())
+           if isinstance(c, Collective) and c.op == "all-reduce"]
+  if len(inner) != 1:
+    raise ValueError(
+        f"Cannot count %{m['name']}, a reduce-scatter fusion of XLA:TPU: "
+        f"its computation %{callee['one']} holds {len(inner)} all-reduces, "
+        "not one. Count it by hand from the instruction's shape.")
+  size, n = _shape_bytes(m["shape"]), inner[0].group_size
+  return Collective("reduce-scatter", size, n, _sent("reduce-scatter", size, n),
+                    replica_groups=inner[0].replica_groups,
+                    instruction=m["name"])
 
 
 def _sending(computations: dict) -> set:

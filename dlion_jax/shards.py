@@ -10,8 +10,8 @@ stages 1 and 2: gradients and optimizer state sharded, params whole):
   owns elements ``[j s_l, (j + 1) s_l)``;
 * device ``j``'s shards of all leaves lie end to end in one buffer, so the
   gradients travel in **one** ``psum_scatter`` and the new params in one
-  ``all_gather`` per dtype, however many leaves the model has (the
-  ``psum_scatter``'s buffer is zero-padded to whole TPU tiles, so that
+  ``all_gather`` per dtype, however many leaves the model has (on TPU the
+  ``psum_scatter``'s buffer is zero-padded to whole memory tiles, so that
   XLA:TPU keeps it a reduce-scatter: :func:`_scatter_width`).
 
 Invariant: a shard holds whole elements of one leaf at the same positions
@@ -153,12 +153,14 @@ def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
   for dtype, group in _by_dtype(leaves):
     layout = ShardLayout(tuple(leaves[i].size for i in group), k)
     rows = layout.stack([leaves[i] for i in group])
-    width = _scatter_width(rows.shape[1], k)
-    rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
-    total = lax.psum_scatter(rows.reshape(k, width // _LANES, _LANES),
-                             axis_name, scatter_dimension=0, tiled=True)
+    if _on_tpu():
+      width = _scatter_width(rows.shape[1], k)
+      rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
+      rows = rows.reshape(k, width // _LANES, _LANES)
+    total = lax.psum_scatter(rows, axis_name, scatter_dimension=0,
+                             tiled=True)
     # times 1/k, not / k: one rounding a reference can reproduce
-    mine = total.reshape(width) * dtype.type(1 / k)
+    mine = total.reshape(-1) * dtype.type(1 / k)
     for i, shard in zip(group, layout.split(mine)):
       out[i] = shard
   return jax.tree.unflatten(treedef, out)
@@ -172,7 +174,14 @@ def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
 # bytes). [k, width] scattered over dimension 0 (the tiles' rows) always
 # was; [k, width / 128, 128] with width as below is not (libtpu 0.0.42,
 # v5e/v6e, k = 4 to 64).
+# Other backends keep any reduce-scatter, so only TPU pays the padding.
 _LANES, _TILE = 128, 8 * 128
+
+
+def _on_tpu() -> bool:
+  """Whether the devices of the step being traced are TPUs."""
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  return getattr(device, "platform", None) == "tpu"
 
 
 def _scatter_width(width: int, k: int) -> int:

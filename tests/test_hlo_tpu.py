@@ -101,6 +101,24 @@ def test_hybrid_vote_crosses_slices_as_on_cpu(cpu_bytes):
   assert by_axis["fsdp"] >= cpu_bytes["hybrid"]["fsdp"]
 
 
+def test_reduce_scatter_fusion_counts_as_a_reduce_scatter(cpu_bytes):
+  """XLA:TPU prints the hybrid's in-slice reduce-scatter as a fusion whose
+  computation holds an all-reduce of the padded buffer and a dynamic-slice;
+  its emitter sends what a reduce-scatter of the fusion's result sends. Was:
+  the inner all-reduce, twice the bytes."""
+  module = text("hybrid")
+  scatter = [c for c in hlo.collectives(module) if c.op == "reduce-scatter"]
+  assert len(scatter) == 1 and scatter[0].instruction == "fusion"
+  (c,) = scatter
+  assert c.sent_bytes == (c.group_size - 1) * c.result_bytes
+  assert "all-reduce-scatter" in module and not any(
+      x.instruction.startswith("all-reduce.") and x.result_bytes > 2 *
+      c.result_bytes * c.group_size for x in hlo.collectives(module))
+  # The shards' buffer, padded to whole TPU tiles: within 5% of the CPU's.
+  cpu_scatter = cpu_bytes["hybrid"]["fsdp"] / 2
+  assert cpu_scatter <= c.sent_bytes <= 1.05 * cpu_scatter
+
+
 def test_megascale_targets_are_read_as_groups():
   product = hlo.collectives(
       '  %s = (f32[16]{0}, u32[], token[]) send(%x, %t), '
