@@ -322,3 +322,42 @@ def test_a_measurement_file_that_is_not_json_is_named(tmp_path, capsys):
     project.main(["--measured", str(path)])
   assert exit_.value.code == 2
   assert f"--measured {path}: not JSON (line 1" in capsys.readouterr().err
+
+
+def _aot_row(variant, ici, dcn, topology="v5e:2x2"):
+  return {"model": "gpt", "topology": topology, "slices": 2,
+          "variant": variant, "ici_bytes": ici, "dcn_bytes": dcn}
+
+
+def test_tpu_exchange_times_come_from_the_executables_bytes(tmp_path, capsys):
+  """Each link's bytes over its bandwidth: ICI at the chip's published rate,
+  DCN at each assumed rate; the ratio is AdamW's time over the row's."""
+  rows = [_aot_row("adamw", 4e6, 2e6), _aot_row("dlion-auto", 1e6, 1e5),
+          _aot_row("dlion-psum", 1e6, None)]
+  path = tmp_path / "aot.json"
+  path.write_text(json.dumps(rows))
+  project.main(["--aot", str(path)])
+  out = capsys.readouterr().out
+  assert "| dlion-psum |" not in out              # no bytes read: left out
+  for bw in project.TPU_DCN_BITS_PER_S:
+    ici = project.TPU_ICI_BITS_PER_S["v5e"]
+    adamw, dlion = (8 * (i / ici + d / bw) for i, d in ((4e6, 2e6),
+                                                        (1e6, 1e5)))
+    assert project.tpu_exchange_s(rows[1], bw) == pytest.approx(dlion)
+    assert f"{adamw / dlion:.1f}x" in out
+
+
+@pytest.mark.parametrize("rows,names", [
+    ([], ["non-empty list"]),
+    ([{"model": "gpt"}], ["row 0 lacks", "topology", "ici_bytes"]),
+    ([_aot_row("adamw", 1.0, 1.0, topology="v9x:2x2")],
+     ["'v9x'", "v5e"]),
+])
+def test_bad_aot_rows_are_named(tmp_path, capsys, rows, names):
+  path = tmp_path / "aot.json"
+  path.write_text(json.dumps(rows))
+  with pytest.raises(SystemExit) as e:
+    project.main(["--aot", str(path)])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"--aot {path}" in err and all(n in err for n in names), err

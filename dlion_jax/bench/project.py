@@ -41,6 +41,12 @@ Usage::
 
   python -m dlion_jax.bench.project [--measured NETWORK.json]
       [--out docs/benchmarks.md] [--plot docs/img/projection.png]
+      [--aot AOT_ROWS.json]
+
+With ``--aot`` (the rows of ``python -m dlion_jax.bench.aot --json``) it
+adds TPU multislice exchange times computed from the bytes each link class
+carries as read off the real TPU executables; the link speeds there are
+assumptions (the published per-chip ICI bandwidth, a grid of DCN rates).
 """
 
 from __future__ import annotations
@@ -662,6 +668,75 @@ def report(data: dict, plot_path: str | None = None) -> str:
   ])
 
 
+# ICI bandwidth a chip sends at (Google's published per-chip figures),
+# assumed delivered in full; DCN bandwidth a chip gets, assumed: a grid.
+TPU_ICI_BITS_PER_S = {"v5e": 1.6e12, "v5p": 4.8e12, "v6e": 3.2e12}
+TPU_DCN_BITS_PER_S = (25e9, 100e9)
+_AOT_FIELDS = ("model", "topology", "slices", "variant", "ici_bytes",
+               "dcn_bytes")
+
+
+def tpu_exchange_s(row: dict, dcn_bits_per_s: float) -> float:
+  """Seconds a chip's exchange takes on TPU multislice: the bytes that
+  ``bench.aot`` read off the executable for each link, over each link's
+  bandwidth, one after the other (no overlap, no latency)."""
+  ici = TPU_ICI_BITS_PER_S[row["topology"].split(":")[0]]
+  return 8 * (row["ici_bytes"] / ici + row["dcn_bytes"] / dcn_bits_per_s)
+
+
+def check_aot_rows(rows) -> list[dict]:
+  """The rows of ``bench.aot --json`` that have bytes; refuses others."""
+  if not isinstance(rows, list) or not rows:
+    raise ValueError("expected the non-empty list of rows that "
+                     "`python -m dlion_jax.bench.aot --json FILE` writes")
+  for i, row in enumerate(rows):
+    missing = [f for f in _AOT_FIELDS if not isinstance(row, dict)
+               or f not in row]
+    if missing:
+      raise ValueError(f"row {i} lacks {', '.join(missing)}")
+    family = str(row["topology"]).split(":")[0]
+    if family not in TPU_ICI_BITS_PER_S:
+      raise ValueError(
+          f"row {i}: topology={row['topology']!r}: no ICI bandwidth for "
+          f"{family!r}; known: {', '.join(TPU_ICI_BITS_PER_S)}")
+  return [r for r in rows if r["dcn_bytes"] is not None]
+
+
+def tpu_table(rows: Sequence[dict]) -> str:
+  """Exchange time a step per chip on TPU multislice, from the bytes of
+  each link read off the executables, against AdamW's on the same layout."""
+  adamw = {(r["model"], r["topology"], r["slices"]): r for r in rows
+           if r["variant"] == "adamw"}
+  headers = ["model", "topology x slices", "variant", "ICI MB", "DCN MB"]
+  for bw in TPU_DCN_BITS_PER_S:
+    headers += [f"ms at {bw / 1e9:g} Gb/s DCN", "vs AdamW"]
+  table = []
+  for r in rows:
+    line = [r["model"], f"{r['topology']} x {r['slices']}", r["variant"],
+            f"{r['ici_bytes'] / 1e6:,.2f}", f"{r['dcn_bytes'] / 1e6:,.2f}"]
+    base = adamw.get((r["model"], r["topology"], r["slices"]))
+    for bw in TPU_DCN_BITS_PER_S:
+      t = tpu_exchange_s(r, bw)
+      line += [_ms(t), f"{tpu_exchange_s(base, bw) / t:.1f}x" if base
+               and t > 0 else ""]
+    table.append(line)
+  return reporting.markdown_table(headers, table)
+
+
+def tpu_section(rows: Sequence[dict]) -> str:
+  return "\n\n".join([
+      "TPU multislice, from the bytes each link carries as read off the "
+      "TPU executables (`python -m dlion_jax.bench.aot --json`): a chip's "
+      "exchange takes its ICI bytes at the published per-chip ICI bandwidth "
+      "(assumed delivered: "
+      + ", ".join(f"{k} {v / 1e12:g} Tb/s" for k, v in
+                  TPU_ICI_BITS_PER_S.items())
+      + ") plus its DCN bytes at an assumed DCN bandwidth per chip, no "
+      "overlap and no latency; compute is not modelled (these are exchange "
+      "times, and the ratio is AdamW's over the row's):",
+      tpu_table(rows)])
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.project",
                                    description=__doc__.split("\n")[0])
@@ -672,6 +747,9 @@ def main(argv=None) -> str:
   parser.add_argument("--out", help="write the report to this file (between "
                       f"<!-- {MARKER} --> markers when it has them)")
   parser.add_argument("--plot", help="write the figure to this PNG")
+  parser.add_argument("--aot", help="rows of `python -m dlion_jax.bench.aot "
+                      "--json FILE`: adds the TPU multislice exchange times "
+                      "from the bytes read off the TPU executables")
   args = parser.parse_args(argv)
   if args.plot:
     bench.require_examples(parser, "matplotlib", "--plot")
@@ -688,7 +766,14 @@ def main(argv=None) -> str:
                  "`python -m benchmarks.network --json FILE` wrote.")
   except ValueError as e:
     parser.error(f"--measured {args.measured}: {e}")
-  return reporting.write_section(report(data, args.plot), args.out, MARKER)
+  text = report(data, args.plot)
+  if args.aot:
+    try:
+      with open(args.aot, encoding="utf-8") as f:
+        text += "\n\n" + tpu_section(check_aot_rows(json.load(f)))
+    except (OSError, ValueError) as e:
+      parser.error(f"--aot {args.aot}: {e}")
+  return reporting.write_section(text, args.out, MARKER)
 
 
 if __name__ == "__main__":
