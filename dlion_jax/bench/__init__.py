@@ -11,6 +11,10 @@
   against ``optax.lion``.
 * :mod:`dlion_jax.bench.project`: step time at cluster scale, an alpha-beta
   model calibrated on the measured network rows, and break-even bandwidths.
+* :mod:`dlion_jax.bench.aot`: the training step compiled ahead of time for
+  TPU topologies of several slices (libtpu, no TPU): bytes a chip sends over
+  ICI and DCN, HBM per chip, compile time and the overlap of the DCN
+  exchange with compute in the TPU schedule.
 
 Every report is written by :mod:`dlion_jax.bench.reporting`.
 

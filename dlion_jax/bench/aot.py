@@ -1,0 +1,515 @@
+"""Training steps compiled ahead of time for TPU topologies, no TPU needed.
+
+``jax.experimental.topologies.get_topology_desc`` describes the chips of a
+TPU topology (e.g. ``v5e:2x2``, ``v5p:2x2x1``) over ``--slices`` slices
+joined by the data-center network (DCN); libtpu (the ``[tpu-aot]`` extra)
+compiles :func:`dlion_jax.parallel.make_train_step` for them on any
+machine. For each variant this reads off the TPU executable:
+
+* the bytes a chip sends per step over ICI (inside a slice) and over DCN
+  (between slices), :func:`dlion_jax.hlo.collective_bytes_by_link`, with
+  the bits per parameter and their ratio to the analytic figure
+  (:func:`dlion_jax.wire_bits` for D-Lion, an fp32 ring all-reduce for
+  global Lion and AdamW);
+* HBM per chip (``memory_analysis()``: arguments, temporaries);
+* the compile time;
+* the overlap of each asynchronous exchange with compute in the scheduled
+  ENTRY computation (:func:`async_pairs`): for every megascale (DCN)
+  ``send``/``recv`` and its ``-done``, and every ``*-start``/``*-done``
+  collective, the instructions between them and the fusions holding a dot
+  or convolution (the matmuls that could hide it).
+
+Variants: ``lion`` and ``adamw`` (fp32 gradients ``pmean``-ed over all
+chips, then ``optax.lion``/``optax.adamw``), flat D-Lion with each ``comm``
+(``dlion-alltoall``, ``-allgather``, ``-psum``, ``-psum_int8``, ``-auto``: one
+``data`` axis over every chip), and the hybrid layout (``hybrid-dlion``,
+``hybrid-adamw``: a ``(data, fsdp)`` mesh of slices x chips a slice,
+``shard_axis="fsdp"``, votes or fp32 all-reduce over DCN on ``1/k`` of the
+params). Models: :mod:`dlion_jax.bench.aot_models`.
+
+Usage::
+
+  JAX_PLATFORMS=cpu python -m dlion_jax.bench.aot [--model gpt]
+      [--topology v5e:2x2] [--slices 2] [--variants ...] [--overlap]
+      [--json PATH] [--out FILE.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import accounting
+from dlion_jax import bench
+from dlion_jax import parallel
+from dlion_jax.bench import aot_models
+from dlion_jax.bench import reporting
+
+LEARNING_RATE = 1e-4
+COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
+VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
+            + ("hybrid-dlion", "hybrid-adamw"))
+MiB = 2**20
+
+
+# ----------------------------------------------------------------- devices
+
+
+def tpu_devices(topology: str, slices: int) -> list:
+  """The compile-only chips of ``slices`` slices of ``topology``, ordered
+  by slice then id.
+
+  A compile-only client drives no chip, so libtpu's lock on one process a
+  machine is lifted (``ALLOW_MULTIPLE_LIBTPU_LOAD``) unless set otherwise.
+  """
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  desc = topologies.get_topology_desc(topology, "tpu", num_slices=slices)
+  return sorted(desc.devices,
+                key=lambda d: (getattr(d, "slice_index", 0), d.id))
+
+
+def libtpu_available() -> str | None:
+  """None when TPU topologies can be compiled for, else why not."""
+  try:
+    tpu_devices("v5e:2x2", 1)
+  except Exception as e:  # pylint: disable=broad-except
+    return f"{type(e).__name__}: {e}".splitlines()[0]
+  return None
+
+
+def mesh_for(devices: list, slices: int, hybrid: bool) -> Mesh:
+  """One ``data`` axis over every chip, or ``(data, fsdp)`` = (slices,
+  chips a slice)."""
+  if hybrid:
+    return Mesh(np.array(devices).reshape(slices, -1), ("data", "fsdp"))
+  return Mesh(np.array(devices), ("data",))
+
+
+# ----------------------------------------------------------------- variants
+
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+  """An optimizer and layout; ``comm`` is D-Lion's strategy (None: fp32)."""
+  name: str
+  tx: optax.GradientTransformation
+  hybrid: bool
+  comm: str | None
+
+
+def variant(name: str) -> Variant:
+  """The :data:`VARIANTS` entry ``name``."""
+  hybrid = name.startswith("hybrid-")
+  base = name.removeprefix("hybrid-")
+  if base in ("lion", "adamw"):
+    opt = optax.lion if base == "lion" else optax.adamw
+    tx = optax.chain(parallel.pmean_gradients("data"), opt(LEARNING_RATE))
+    return Variant(name, tx, hybrid, None)
+  comm = "auto" if base == "dlion" else base.removeprefix("dlion-")
+  return Variant(name, dl.distributed_lion(LEARNING_RATE, axis_name="data",
+                                           comm=comm), hybrid, comm)
+
+
+def analytic_bits(v: Variant, slices: int, chips: int) -> float:
+  """Bits per parameter a chip sends per step by the cost model: over all
+  chips flat, over DCN only (on ``1/k`` of the params) for hybrid rows."""
+  k = chips // slices
+  voters = slices if v.hybrid else chips
+  if v.comm is None:
+    bits = accounting.allreduce_bits(voters)
+  else:
+    bits = dl.wire_bits(voters, comm=v.comm, aggregation="mavo")
+  return bits / k if v.hybrid else bits
+
+
+# ----------------------------------------------------------------- overlap
+
+_LINE = re.compile(
+    r"^\s*(?:ROOT\s+)?%(?P<name>[\w.\-]+)\s*=\s*(?P<shape>.*?)\s"
+    r"(?P<op>[a-z][\w\-]*)\((?P<operands>[^)]*)\)(?P<attrs>.*)$")
+_CALLS = re.compile(r"\b(?:calls|body|to_apply|condition)=%?([\w.\-]+)")
+_HEADER = re.compile(r"^(?P<entry>ENTRY\s+)?%?(?P<name>[\w.\-]+)[\s(].*\{\s*$")
+_CYCLES = re.compile(r'"estimated_cycles":"(\d+)"')
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
+_COLLECTIVE_STARTS = ("all-reduce-start", "all-gather-start",
+                      "collective-permute-start", "all-to-all-start",
+                      "reduce-scatter-start", "async-start")
+_COMPUTE = ("convolution", "dot")
+
+
+@dataclasses.dataclass
+class Instruction:
+  name: str
+  op: str
+  operands: list[str]
+  attrs: str
+  shape: str
+
+
+@dataclasses.dataclass
+class AsyncPair:
+  """An asynchronous exchange in the scheduled ENTRY computation."""
+  start: str
+  done: str
+  op: str            # send, recv, all-reduce-start, ...
+  link: str          # "dcn" (megascale host transfer) or "ici"
+  transfer: str      # megascale transfer type (ALL_REDUCE, ...) or the op
+  between: int       # instructions scheduled between start and done
+  fusions: list[str]
+  compute: list[str]  # fusions / loops between that hold a dot or conv
+  cycles: int        # the TPU cost model's cycles between (loops excluded)
+
+  @property
+  def overlapped(self) -> bool:
+    return bool(self.compute)
+
+
+def _computations(text: str) -> tuple[dict[str, list[Instruction]], str]:
+  """Each computation's instructions in order, and the ENTRY's name."""
+  comps, entry, current = {}, None, None
+  for line in text.splitlines():
+    head = None if line[:1].isspace() else _HEADER.match(line)
+    if head:
+      current = head["name"]
+      comps[current] = []
+      entry = current if head["entry"] else entry
+      continue
+    m = _LINE.match(line)
+    if m and current is not None:
+      comps[current].append(Instruction(
+          m["name"], m["op"], re.findall(r"%([\w.\-]+)", m["operands"]),
+          m["attrs"], m["shape"]))
+  if entry is None:
+    raise ValueError("no ENTRY computation in the HLO text: pass a compiled "
+                     "executable's as_text().")
+  return comps, entry
+
+
+def _computes(comps: dict, name: str, memo: dict) -> bool:
+  """Whether computation ``name`` (or one it calls) holds a dot or conv."""
+  if name not in memo:
+    memo[name] = False
+    memo[name] = any(
+        i.op in _COMPUTE or any(_computes(comps, c, memo)
+                                for c in _CALLS.findall(i.attrs))
+        for i in comps.get(name, ()))
+  return memo[name]
+
+
+def _is_compute(inst: Instruction, comps: dict, memo: dict) -> bool:
+  return inst.op in _COMPUTE or any(
+      _computes(comps, c, memo) for c in _CALLS.findall(inst.attrs))
+
+
+def _pair_kind(inst: Instruction) -> tuple[str, str] | None:
+  """(link, transfer) of an async start, None for other instructions."""
+  if inst.op in ("send", "recv"):
+    if "is_host_transfer=true" in inst.attrs:
+      m = _MEGASCALE_TYPE.search(inst.attrs)
+      return "dcn", m[1] if m else inst.op
+    return "ici", inst.op
+  if inst.op in _COLLECTIVE_STARTS:
+    return "ici", inst.op.removesuffix("-start")
+  return None
+
+
+def async_pairs(hlo_text: str) -> list[AsyncPair]:
+  """Every asynchronous exchange of the ENTRY computation and what is
+  scheduled between its start and its done.
+
+  Args:
+    hlo_text: a compiled executable's ``as_text()`` (scheduled HLO).
+
+  Returns:
+    One :class:`AsyncPair` per megascale ``send``/``recv`` (DCN) and per
+    ``*-start`` collective or non-host ``send``/``recv`` (ICI), in schedule
+    order. ``async-start`` is kept whatever it wraps (on TPU: collectives).
+  """
+  comps, entry = _computations(hlo_text)
+  order = comps[entry]
+  memo: dict = {}
+  starts = {i.name: (n, i) for n, i in enumerate(order)}
+  pairs = []
+  for n, done in enumerate(order):
+    if not done.op.endswith("-done") or not done.operands:
+      continue
+    if done.operands[0] not in starts:
+      continue
+    first, start = starts[done.operands[0]]
+    kind = _pair_kind(start)
+    if kind is None:
+      continue
+    inside = order[first + 1:n]
+    pairs.append(AsyncPair(
+        start.name, done.name, start.op, kind[0], kind[1], len(inside),
+        [i.name for i in inside if i.op == "fusion"],
+        [i.name for i in inside if _is_compute(i, comps, memo)],
+        sum(int(c) for i in inside for c in _CYCLES.findall(i.attrs)[:1])))
+  return sorted(pairs, key=lambda p: starts[p.start][0])
+
+
+def overlap_summary(pairs: list[AsyncPair], link: str) -> str:
+  """``overlapped/pairs`` on ``link``, e.g. ``1/6``; ``-`` when none."""
+  mine = [p for p in pairs if p.link == link]
+  if not mine:
+    return "-"
+  return f"{sum(p.overlapped for p in mine)}/{len(mine)}"
+
+
+# ----------------------------------------------------------------- rows
+
+
+@dataclasses.dataclass
+class Row:
+  """What one compiled step sends, holds and cost to compile."""
+  model: str
+  topology: str
+  slices: int
+  chips: int
+  variant: str
+  params: int
+  lower_s: float = 0.0
+  compile_s: float = 0.0
+  argument_bytes: int = 0
+  temp_bytes: int = 0
+  output_bytes: int = 0
+  alias_bytes: int = 0
+  code_bytes: int = 0
+  ici_bytes: float | None = None
+  dcn_bytes: float | None = None
+  analytic_bits: float | None = None
+  pairs: list[AsyncPair] = dataclasses.field(default_factory=list)
+  error: str | None = None
+  bytes_error: str | None = None
+
+  @property
+  def measured_bits(self) -> float | None:
+    """Bits per param per step the analytic figure is about: all links
+    flat, DCN only for hybrid rows."""
+    if self.dcn_bytes is None:
+      return None
+    sent = self.dcn_bytes if self.variant.startswith("hybrid-") else (
+        self.dcn_bytes + self.ici_bytes)
+    return 8 * sent / self.params
+
+
+def _with_sharding(tree: Any, mesh: Mesh, spec: P) -> Any:
+  sharding = NamedSharding(mesh, spec)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
+      tree)
+
+
+def abstract_args(problem: aot_models.Problem, v: Variant, mesh: Mesh):
+  """(params, states, batch) as sharded ``ShapeDtypeStruct`` trees."""
+  shard_axis = "fsdp" if v.hybrid else None
+  workers = ("data", "fsdp") if v.hybrid else "data"
+  params = _with_sharding(problem.params, mesh, P())
+  states = jax.eval_shape(
+      lambda p: parallel.init_worker_states(v.tx, p, mesh,
+                                            shard_axis=shard_axis), params)
+  batch = problem.batch(mesh.devices.size)
+  return (params, _with_sharding(states, mesh, P(workers)),
+          _with_sharding(batch, mesh, P(workers)))
+
+
+def _read_bytes(row: Row, compiled) -> None:
+  try:
+    sent = dl.hlo.collective_bytes_by_link(compiled, conditional=True)
+  except Exception as e:  # pylint: disable=broad-except
+    row.bytes_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return
+  row.ici_bytes, row.dcn_bytes = sent.get("ici", 0.0), sent.get("dcn", 0.0)
+
+
+def compile_step(problem: aot_models.Problem, topology: str, slices: int,
+                 name: str) -> tuple[Row, str]:
+  """Compiles one variant's training step and reads its executable: the
+  row and the scheduled HLO text (empty when the compile failed)."""
+  devices = tpu_devices(topology, slices)
+  v = variant(name)
+  mesh = mesh_for(devices, slices, v.hybrid)
+  row = Row(problem.name, topology, slices, len(devices), name, problem.count,
+            analytic_bits=analytic_bits(v, slices, len(devices)))
+  step = parallel.make_train_step(
+      problem.loss_fn, v.tx, mesh, shard_axis="fsdp" if v.hybrid else None)
+  gc.collect()
+  try:
+    tic = time.perf_counter()
+    lowered = step.lower(*abstract_args(problem, v, mesh))
+    row.lower_s = time.perf_counter() - tic
+    tic = time.perf_counter()
+    compiled = lowered.compile()
+    row.compile_s = time.perf_counter() - tic
+  except Exception as e:  # pylint: disable=broad-except
+    row.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return row, ""
+  _read_memory(row, compiled.memory_analysis())
+  _read_bytes(row, compiled)
+  text = compiled.as_text()
+  row.pairs = async_pairs(text)
+  return row, text
+
+
+def compile_row(problem: aot_models.Problem, topology: str, slices: int,
+                name: str) -> Row:
+  """:func:`compile_step`'s row alone."""
+  return compile_step(problem, topology, slices, name)[0]
+
+
+def warm_up(topology: str, slices: int) -> None:
+  """Compiles a one-op step once: libtpu's first compile in a process
+  carries its start-up, which would land in the first row's time."""
+  mesh = mesh_for(tpu_devices(topology, slices), slices, hybrid=False)
+  x = jax.ShapeDtypeStruct((mesh.devices.size, 128), np.float32,
+                           sharding=NamedSharding(mesh, P("data")))
+  jax.jit(lambda a: a.sum(0)).lower(x).compile()
+
+
+def _read_memory(row: Row, mem) -> None:
+  row.argument_bytes = mem.argument_size_in_bytes
+  row.temp_bytes = mem.temp_size_in_bytes
+  row.output_bytes = mem.output_size_in_bytes
+  row.alias_bytes = mem.alias_size_in_bytes
+  row.code_bytes = mem.generated_code_size_in_bytes
+
+
+# ----------------------------------------------------------------- report
+
+
+def _bytes(x: float | None) -> str:
+  return "n/a" if x is None else f"{x:,.0f}"
+
+
+def _ratio(row: Row) -> str:
+  measured = row.measured_bits
+  if measured is None or not row.analytic_bits:
+    return "n/a"
+  return f"{measured:.3f} / {row.analytic_bits:.3f} = " \
+         f"{measured / row.analytic_bits:.2f}"
+
+
+def table_row(row: Row) -> list:
+  where = f"{row.topology} x{row.slices} ({row.chips} chips)"
+  if row.error:
+    return [where, row.variant] + ["-"] * 8 + [row.error]
+  return [where, row.variant, _bytes(row.ici_bytes), _bytes(row.dcn_bytes),
+          _ratio(row), f"{row.argument_bytes / MiB:,.1f}",
+          f"{row.temp_bytes / MiB:,.1f}", f"{row.compile_s:.1f}",
+          overlap_summary(row.pairs, "dcn"),
+          overlap_summary(row.pairs, "ici"), ""]
+
+
+HEADERS = ["topology", "variant", "ICI bytes/chip", "DCN bytes/chip",
+           "bits/param measured / analytic = ratio", "HBM args MiB",
+           "HBM temp MiB", "compile s", "DCN pairs over a dot",
+           "ICI pairs over a dot", "note"]
+
+
+def overlap_lines(row: Row) -> list[str]:
+  """One line per async pair: what lies between its start and done."""
+  lines = [f"{row.model} {row.topology} x{row.slices} {row.variant}:"]
+  for p in row.pairs:
+    shown = ", ".join(p.compute[:4]) + (
+        f" (+{len(p.compute) - 4})" if len(p.compute) > 4 else "")
+    lines.append(
+        f"  {p.link} {p.transfer:<14} {p.start} .. {p.done}: {p.between} "
+        f"instructions, {len(p.fusions)} fusions, {len(p.compute)} with a "
+        f"dot/conv{': ' + shown if shown else ''}, ~{p.cycles:,} cycles")
+  return lines
+
+
+def report(rows: list[Row], overlap: bool) -> str:
+  parts = [_versions()]
+  for model in dict.fromkeys(r.model for r in rows):
+    mine = [r for r in rows if r.model == model]
+    parts.append(f"Model `{model}`, {mine[0].params:,} params; per chip "
+                 "and step:\n\n" + reporting.markdown_table(
+                     HEADERS, [table_row(r) for r in mine]))
+  notes = [f"- {r.model} {r.topology} x{r.slices} {r.variant}: bytes not "
+           f"read: {r.bytes_error}" for r in rows if r.bytes_error]
+  if notes:
+    parts.append("\n".join(notes))
+  if overlap:
+    parts.append("```\n" + "\n".join(
+        line for r in rows if not r.error for line in overlap_lines(r))
+        + "\n```")
+  return "\n\n".join(parts)
+
+
+def _versions() -> str:
+  try:
+    from importlib import metadata  # pylint: disable=g-import-not-at-top
+    libtpu = metadata.version("libtpu")
+  except Exception:  # pylint: disable=broad-except
+    libtpu = "?"
+  return f"jax {jax.__version__}, libtpu {libtpu}, compiled on " \
+         f"{os.cpu_count()} CPU cores (backend {jax.default_backend()})"
+
+
+def row_json(row: Row) -> dict:
+  out = dataclasses.asdict(row)
+  out["measured_bits"] = row.measured_bits
+  return out
+
+
+# ----------------------------------------------------------------- main
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.aot",
+                                   description=__doc__.split("\n")[0])
+  parser.add_argument("--model", nargs="+", default=["gpt"],
+                      choices=sorted(aot_models.PROBLEMS))
+  parser.add_argument("--topology", nargs="+", default=["v5e:2x2"],
+                      help="TPU topologies, e.g. v5e:2x2 v5p:2x2x1")
+  parser.add_argument("--slices", type=int, nargs="+", default=[2])
+  parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
+                      choices=VARIANTS)
+  parser.add_argument("--overlap", action="store_true",
+                      help="also list every async pair and what lies "
+                      "between its start and done")
+  parser.add_argument("--json", help="also write the rows to this file")
+  parser.add_argument("--out", help="also write the report to this file")
+  return parser
+
+
+def main(argv=None) -> str:
+  parser = _parser()
+  args = parser.parse_args(argv)
+  if "gpt" in args.model:
+    bench.require_examples(parser, "dlion_jax.train.models",
+                           "--model gpt (the train CLI's GPT)")
+  if os.environ.get("JAX_PLATFORMS") is None:
+    jax.config.update("jax_platforms", "cpu")    # compile-only: no TPU used
+  why = libtpu_available()
+  if why:
+    parser.error(f"cannot compile for TPU topologies ({why}); install "
+                 'libtpu: pip install "dlion_jax[tpu-aot]"')
+  jobs = [(m, t, s, v) for m in args.model for t in args.topology
+          for s in args.slices for v in args.variants]
+  problems = {m: aot_models.PROBLEMS[m]() for m in args.model}
+  warm_up(args.topology[0], args.slices[0])
+  rows = []
+  for m, t, s, v in bench.progress(jobs, len(jobs), "compiling"):
+    rows.append(compile_row(problems[m], t, s, v))
+    reporting.write_json(args.json, [row_json(r) for r in rows], indent=1)
+  return reporting.emit(report(rows, args.overlap), args.out)
+
+
+if __name__ == "__main__":
+  main()
