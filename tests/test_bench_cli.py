@@ -19,7 +19,7 @@ COMMANDS = sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
 
 
 def test_every_bench_command_is_listed():
-  assert COMMANDS == ["compile", "hybrid", "kernels", "project", "step",
+  assert COMMANDS == ["aot", "compile", "hybrid", "kernels", "project", "step",
                       "wire"]
 
 
