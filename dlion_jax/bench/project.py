@@ -699,26 +699,32 @@ def check_aot_rows(rows) -> list[dict]:
       raise ValueError(
           f"row {i}: topology={row['topology']!r}: no ICI bandwidth for "
           f"{family!r}; known: {', '.join(TPU_ICI_BITS_PER_S)}")
-  return [r for r in rows if r["dcn_bytes"] is not None]
+  return rows
 
 
 def tpu_table(rows: Sequence[dict]) -> str:
   """Exchange time a step per chip on TPU multislice, from the bytes of
   each link read off the executables, against AdamW's on the same layout."""
   adamw = {(r["model"], r["topology"], r["slices"]): r for r in rows
-           if r["variant"] == "adamw"}
+           if r["variant"] == "adamw" and r["dcn_bytes"] is not None}
   headers = ["model", "topology x slices", "variant", "ICI MB", "DCN MB"]
   for bw in TPU_DCN_BITS_PER_S:
     headers += [f"ms at {bw / 1e9:g} Gb/s DCN", "vs AdamW"]
   table = []
   for r in rows:
-    line = [r["model"], f"{r['topology']} x {r['slices']}", r["variant"],
-            f"{r['ici_bytes'] / 1e6:,.2f}", f"{r['dcn_bytes'] / 1e6:,.2f}"]
+    line = [r["model"], f"{r['topology']} x {r['slices']}", r["variant"]]
+    if r["dcn_bytes"] is None:       # did not compile (e.g. out of HBM)
+      error = " ".join(str(r.get("error") or "no bytes read").split())
+      error = error.split("RESOURCE_EXHAUSTED: ")[-1]
+      table.append(line + [f"not compiled: {error[:120]}"]
+                   + [""] * (len(headers) - 4))
+      continue
+    line += [f"{r['ici_bytes'] / 1e6:,.2f}", f"{r['dcn_bytes'] / 1e6:,.2f}"]
     base = adamw.get((r["model"], r["topology"], r["slices"]))
     for bw in TPU_DCN_BITS_PER_S:
       t = tpu_exchange_s(r, bw)
-      line += [_ms(t), f"{tpu_exchange_s(base, bw) / t:.1f}x" if base
-               and t > 0 else ""]
+      line += [f"{t * 1e3:,.3f}", f"{tpu_exchange_s(base, bw) / t:.1f}x"
+               if base and t > 0 else ""]
     table.append(line)
   return reporting.markdown_table(headers, table)
 
