@@ -253,10 +253,15 @@ def test_unblocked_loop_on_simulated_devices_completes(builder, steps):
   """A loop that never reads the loss queues steps; XLA:CPU deadlocks once
   about 32 per device are queued (exit 134 after 40 s). The helpers keep at
   most ``MAX_IN_FLIGHT`` queued."""
+  _finishes(_UNBLOCKED_LOOP.replace("BUILDER", builder).replace(
+      "STEPS", str(steps)))
+
+
+def _finishes(script: str) -> None:
+  """Runs ``script`` on 8 CPU devices in a fresh process: it must print
+  "finished" and exit 0 (a deadlocked rendezvous aborts it)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  script = _UNBLOCKED_LOOP.replace("BUILDER", builder).replace(
-      "STEPS", str(steps))
   done = subprocess.run([sys.executable, "-c", script], env=env,
                         capture_output=True, text=True, timeout=120)
   assert done.returncode == 0, done.stderr[-2000:]
@@ -293,12 +298,7 @@ print("finished", float(params["b"][0]))
 def test_limit_in_flight_holds_when_every_output_is_donated():
   """Was: the queued outputs were deleted by the donating next step when
   waited on, so nothing was waited on and the loop aborted (exit 134)."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=8")
-  done = subprocess.run([sys.executable, "-c", _DONATED_ONLY_LOOP], env=env,
-                        capture_output=True, text=True, timeout=120)
-  assert done.returncode == 0, done.stderr[-2000:]
-  assert "finished" in done.stdout
+  _finishes(_DONATED_ONLY_LOOP)
 
 
 def test_limit_in_flight_keeps_one_entry_per_queued_call_not_its_outputs():
