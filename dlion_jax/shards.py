@@ -217,9 +217,14 @@ def all_gather_leaves(shards: Any, like: Any, axis_name: Hashable) -> Any:
   for _, group in _by_dtype(leaves):
     layout = ShardLayout(tuple(whole[i].size for i in group), k)
     buffer = jnp.concatenate([leaves[i] for i in group])
+    width = buffer.size
+    if _on_tpu():           # whole tiles, or XLA:TPU may all-reduce instead
+      padded = -(-width // _TILE) * _TILE
+      buffer = jnp.pad(buffer, (0, padded - width)).reshape(-1, _LANES)
     # Typed invariant: the whole leaves are the same on every device of the
     # axis, which replicated params need under shard_map(check_vma=True).
-    rows = lax.all_gather(buffer, axis_name, to="invarying")   # [k, sum s_l]
+    rows = lax.all_gather(buffer, axis_name, to="invarying")
+    rows = rows.reshape(k, -1)[:, :width]                     # [k, sum s_l]
     for i, part in zip(group, layout.split(rows)):
       x = whole[i]
       out[i] = part.reshape(-1)[:x.size].reshape(x.shape)

@@ -90,15 +90,19 @@ def test_flat_allgather_sends_what_the_cpu_step_sends(cpu_bytes):
 
 def test_hybrid_vote_crosses_slices_as_on_cpu(cpu_bytes):
   """The hybrid step's vote is the one megascale all-gather, under "data"
-  with the bytes the CPU step sends over "data"; its in-slice reduction is
-  under "fsdp" (on TPU an all-reduce, at least the CPU's bytes)."""
+  with the bytes the CPU step sends over "data"; its in-slice traffic is
+  under "fsdp", within 10% of the CPU's (the shards padded to whole TPU
+  tiles; was 1.54x: the gather back compiled as an all-reduce)."""
   module = text("hybrid")
   vote = [c for c in hlo.collectives(module)
           if c.link == "dcn" and c.op == "all-gather"]
   assert [c.bytes_per_call for c in vote] == [cpu_bytes["hybrid"]["data"]]
   by_axis = dl.collective_bytes_by_axis(module, tpu_mesh(*HYBRID))
   assert by_axis["data"] == dl.collective_bytes_by_link(module)["dcn"]
-  assert by_axis["fsdp"] >= cpu_bytes["hybrid"]["fsdp"]
+  cpu = cpu_bytes["hybrid"]["fsdp"]
+  assert cpu <= by_axis["fsdp"] <= 1.1 * cpu
+  assert [c.op for c in hlo.collectives(module) if c.result_bytes > 10**6] \
+      == ["all-gather"]
 
 
 def test_reduce_scatter_fusion_counts_as_a_reduce_scatter(cpu_bytes):
