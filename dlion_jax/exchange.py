@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlion_jax import message as message_lib
 from dlion_jax import packing
+from dlion_jax import shards
 from dlion_jax import quantize
 from dlion_jax._checks import check_choice
 from dlion_jax.message import MessageLayout
@@ -135,11 +136,26 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
     down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
   words = packing.pack_digits(down.astype(packing.digit_dtype(down_radix)),
                               down_radix)
-  words = _all_gather(words, axis_name, tiled=True)
+  words = _gather_words(words, axis_name, n)
   result = packing.unpack_digits(words, down_radix).astype(jnp.int32)
   if aggregation == "avg":
     return signed_sum(result, n, spec)
   return 2 * result - 1 if down_radix == 2 else result - 1
+
+
+def _gather_words(words, axis_name, n):
+  """Every worker's packed results, end to end (a tiled ``all_gather``).
+
+  Across TPU slices XLA:TPU gathers a small buffer that is not whole rows of
+  128 lanes by an all-reduce of a zero-padded one, twice the DCN bytes: there
+  each worker's words are padded to rows of 128 (4 of them) and gathered as
+  rows, the padding cut off after.
+  """
+  if not shards.on_tpu():
+    return _all_gather(words, axis_name, tiled=True)
+  size = words.size
+  rows = jnp.pad(words, (0, -size % 512)).reshape(-1, 128)
+  return _all_gather(rows, axis_name).reshape(n, -1)[:, :size].reshape(-1)
 
 
 def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):

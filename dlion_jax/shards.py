@@ -153,7 +153,7 @@ def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
   for dtype, group in _by_dtype(leaves):
     layout = ShardLayout(tuple(leaves[i].size for i in group), k)
     rows = layout.stack([leaves[i] for i in group])
-    if _on_tpu():
+    if on_tpu():
       width = _scatter_width(rows.shape[1], k)
       rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
       rows = rows.reshape(k, width // _LANES, _LANES)
@@ -178,7 +178,7 @@ def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
 _LANES, _TILE = 128, 8 * 128
 
 
-def _on_tpu() -> bool:
+def on_tpu() -> bool:
   """Whether the devices of the step being traced are TPUs."""
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   return getattr(device, "platform", None) == "tpu"
@@ -218,7 +218,7 @@ def all_gather_leaves(shards: Any, like: Any, axis_name: Hashable) -> Any:
     layout = ShardLayout(tuple(whole[i].size for i in group), k)
     buffer = jnp.concatenate([leaves[i] for i in group])
     width = buffer.size
-    if _on_tpu():           # whole tiles, or XLA:TPU may all-reduce instead
+    if on_tpu():           # whole tiles, or XLA:TPU may all-reduce instead
       padded = -(-width // _TILE) * _TILE
       buffer = jnp.pad(buffer, (0, padded - width)).reshape(-1, _LANES)
     # Typed invariant: the whole leaves are the same on every device of the

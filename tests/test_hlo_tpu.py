@@ -88,6 +88,20 @@ def test_flat_allgather_sends_what_the_cpu_step_sends(cpu_bytes):
   assert tpu == pytest.approx(cpu_bytes["flat_allgather"]["data"], rel=0.01)
 
 
+@pytest.mark.parametrize("comm", ["auto", "alltoall"])
+def test_flat_vote_sends_what_the_cpu_step_sends(cpu_bytes, comm):
+  """The vote's results cross slices in a megascale all-gather (their rows
+  padded to 128 lanes on TPU). Was 1.108x: XLA:TPU gathered the small,
+  unaligned buffer by a DCN all-reduce of a zero-padded one. The rest over
+  the CPU's is that padding and the loss pmean's, 4 bytes padded to 512."""
+  module = text(f"flat_{comm}")
+  gathers = [c for c in hlo.collectives(module) if c.link == "dcn"
+             and c.op == "all-gather"]
+  assert len(gathers) == 1
+  cpu = cpu_bytes[f"flat_{comm}"]["data"]
+  assert cpu <= dl.collective_bytes(module) <= 1.04 * cpu
+
+
 def test_hybrid_vote_crosses_slices_as_on_cpu(cpu_bytes):
   """The hybrid step's vote is the one megascale all-gather, under "data"
   with the bytes the CPU step sends over "data"; its in-slice traffic is
