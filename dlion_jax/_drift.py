@@ -122,18 +122,19 @@ def _while(eqn, ins: list[Axes]) -> list[Axes]:
   return [a | predicate for a in carry]
 
 
-def typed_varying_axes(x) -> tuple:
+def typed_varying_axes(x) -> frozenset:
   """The mesh axes ``shard_map(check_vma=True)`` types ``x`` as varying over
   (``aval.vma`` in older jax, ``aval.manual_axis_type.varying`` later)."""
   aval = jax.typeof(x)
-  manual = getattr(aval, "manual_axis_type", None)
-  axes = getattr(aval, "vma", None) if manual is None else manual.varying
-  return tuple(sorted(axes or (), key=str))
+  vma = getattr(aval, "vma", None)
+  if vma is None:
+    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
+  return frozenset(vma)
 
 
 def typed_same_on_every_worker(x):
   """``x``, a value every worker holds alike (a step count in per-worker
   state), typed so for ``check_vma``: its ``pmax`` over the axes it is typed
   varying over, one small all-reduce; unchanged (no collective) elsewhere."""
-  axes = typed_varying_axes(x)
+  axes = tuple(sorted(typed_varying_axes(x), key=str))
   return jax.lax.pmax(x, axes) if axes else x

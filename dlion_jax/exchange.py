@@ -153,9 +153,8 @@ def _gather_words(words, axis_name, n):
   """
   if not shards.on_tpu():
     return _all_gather(words, axis_name, tiled=True)
-  size = words.size
-  rows = jnp.pad(words, (0, -size % 512)).reshape(-1, 128)
-  return _all_gather(rows, axis_name).reshape(n, -1)[:, :size].reshape(-1)
+  rows = _all_gather(shards.lane_rows(words, 4), axis_name)
+  return rows.reshape(n, -1)[:, :words.size].reshape(-1)
 
 
 def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):

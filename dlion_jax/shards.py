@@ -184,6 +184,13 @@ def on_tpu() -> bool:
   return getattr(device, "platform", None) == "tpu"
 
 
+def lane_rows(x: jax.Array, rows: int) -> jax.Array:
+  """1-D ``x`` zero-padded to a multiple of ``rows`` rows of 128 lanes and
+  shaped ``[-1, 128]``: what XLA:TPU gathers across devices as whole
+  tiles (the caller cuts the padding off each gathered row)."""
+  return jnp.pad(x, (0, -x.size % (rows * _LANES))).reshape(-1, _LANES)
+
+
 def _scatter_width(width: int, k: int) -> int:
   """``width`` rounded up to ``t`` whole tiles, ``t`` a multiple of a power
   of two ``>= max(2, k t / 1024)``, so that spans of up to 4 MiB (f32)
@@ -219,8 +226,7 @@ def all_gather_leaves(shards: Any, like: Any, axis_name: Hashable) -> Any:
     buffer = jnp.concatenate([leaves[i] for i in group])
     width = buffer.size
     if on_tpu():           # whole tiles, or XLA:TPU may all-reduce instead
-      padded = -(-width // _TILE) * _TILE
-      buffer = jnp.pad(buffer, (0, padded - width)).reshape(-1, _LANES)
+      buffer = lane_rows(buffer, _TILE // _LANES)
     # Typed invariant: the whole leaves are the same on every device of the
     # axis, which replicated params need under shard_map(check_vma=True).
     rows = lax.all_gather(buffer, axis_name, to="invarying")

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlion_jax import _drift
 from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
@@ -154,15 +155,6 @@ def resolve_mask(mask: Any, tree: Any) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def _varying_axes(x: jax.Array) -> frozenset:
-  """The manual axes along which ``x`` is typed per-worker (jax >= 0.7)."""
-  aval = jax.typeof(x)
-  vma = getattr(aval, "vma", None)          # older spelling
-  if vma is None:
-    vma = getattr(getattr(aval, "manual_axis_type", None), "varying", ())
-  return frozenset(vma)
-
-
 def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
   """``pmean`` with non-finite entries counted as 0, typed like its inputs
   (per-worker under ``check_vma``).
@@ -174,7 +166,8 @@ def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
                         axis_name)
   out = []
   for x, m in zip(xs, means):
-    lost = tuple(_varying_axes(x) - _varying_axes(m))
+    lost = tuple(_drift.typed_varying_axes(x)
+                 - _drift.typed_varying_axes(m))
     out.append(jax.lax.pcast(m, lost, to="varying") if lost else m)
   return out
 
