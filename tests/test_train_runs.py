@@ -213,9 +213,10 @@ def test_ctrl_c_before_a_checkpoint_says_start_again(tmp_path, capsys,
   assert err[-1].endswith(" --overwrite") and "--overwrite --" not in err[-1]
 
 
-def test_sigint_ends_in_one_line_and_exit_130(tmp_path):
-  """A real Ctrl-C (SIGINT) to a training process, after its first
-  checkpoint."""
+def _signal_after_first_checkpoint(tmp_path, signum):
+  """Trains in a fresh process until its first checkpoint, then sends it
+  ``signum``: (exit code, stdout, stderr, CLI arguments, seconds from the
+  signal to the exit)."""
   argv = ["--no-progress", "--set", f"run_dir={tmp_path}",
           "--set", "model.hidden=[8]", "--set", "train.steps=100000",
           "--set", "train.checkpoint_every=20", "--set", "train.eval_every=0"]
@@ -228,12 +229,21 @@ def test_sigint_ends_in_one_line_and_exit_130(tmp_path):
       assert proc.poll() is None, proc.communicate()
       assert time.monotonic() < deadline, "no checkpoint after 120 s"
       time.sleep(0.01)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signum)
+    tic = time.monotonic()
     out, err = proc.communicate(timeout=60)
   finally:
     if proc.poll() is None:
       proc.kill()
-  assert proc.returncode == 130, err
+  return proc.returncode, out, err, argv, time.monotonic() - tic
+
+
+def test_sigint_ends_in_one_line_and_exit_130(tmp_path):
+  """A real Ctrl-C (SIGINT) to a training process, after its first
+  checkpoint."""
+  code, out, err, argv, _ = _signal_after_first_checkpoint(
+      tmp_path, signal.SIGINT)
+  assert code == 130, err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
   last = rundir.checkpoint_steps(tmp_path)[-1]
   step = int(err.split("interrupted at step ", 1)[1].split(" ", 1)[0])
@@ -302,26 +312,10 @@ def test_sigterm_in_a_step_saves_that_step(tmp_path, capsys, monkeypatch):
 def test_sigterm_ends_in_one_line_and_exit_143(tmp_path):
   """A real SIGTERM (what a scheduler sends on preemption) to a training
   process: it saves the step it reached and says how to resume."""
-  argv = ["--no-progress", "--set", f"run_dir={tmp_path}",
-          "--set", "model.hidden=[8]", "--set", "train.steps=100000",
-          "--set", "train.checkpoint_every=20", "--set", "train.eval_every=0"]
-  proc = subprocess.Popen([sys.executable, "-m", "dlion_jax.train", *argv],
-                          stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True, cwd=ROOT)
-  deadline = time.monotonic() + 120
-  try:
-    while not rundir.checkpoint_steps(tmp_path):
-      assert proc.poll() is None, proc.communicate()
-      assert time.monotonic() < deadline, "no checkpoint after 120 s"
-      time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    tic = time.monotonic()
-    out, err = proc.communicate(timeout=60)
-  finally:
-    if proc.poll() is None:
-      proc.kill()
-  assert time.monotonic() - tic < 5
-  assert proc.returncode == 143, err
+  code, out, err, argv, seconds = _signal_after_first_checkpoint(
+      tmp_path, signal.SIGTERM)
+  assert seconds < 5
+  assert code == 143, err
   assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
   step = int(err.split("terminated (SIGTERM) at step ", 1)[1].split(" ")[0])
   assert rundir.checkpoint_steps(tmp_path)[-1] == step > 20
