@@ -26,11 +26,15 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
 The whole pytree goes through one message (:class:`dlion_jax.message.
 MessageLayout`): each leaf starts on a word, the leaves are packed in one
 pass, and a step issues a fixed number of collectives however many leaves
-the model has.
+the model has. Each strategy returns ``(planes, decode)``: ``planes(first,
+words)`` the ``[m, words]`` digits of a run of the message's words, which
+read plane after plane are the run's digits in order, and ``decode`` the
+outcome of the vote from them.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Hashable, Sequence
 
 import jax
@@ -127,20 +131,31 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
                                               spec=spec)
   up = message.reshape(n, -1)     # MessageLayout.word_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
-  code_sum = packing.sum_packed(mine, up_radix)
+  code_sum = packing.sum_planes(mine, up_radix)
   if aggregation == "avg":
     down = code_sum                    # exact count, radix (levels-1)*N+1
   elif down_radix == 2:
     down = signed_sum(code_sum, n, spec) > 0      # odd N, binary: no ties
   else:
     down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
-  words = packing.pack_digits(down.astype(packing.digit_dtype(down_radix)),
-                              down_radix)
-  words = _gather_words(words, axis_name, n)
-  result = packing.unpack_digits(words, down_radix).astype(jnp.int32)
-  if aggregation == "avg":
-    return signed_sum(result, n, spec)
-  return 2 * result - 1 if down_radix == 2 else result - 1
+  # The shard's [m, S] results, planar in words of the result's radix.
+  words = packing.pack_digits(
+      down.reshape(-1).astype(packing.digit_dtype(down_radix)), down_radix,
+      planar=True)
+  words = _gather_words(words, axis_name, n).reshape(n, -1)
+  result = packing.unpack_digits(words, down_radix, code_sum.size,
+                                 planar=True)
+  # [worker, place, word of its shard] -> [place, word of the message]
+  result = result.reshape(n, *code_sum.shape).swapaxes(0, 1).reshape(
+      code_sum.shape[0], -1)
+
+  def decode(digits):
+    digits = digits.astype(jnp.int32)
+    if aggregation == "avg":
+      return signed_sum(digits, n, spec)
+    return 2 * digits - 1 if down_radix == 2 else digits - 1
+  return (lambda first, size: lax.slice_in_dim(result, first, first + size,
+                                               axis=1)), decode
 
 
 def _gather_words(words, axis_name, n):
@@ -161,8 +176,9 @@ def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
   everyone = _all_gather(message, axis_name)
-  code_sum = packing.sum_packed(everyone, spec.radix)
-  return signed_sum(code_sum, num_workers, spec)
+  return (lambda first, size: packing.sum_planes(lax.slice_in_dim(
+      everyone, first, first + size, axis=1), spec.radix)), functools.partial(
+          signed_sum, num_workers=num_workers, spec=spec)
 
 
 def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
@@ -173,8 +189,10 @@ def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
   """
   del aggregation
   radix = message_lib.psum_radix(num_workers, spec)
-  code_sum = packing.unpack_digits(lax.psum(message, axis_name), radix)
-  return signed_sum(code_sum, num_workers, spec)
+  total = lax.psum(message, axis_name)
+  return (lambda first, size: packing.digit_planes(
+      lax.slice(total, (first,), (first + size,)), radix)), functools.partial(
+          signed_sum, num_workers=num_workers, spec=spec)
 
 
 def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
@@ -183,7 +201,9 @@ def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
   The container widens to int16/int32 when N exceeds what int8 can sum.
   """
   del num_workers, spec, aggregation
-  return lax.psum(message, axis_name).astype(jnp.int32)
+  total = lax.psum(message, axis_name)
+  return (lambda first, size: lax.slice(total, (first,), (first + size,))[
+      None]), lambda levels: levels.astype(jnp.int32)
 
 
 _EXCHANGES = {
@@ -225,9 +245,11 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
 
 def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
               aggregation, comm):
-  """The layout and the per-digit result of voting on ``combine(*row)``
-  for each row of leaves (see :func:`aggregate`); ``alone`` holds a shard
-  (or None) for each of the first rows, encoded one by one."""
+  """The layout and the result of voting on ``combine(*row)`` for each row
+  of leaves (see :func:`aggregate`): one int32 vector per packing run, the
+  outcome for each of its digits in order (:meth:`MessageLayout.split`).
+  ``alone`` holds a shard (or None) for each of the first rows, encoded one
+  by one."""
   gathers = can_gather(axis_name)
   if not gathers and comm in ("alltoall", "allgather"):
     raise ValueError(
@@ -239,15 +261,26 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
   sizes = [row[0].size for row in rows]
   comm = resolve_comm(comm, num_workers, aggregation=aggregation, spec=spec,
                       leaf_sizes=sizes, gathers=gathers)
-  layout = MessageLayout(tuple(sizes), num_workers, spec, aggregation, comm)
+  layout = MessageLayout(tuple(sizes), num_workers, spec, aggregation, comm,
+                         _runs(rows, len(alone)))
   message = _message(rows, combine, alone, layout, spec)
-  result = _EXCHANGES[comm](message, axis_name=axis_name,
-                            num_workers=num_workers, spec=spec,
-                            aggregation=aggregation)
-  # alltoall's majority vote already sends back only the sign.
-  if aggregation == "mavo" and comm != "alltoall":
-    result = jnp.sign(result)
-  return layout, result
+  planes, decode = _EXCHANGES[comm](message, axis_name=axis_name,
+                                    num_workers=num_workers, spec=spec,
+                                    aggregation=aggregation)
+  results = []
+  for first, size in layout.run_words:
+    digits = planes(first, size)
+    if digits.shape[0] > 1:
+      # Unpacked into a buffer of their own: fused into a leaf's update,
+      # reading a run's digits off the words costs a division and a select
+      # of the place per element (several times the update on XLA:CPU).
+      digits = lax.optimization_barrier(digits)
+    outcome = decode(digits.reshape(-1))
+    # alltoall's majority vote already sends back only the sign.
+    if aggregation == "mavo" and comm != "alltoall":
+      outcome = jnp.sign(outcome)
+    results.append(outcome)
+  return layout, results
 
 
 def _finalize(outcome: jax.Array, num_workers: int, aggregation: str,
@@ -351,21 +384,27 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
       [rows[i] for i in voted], combine, [leaf_shards[i] for i in alone],
       axis_name=axis_name, num_workers=num_workers, spec=spec,
       aggregation=aggregation, comm=comm)
-  # D for the whole message once per dtype (that of c), then a slice per
-  # leaf.
+  # D once per run and dtype (that of c), then each leaf's stretch of it.
   dtypes, updates = {}, {}
-  for i, start in zip(voted, layout.offsets):
+  for k, i in enumerate(voted):
     x, key = leaves[i], _dtypes(rows[i])
     if key not in dtypes:
       dtypes[key] = jax.eval_shape(
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
-    dtype = dtypes[key]
-    if dtype not in updates:
-      updates[dtype] = _finalize(result, num_workers, aggregation, spec,
-                                 dtype)
-    part = lax.slice(updates[dtype], (start,), (start + x.size,))
+    run = (layout.run_of(k), dtypes[key])
+    if run not in updates:
+      updates[run] = _finalize(result[run[0]], num_workers, aggregation,
+                               spec, run[1])
+    part = layout.leaf_values(updates[run], k)
     out[i] = _like(part.reshape(x.shape), x)
   return jax.tree.unflatten(treedef, out)
+
+
+def _runs(rows, num_alone: int) -> tuple[int, ...]:
+  """First row of each packing run: each of the first ``num_alone`` rows
+  alone, then one run per dtype of the rest (see :func:`_message`)."""
+  return tuple(k for k in range(len(rows)) if k <= num_alone
+               or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
 
 
 def _message(rows, combine, alone, layout, spec) -> jax.Array:
@@ -379,23 +418,21 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
   end to end per dtype (one ``concatenate`` of the gradients, one of the
   momenta) and ``combine``, the encoding and the packing run once on each
   run: a few operations however many leaves there are, since compile time
-  grows with the number of operations.
+  grows with the number of operations. Each run is packed planar
+  (:meth:`MessageLayout.pack`).
   """
   message = jnp.zeros(layout.words, layout.word_dtype)
-  def put(message, digits, first):
-    return lax.dynamic_update_slice(
-        message, layout.pack(digits),
+  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
+    if first < len(alone):
+      codes = _whole(quantize.encode(combine(*rows[first]), spec,
+                                     alone[first])).ravel()
+    else:
+      inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
+                                   first) for j in range(len(rows[first]))]
+      codes = quantize.encode(combine(*inputs), spec)
+    message = lax.dynamic_update_slice(
+        message, layout.pack(codes),
         (layout.offsets[first] // layout.digits_per_word,))
-  for k, shard in enumerate(alone):
-    codes = _whole(quantize.encode(combine(*rows[k]), spec, shard)).ravel()
-    message = put(message, codes, k)
-  start = len(alone)
-  for k in range(start + 1, len(rows) + 1):
-    if k == len(rows) or _dtypes(rows[k]) != _dtypes(rows[start]):
-      inputs = [layout.concatenate([row[j].ravel() for row in rows[start:k]],
-                                   start) for j in range(len(rows[start]))]
-      message = put(message, quantize.encode(combine(*inputs), spec), start)
-      start = k
   return message
 
 

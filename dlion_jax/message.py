@@ -8,6 +8,11 @@ the byte model counts:
 
 * each leaf's digits start on a word boundary (``offsets``), so every
   leaf is packed as if alone and a leaf's padding is at most one word;
+* the leaves are packed in *runs* (a big leaf alone, small ones laid end to
+  end), each run in the planar order of :mod:`dlion_jax.packing`: a run of
+  ``W`` words holds its digit ``i`` in word ``i % W``. Votes come back as
+  digit planes (``[m, words]``); a run's, read plane after plane, are its
+  digits in order, so no step interleaves digits;
 * the message holds ``words`` words, a multiple of ``word_multiple``:
   ``alltoall`` cuts it into ``N`` shards of whole words whose results also
   fill whole words of what it gathers back.
@@ -22,6 +27,7 @@ a counter of ``N`` workers' votes one of radix ``(radix - 1) N + 1``
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import functools
 import math
@@ -108,6 +114,9 @@ class MessageLayout:
     spec: what each worker sends (:func:`dlion_jax.quantize.vote_spec`).
     aggregation: ``'mavo'`` or ``'avg'``.
     comm: a concrete strategy (not ``'auto'``; see :func:`choose_comm`).
+    runs: the first leaf of each packing run, ``0`` first (default: every
+      leaf a run of its own). Runs change the order of the digits inside
+      the words, never the bytes.
 
   Example:
     >>> from dlion_jax.message import MessageLayout
@@ -125,11 +134,20 @@ class MessageLayout:
   spec: VoteSpec
   aggregation: str
   comm: str
+  runs: tuple[int, ...] | None = None
 
   def __post_init__(self):
     check_choice("comm", self.comm, COMMS)
     object.__setattr__(self, "leaf_sizes", tuple(int(s)
                                                  for s in self.leaf_sizes))
+    runs = tuple(range(len(self.leaf_sizes))) if self.runs is None else \
+        tuple(int(r) for r in self.runs)
+    if self.leaf_sizes and (not runs or runs[0] != 0 or list(runs) != sorted(
+        set(runs)) or runs[-1] >= len(self.leaf_sizes)):
+      raise ValueError(
+          f"runs={self.runs!r} must be increasing leaf indices starting at 0 "
+          f"and below the {len(self.leaf_sizes)} leaves.")
+    object.__setattr__(self, "runs", runs)
 
   @functools.cached_property
   def radix(self) -> int | None:
@@ -164,13 +182,24 @@ class MessageLayout:
   @functools.cached_property
   def words(self) -> int:
     """Words in the message, padding included."""
-    used = sum(-(-size // self.digits_per_word) for size in self.leaf_sizes)
-    return -(-used // self.word_multiple) * self.word_multiple
+    return -(-self.used_words // self.word_multiple) * self.word_multiple
 
   @property
   def digits(self) -> int:
     """Digit positions in the message, padding included."""
     return self.words * self.digits_per_word
+
+  @functools.cached_property
+  def used_words(self) -> int:
+    """Words the leaves fill: the message less its tail padding."""
+    return sum(-(-size // self.digits_per_word) for size in self.leaf_sizes)
+
+  @functools.cached_property
+  def run_words(self) -> tuple[tuple[int, int], ...]:
+    """``(first word, words)`` of each run."""
+    firsts = [self.offsets[r] // self.digits_per_word for r in self.runs]
+    ends = firsts[1:] + [self.used_words]
+    return tuple((a, b - a) for a, b in zip(firsts, ends))
 
   def sent_bytes(self) -> float:
     """Bytes each worker sends for this message (ring conventions of
@@ -192,10 +221,10 @@ class MessageLayout:
   def concatenate(self, leaves: Sequence[jax.Array],
                   first: int = 0) -> jax.Array:
     """Flat leaves ``first, first + 1, ...`` at their offsets, zeros in the
-    padding: the run of digits they fill (to the message's end when the
-    run ends with the last leaf). One ``concatenate`` however many leaves:
-    compile time grows with the number of operations, not with bytes."""
-    ends = self.offsets[1:] + (self.digits,)
+    padding up to each one's last word: the run of digits they fill. One
+    ``concatenate`` however many leaves: compile time grows with the
+    number of operations, not with bytes."""
+    ends = self.offsets[1:] + (self.used_words * self.digits_per_word,)
     pieces = []
     for k, x in enumerate(leaves, first):
       pieces.append(x)
@@ -205,16 +234,29 @@ class MessageLayout:
     return jnp.concatenate(pieces)
 
   def pack(self, digits: jax.Array) -> jax.Array:
-    """The message's words from all its digits (:meth:`concatenate`)."""
+    """One run's words from its digits (:meth:`concatenate`), planar."""
     if self.radix is None:                 # psum_int8: the levels as ints
       return signed_sum(digits, 1, self.spec).astype(self.word_dtype)
     return packing.pack_digits(
-        digits.astype(packing.digit_dtype(self.radix)), self.radix)
+        digits.astype(packing.digit_dtype(self.radix)), self.radix,
+        planar=True)
 
-  def split(self, values: jax.Array) -> list[jax.Array]:
-    """Each leaf's part of a per-digit vector (e.g. the vote sums)."""
-    return [jax.lax.slice(values, (start,), (start + size,))
-            for start, size in zip(self.offsets, self.leaf_sizes)]
+  def run_of(self, leaf: int) -> int:
+    """The index of the run ``leaf`` is packed in."""
+    return bisect.bisect_right(self.runs, leaf) - 1
+
+  def leaf_values(self, run_values: jax.Array, leaf: int) -> jax.Array:
+    """A leaf's stretch of its run's per-digit vector (e.g. the vote's
+    outcome for every digit of the run, in order)."""
+    first = self.offsets[self.runs[self.run_of(leaf)]]
+    start = self.offsets[leaf] - first
+    return jax.lax.slice(run_values, (start,),
+                         (start + self.leaf_sizes[leaf],))
+
+  def split(self, run_values: Sequence[jax.Array]) -> list[jax.Array]:
+    """Every leaf's values from its run's per-digit vector."""
+    return [self.leaf_values(run_values[self.run_of(k)], k)
+            for k in range(len(self.leaf_sizes))]
 
 
 def signed_sum(code_sum: jax.Array, num_workers: int,

@@ -14,6 +14,16 @@ of 2). Because no digit sum overflows its position as long as it stays below
 ``radix``, words of counters can be added with an integer ``psum`` and still
 decode exactly: this is Lion Cub's packed p-bit all-reduce.
 
+Which digits share a word is the *order*. Interleaved (the default, numpy's
+``packbits``): word ``w`` holds digits ``w m .. w m + m - 1``. Planar: a run of
+``W`` words holds ``m`` planes of ``W`` digits, word ``w`` holds digits
+``w, W + w, .., (m - 1) W + w``. Both cost the same words; the planar order
+reads and writes every place as one contiguous run, so packing and
+unpacking are straight vectorised passes on any backend, where the
+interleaved order needs a stride-``m`` gather or scatter (on TPU a digit
+array of minor dimension ``m``, padded to 128 lanes). The vote message is
+planar (:mod:`dlion_jax.message`).
+
 All functions are pure ``jnp`` and operate on the last axis, so they fuse into
 the surrounding jitted step and work under ``shard_map``/``pmap``.
 """
@@ -101,13 +111,16 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
-def pack_digits(digits: jax.Array, radix: int) -> jax.Array:
+def pack_digits(digits: jax.Array, radix: int, *,
+                planar: bool = False) -> jax.Array:
   """Packs digits in ``[0, radix)`` along the last axis into words.
 
   Args:
     digits: unsigned or non-negative integer array, last axis of any length
       (it is zero-padded to a multiple of :func:`digits_per_word`).
     radix: number of distinct digit values.
+    planar: the planar order (see the module docstring): word ``w`` of
+      ``W`` holds digits ``w + j W``; default interleaved, ``w m + j``.
 
   Returns:
     Array of :func:`word_dtype` ``(radix)`` whose last axis is
@@ -118,37 +131,39 @@ def pack_digits(digits: jax.Array, radix: int) -> jax.Array:
     >>> from dlion_jax import packing
     >>> packing.pack_digits(jnp.array([1, 0, 1, 1], jnp.uint8), 2)
     Array([13], dtype=uint8)
+    >>> packing.pack_digits(jnp.arange(10, dtype=jnp.uint8) % 3, 3,
+    ...                     planar=True)     # words (0,2,1,0,2), (1,0,2,1,0)
+    Array([177,  46], dtype=uint8)
   """
   dtype = word_dtype(radix)
   m = digits_per_word(radix)
   x = pad_to_multiple(digits, m).astype(dtype)
-  x = x.reshape(x.shape[:-1] + (-1, m))
-  # Unrolled over the m digit positions with scalar constants, so XLA emits
-  # shifts or multiplies it can vectorise. Fields never overlap: the sum is
-  # the bitwise or, and it cannot overflow.
+  if planar:
+    x = x.reshape(x.shape[:-1] + (m, -1))
+    places = [x[..., j, :] for j in range(m)]
+  else:
+    x = x.reshape(x.shape[:-1] + (-1, m))
+    places = [x[..., j] for j in range(m)]
+  # Unrolled over the m places with scalar constants, so XLA emits shifts
+  # or multiplies it can vectorise. Fields never overlap: the sum is the
+  # bitwise or, and it cannot overflow.
   if _is_power_of_two(radix):
     width = radix.bit_length() - 1
-    fields = [x[..., j] << (width * j) for j in range(m)]
+    fields = [place << (width * j) for j, place in enumerate(places)]
   else:
-    fields = [x[..., j] * dtype(radix**j) for j in range(m)]
+    fields = [place * dtype(radix**j) for j, place in enumerate(places)]
   words = fields[0]
   for field in fields[1:]:
     words = words + field
   return words
 
 
-def unpack_digits(words: jax.Array, radix: int,
-                  length: int | None = None) -> jax.Array:
-  """Inverse of :func:`pack_digits`: words -> digits along the last axis.
+def digit_planes(words: jax.Array, radix: int) -> jax.Array:
+  """Every word's digits, place by place: ``[..., W]`` -> ``[..., m, W]``.
 
-  Args:
-    words: output of :func:`pack_digits` (or an exact sum of such outputs
-      whose digit sums stay below ``radix``).
-    radix: the radix the words were packed with.
-    length: keep only the first ``length`` digits (drop the padding).
-
-  Returns:
-    Digits as :func:`digit_dtype` ``(radix)``.
+  Plane ``j`` holds digit ``j`` of each word, as :func:`digit_dtype`.
+  Reshaped to ``[..., m W]`` it is the planar order's digits, transposed
+  to ``[..., W, m]`` the interleaved order's.
   """
   dtype = word_dtype(radix)
   if words.dtype != dtype:
@@ -160,11 +175,30 @@ def unpack_digits(words: jax.Array, radix: int,
   # an array of place values would leave real integer divisions.
   if _is_power_of_two(radix):
     width = radix.bit_length() - 1
-    digits = [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
+    planes = [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
   else:
-    digits = [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
-  digits = jnp.stack(digits, axis=-1).astype(digit_dtype(radix))
-  digits = digits.reshape(words.shape[:-1] + (-1,))
+    planes = [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
+  return jnp.stack(planes, axis=-2).astype(digit_dtype(radix))
+
+
+def unpack_digits(words: jax.Array, radix: int, length: int | None = None,
+                  *, planar: bool = False) -> jax.Array:
+  """Inverse of :func:`pack_digits`: words -> digits along the last axis.
+
+  Args:
+    words: output of :func:`pack_digits` (or an exact sum of such outputs
+      whose digit sums stay below ``radix``).
+    radix: the radix the words were packed with.
+    length: keep only the first ``length`` digits (drop the padding).
+    planar: the order the words were packed in.
+
+  Returns:
+    Digits as :func:`digit_dtype` ``(radix)``.
+  """
+  planes = digit_planes(words, radix)
+  if not planar:
+    planes = jnp.swapaxes(planes, -1, -2)
+  digits = planes.reshape(words.shape[:-1] + (-1,))
   return digits if length is None else digits[..., :length]
 
 
@@ -183,15 +217,15 @@ def count_dtype(max_count: int):
   return digit_dtype(max_count + 1)
 
 
-def sum_packed(words: jax.Array, radix: int, length: int | None = None):
-  """Per-position digit sums over the leading axis of packed words.
+def sum_planes(words: jax.Array, radix: int) -> jax.Array:
+  """Per-digit sums over the leading axis of packed words, place by place.
 
   With ``words`` of shape ``[N, W]`` holding ``N`` workers' packed votes,
-  returns, for every packed position, the sum of the ``N`` workers' digits
-  (for radix 2: how many workers voted ``+1``): the population count across
-  workers that decides the vote, computed for all positions at once by
-  unpacking the digits and summing them.
+  returns ``[m, W]``: for every digit of every word, the sum of the ``N``
+  workers' digits (for radix 2: how many workers voted ``+1``), the
+  population count across workers that decides the vote, computed for all
+  positions at once by unpacking the digits and summing them.
   """
   n = words.shape[0]
   acc = count_dtype(n * (radix - 1))
-  return jnp.sum(unpack_digits(words, radix, length), axis=0, dtype=acc)
+  return jnp.sum(digit_planes(words, radix), axis=0, dtype=acc)

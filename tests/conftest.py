@@ -10,6 +10,8 @@ os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "")
     + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# pytest-xdist's workers each load libtpu for the ahead-of-time TPU compiles.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 

@@ -48,14 +48,16 @@ FLAT, HYBRID = ((8,), ("data",)), ((2, 4), ("data", "fsdp"))
 
 @pytest.fixture(scope="module")
 def cpu_bytes():
-  """The same steps' bytes by axis on 8 XLA:CPU devices."""
+  """The same steps' bytes by axis on 8 XLA:CPU devices (and, under
+  "modules", the flat steps' HLO)."""
   devices = np.array(jax.devices()[:8])
-  out = {}
+  out = {"modules": {}}
   for comm in capture.COMMS:
     mesh = jax.sharding.Mesh(devices, ("data",))
     tx = dl.distributed_lion(1e-3, axis_name="data", comm=comm)
-    out[f"flat_{comm}"] = dl.collective_bytes_by_axis(
-        capture.compile_step(mesh, tx), mesh)
+    compiled = capture.compile_step(mesh, tx)
+    out["modules"][f"flat_{comm}"] = compiled.as_text()
+    out[f"flat_{comm}"] = dl.collective_bytes_by_axis(compiled, mesh)
   mesh = jax.sharding.Mesh(devices.reshape(2, 4), ("data", "fsdp"))
   out["hybrid"] = dl.collective_bytes_by_axis(capture.compile_step(
       mesh, dl.distributed_lion(1e-3, axis_name="data"), "fsdp"), mesh)
@@ -88,16 +90,33 @@ def test_flat_allgather_sends_what_the_cpu_step_sends(cpu_bytes):
   assert tpu == pytest.approx(cpu_bytes["flat_allgather"]["data"], rel=0.01)
 
 
+def loss_and_optimizer_bytes(module):
+  """(the loss pmean's bytes, the rest's): the pmean is the step's only
+  all-reduce of at most 512 bytes (one float, which XLA:TPU moves as a row
+  of 128 lanes)."""
+  found = hlo.collectives(module)
+  loss = sum(c.bytes_per_call for c in found
+             if c.op == "all-reduce" and c.result_bytes <= 512)
+  return loss, sum(c.bytes_per_call for c in found) - loss
+
+
 @pytest.mark.parametrize("comm", ["auto", "alltoall"])
 def test_flat_vote_sends_what_the_cpu_step_sends(cpu_bytes, comm):
   """The vote's results cross slices in a megascale all-gather (their rows
   padded to 128 lanes on TPU). Was 1.108x: XLA:TPU gathered the small,
-  unaligned buffer by a DCN all-reduce of a zero-padded one. The rest over
-  the CPU's is that padding and the loss pmean's, 4 bytes padded to 512."""
+  unaligned buffer by a DCN all-reduce of a zero-padded one. The optimizer
+  sends within 2% of the CPU's (that padding); the step's loss pmean, 4
+  bytes on CPU, moves 512 on TPU (1,280 bytes a step of 87,660)."""
   module = text(f"flat_{comm}")
   gathers = [c for c in hlo.collectives(module) if c.link == "dcn"
              and c.op == "all-gather"]
   assert len(gathers) == 1
+  loss, optimizer = loss_and_optimizer_bytes(module)
+  cpu_loss, cpu_optimizer = loss_and_optimizer_bytes(cpu_bytes["modules"][
+      f"flat_{comm}"])
+  # One row of 128 floats: a ring of 4 chips in a slice, then of 2 slices.
+  assert 0 < cpu_loss < 8 and loss == 2 * 3 / 4 * 512 + 2 * 1 / 2 * 512
+  assert cpu_optimizer <= optimizer <= 1.03 * cpu_optimizer
   cpu = cpu_bytes[f"flat_{comm}"]["data"]
   assert cpu <= dl.collective_bytes(module) <= 1.04 * cpu
 

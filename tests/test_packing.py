@@ -19,31 +19,46 @@ from dlion_jax import packing
 RADIXES = [2, 3, 4, 5, 7, 9, 16, 17, 255, 256, 257, 1025]
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def round_trip(digits, radix, length):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def round_trip(digits, radix, length, planar=False):
   """(words, digits unpacked from them)."""
-  words = packing.pack_digits(digits, radix)
-  return words, packing.unpack_digits(words, radix, length)
+  words = packing.pack_digits(digits, radix, planar=planar)
+  return words, packing.unpack_digits(words, radix, length, planar=planar)
 
 
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def summed(codes, radix, length):
+@functools.partial(jax.jit, static_argnums=(1, 2, 3))
+def summed(codes, radix, length, planar=False):
   """The workers' packed words added up (what psum does), unpacked."""
-  words = packing.pack_digits(codes, radix)
+  words = packing.pack_digits(codes, radix, planar=planar)
   total = jnp.sum(words, axis=0, dtype=words.dtype)
-  return packing.unpack_digits(total, radix, length)
+  return packing.unpack_digits(total, radix, length, planar=planar)
 
 
+def numpy_words(digits, radix, planar):
+  """The packing's definition, in numpy: word w holds digit j at place j
+  (radix**j); which digit is the order's."""
+  m = packing.digits_per_word(radix)
+  n_words = -(-len(digits) // m)
+  padded = np.zeros(n_words * m, dtype=object)
+  padded[:len(digits)] = digits
+  places = padded.reshape(m, n_words) if planar else \
+      padded.reshape(n_words, m).T
+  return sum(places[j] * radix**j for j in range(m)).astype(np.uint64)
+
+
+@pytest.mark.parametrize("planar", [False, True])
 @pytest.mark.parametrize("radix", RADIXES)
 @pytest.mark.parametrize("length", [0, 1, 7, 41, 1001])
-def test_round_trip_any_length(radix, length):
+def test_round_trip_any_length(radix, length, planar):
   rng = np.random.default_rng(radix * 1000 + length)
   digits = rng.integers(0, radix, size=length)
   words, back = round_trip(
-      jnp.asarray(digits, packing.digit_dtype(radix)), radix, length)
+      jnp.asarray(digits, packing.digit_dtype(radix)), radix, length, planar)
   per = packing.digits_per_word(radix)
   assert words.dtype == packing.word_dtype(radix)
   assert words.shape == (-(-length // per),)
+  np.testing.assert_array_equal(np.asarray(words, np.uint64),
+                                numpy_words(digits, radix, planar))
   np.testing.assert_array_equal(np.asarray(back), digits)
 
 
@@ -72,35 +87,44 @@ def test_densities():
         8 * jnp.dtype(packing.word_dtype(radix)).itemsize)
 
 
+@pytest.mark.parametrize("planar", [False, True])
 @pytest.mark.parametrize("num_workers,levels", [(2, 2), (3, 2), (7, 3),
                                                 (8, 2), (8, 3), (64, 3)])
-def test_word_sums_do_not_carry(num_workers, levels):
+def test_word_sums_do_not_carry(num_workers, levels, planar):
   """Adding packed words (what psum does) adds every digit exactly."""
   radix = (levels - 1) * num_workers + 1
   rng = np.random.default_rng(num_workers)
   codes = rng.integers(0, levels, size=(num_workers, 333))
   # Adversarial: make some positions all maximal.
   codes[:, :17] = levels - 1
-  total = summed(jnp.asarray(codes, packing.digit_dtype(radix)), radix, 333)
+  total = summed(jnp.asarray(codes, packing.digit_dtype(radix)), radix, 333,
+                 planar)
   np.testing.assert_array_equal(np.asarray(total), codes.sum(0))
 
 
 @pytest.mark.parametrize("radix", [2, 3])
 @pytest.mark.parametrize("num_workers", [1, 2, 5, 8])
-def test_sum_packed_counts_votes(radix, num_workers):
+def test_sum_planes_counts_votes(radix, num_workers):
   rng = np.random.default_rng(radix + num_workers)
   codes = rng.integers(0, radix, size=(num_workers, 123))
-  counts = jax.jit(lambda c: packing.sum_packed(
-      packing.pack_digits(c, radix), radix, 123))(jnp.asarray(codes, jnp.uint8))
-  np.testing.assert_array_equal(np.asarray(counts), codes.sum(0))
+  counts = jax.jit(lambda c: packing.sum_planes(
+      packing.pack_digits(c, radix, planar=True), radix))(
+          jnp.asarray(codes, jnp.uint8))
+  np.testing.assert_array_equal(
+      np.asarray(counts).reshape(-1)[:123], codes.sum(0))
 
 
-def test_pads_leading_dims_independently():
+@pytest.mark.parametrize("planar", [False, True])
+def test_pads_leading_dims_independently(planar):
   digits = jnp.asarray(np.arange(2 * 13).reshape(2, 13) % 3, jnp.uint8)
-  words = packing.pack_digits(digits, 3)
+  words = packing.pack_digits(digits, 3, planar=planar)
   assert words.shape == (2, 3)
   np.testing.assert_array_equal(
-      np.asarray(packing.unpack_digits(words, 3, 13)), np.asarray(digits))
+      np.asarray(packing.unpack_digits(words, 3, 13, planar=planar)),
+      np.asarray(digits))
+  np.testing.assert_array_equal(
+      np.asarray(words[1]), np.asarray(packing.pack_digits(
+          digits[1], 3, planar=planar)))
 
 
 @pytest.mark.parametrize("radix", [0, 1, -3, 2.0, 2**32 + 1])
