@@ -18,7 +18,10 @@ Variants:
 Repetitions are interleaved (every variant once per round) and every step is
 blocked on before the next starts, so that each time is one step's and no
 collectives queue up on the simulated devices (README, "Things to know").
-Prints medians and ratios as a markdown table.
+Prints medians and ratios as a markdown table, with the spread of the
+per-round ratios to the floor (each round runs every variant back to back,
+so the ratio of a pair is steadier than the ratio of two medians on a
+loaded machine).
 
 ``--profile`` also traces a few steps of D-Lion (auto, MaVo) and the two
 ``optax.lion`` variants with :func:`jax.profiler.trace` and lists the HLO
@@ -185,18 +188,32 @@ def time_interleaved(runners: dict[str, Runner], reps: int) -> None:
       runners[name].times.append(runners[name]())
 
 
+def paired_ratios(runners: dict[str, Runner], name: str,
+                  reference: str) -> np.ndarray:
+  """Round by round, ``name``'s step time over ``reference``'s: each pair
+  ran back to back, so a load that slows a whole round cancels out."""
+  return (np.asarray(runners[name].times) /
+          np.asarray(runners[reference].times))
+
+
 def table(runners: dict[str, Runner], num_workers: int) -> str:
-  """Markdown: variant, comm picked, wire bits, median ms, ratios."""
+  """Markdown: variant, comm picked, wire bits, median ms, ratios (of the
+  medians, and the median and quartiles of the per-round ratios to the
+  floor)."""
   med = {k: statistics.median(r.times) * 1e3 for k, r in runners.items()}
   rows = []
   for name, ms in med.items():
     spread = (f"{np.percentile(runners[name].times, 25) * 1e3:.1f}-"
               f"{np.percentile(runners[name].times, 75) * 1e3:.1f}")
+    paired = paired_ratios(runners, name, FLOOR)
     rows.append([name, _comm_bits(name, num_workers), f"{ms:.1f}", spread,
-                 f"{ms / med[BASELINE]:.2f}x", f"{ms / med[FLOOR]:.2f}x"])
+                 f"{ms / med[BASELINE]:.2f}x", f"{ms / med[FLOOR]:.2f}x",
+                 f"{np.median(paired):.2f}x ({np.percentile(paired, 25):.2f}"
+                 f"-{np.percentile(paired, 75):.2f})"])
   return reporting.markdown_table(
       ["variant", "wire bits/param", "median ms", "IQR ms",
-       "vs global lion", "vs local lion (floor)"], rows)
+       "vs global lion", "vs local lion (floor)",
+       "per-round vs floor, median (IQR)"], rows)
 
 
 def _comm_bits(name: str, n: int) -> str:
