@@ -3,8 +3,8 @@
 Each worker holds a vector of vote *codes* (one digit per parameter,
 :mod:`dlion_jax.quantize`): ``1`` for a ``+1`` vote and ``0`` for ``-1``
 (binary), ``q + L`` for a level ``q`` in ``[-L, L]`` (ternary: ``L = 1``;
-Lion Cub's p-bit votes: ``L = 2**(p-1) - 1``). Every strategy returns the same
-integer vector on every worker, bit for bit: the vote's outcome, ``sign(s)``
+Lion Cub's p-bit votes: ``L = 2**(p-1) - 1``). Every strategy gives the
+same integers on every worker, bit for bit: the vote's outcome, ``sign(s)``
 of the sum of levels ``s = sum_i q_i`` for a majority vote, ``s`` itself for
 an average. :func:`aggregate_updates` turns that into the update ``D`` of
 Distributed Lion (Liu et al., 2024, Alg. 1).

@@ -35,6 +35,7 @@ from typing import Literal, Sequence, get_args
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dlion_jax import packing
 from dlion_jax import quantize
@@ -140,14 +141,17 @@ class MessageLayout:
     check_choice("comm", self.comm, COMMS)
     object.__setattr__(self, "leaf_sizes", tuple(int(s)
                                                  for s in self.leaf_sizes))
-    runs = tuple(range(len(self.leaf_sizes))) if self.runs is None else \
-        tuple(int(r) for r in self.runs)
-    if self.leaf_sizes and (not runs or runs[0] != 0 or list(runs) != sorted(
-        set(runs)) or runs[-1] >= len(self.leaf_sizes)):
+    n = len(self.leaf_sizes)
+    runs = tuple(range(n)) if self.runs is None else self.runs
+    if not (isinstance(runs, (tuple, list)) and all(
+        isinstance(r, (int, np.integer)) and not isinstance(r, bool)
+        for r in runs) and list(runs) == sorted(set(runs))
+            and list(runs[:1]) == [0][:n] and all(r < n for r in runs)):
       raise ValueError(
-          f"runs={self.runs!r} must be increasing leaf indices starting at 0 "
-          f"and below the {len(self.leaf_sizes)} leaves.")
-    object.__setattr__(self, "runs", runs)
+          f"runs={self.runs!r} must be a tuple of increasing leaf indices, 0 "
+          f"first and each below the {n} leaves (e.g. (0, 2) for leaves 0-1 "
+          "and 2 onwards), or None for a run a leaf.")
+    object.__setattr__(self, "runs", tuple(int(r) for r in runs))
 
   @functools.cached_property
   def radix(self) -> int | None:

@@ -624,3 +624,16 @@ def test_message_layout_puts_each_leaf_on_a_word(comm, n, spec):
               for a, w in layout.run_words]      # each run's, plane by plane
   for got, want in zip(layout.split(unpacked), leaves):
     np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("sizes,runs", [
+    ((), (0,)), ((3, 4), (0, 5)), ((3, 4), (0.9, 1.7)), ((3, 4), "01"),
+    ((3, 4), (0, True)), ((3, 4), 0), ((3, 4), (0, None)), ((3, 4), (1,)),
+    ((3, 4), (0, 0)), ((3, 4), ())])
+def test_message_layout_refuses_runs_that_are_not_leaf_starts(sizes, runs):
+  """Was: some accepted (floats truncated, a string read digit by digit,
+  a run past the last leaf failing later with an IndexError), others a
+  raw TypeError."""
+  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=r"runs=.*increasing leaf indices"):
+    MessageLayout(sizes, 3, dl.quantize.BINARY, "mavo", "psum", runs)
