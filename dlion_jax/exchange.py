@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from dlion_jax import message as message_lib
 from dlion_jax import packing
@@ -70,12 +69,15 @@ def axis_size(axis_name: AxisName | None) -> int:
   Raises:
     NameError: ``axis_name`` is not bound by an enclosing ``shard_map`` or
       ``pmap``, with a message saying how to bind it.
+    ValueError: it names a mesh axis the compiler owns
+      (:func:`dlion_jax.shards.compiler_axes`).
   """
   if axis_name is None:
     return 1
   try:
     return lax.axis_size(axis_name)
   except NameError:
+    shards.compiler_axes(axis_name)    # names an axis the compiler owns
     raise NameError(
         f"axis_name={axis_name!r} is not bound. The distributed Lion update "
         "exchanges votes over that axis, so call `update` inside "
@@ -348,10 +350,36 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   compile. Bigger leaves, and every leaf of Lion Cub's L1-scaled votes
   (each needs its own scale), are encoded and packed one by one.
 
-  ``leaf_shards`` (a hybrid step, :func:`dlion_jax.shards.leaf_shards`)
-  says which whole leaf each leaf is a shard of: the L1 scales and the
+  Where the mesh has axes the compiler owns beside ``axis_name`` (a
+  ``shard_map`` manual over the data axis only), each device votes on its
+  own part of every leaf (:func:`dlion_jax.shards.on_own_shards`): it
+  sends only that part's votes, to its peers across ``axis_name``.
+  ``leaf_shards`` (:func:`dlion_jax.shards.leaf_shards`) says which whole
+  leaf each leaf is a shard of: the L1 scales and the
   ``min_compress_size`` test see whole leaves.
   """
+  options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
+                 aggregation=aggregation, comm=comm,
+                 min_compress_size=min_compress_size)
+  cut = {s.axis_name for s in leaf_shards or () if s is not None}
+  voted_over = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
+  if cut & voted_over:
+    raise ValueError(
+        f"axis_name={axis_name!r} includes {sorted(cut & voted_over)[0]!r}, "
+        "the axis the leaves are cut into shards over (shard_axis): a vote "
+        "over it would add up votes on different entries. Vote over the "
+        "data axis alone, e.g. dl.distributed_lion(lr, axis_name='data').")
+  axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  if axes and not cut:
+    return shards.on_own_shards(
+        functools.partial(_aggregate, combine, **options), trees, axes)
+  return _aggregate(combine, *trees, leaf_shards=leaf_shards, **options)
+
+
+def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
+               comm, min_compress_size, leaf_shards):
+  """:func:`aggregate` on leaves each device holds whole (or the shards
+  ``leaf_shards`` names)."""
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
   rows = list(zip(*columns))
@@ -364,16 +392,15 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   voted = [i for i, x in enumerate(leaves)
            if x.size > 0 and sizes[i] >= min_compress_size]
   if exact:
-    values = [_whole(combine(*rows[i])) for i in exact]
+    values = [combine(*rows[i]) for i in exact]
     for i, d in zip(exact, sign_of_mean(values, axis_name=axis_name)):
-      out[i] = _like(d, leaves[i])
+      out[i] = d
   if not voted:
     return jax.tree.unflatten(treedef, out)
   # Big leaves first, each packed alone; then the small ones of sign votes,
   # grouped by dtypes so that each group concatenates (see _message).
-  flat = not spec.scaled and not any(_explicit_spec(x) is not None
-                                   for x in leaves)
-  alone = [i for i in voted if not flat or leaves[i].size >= OWN_PACKING]
+  alone = [i for i in voted
+           if spec.scaled or leaves[i].size >= OWN_PACKING]
   grouped = sorted(set(voted) - set(alone), key=lambda i: (str(_dtypes(
       rows[i])), i))
   voted = alone + grouped
@@ -393,7 +420,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
       updates[run] = _finalize(result[run[0]], num_workers, aggregation,
                                spec, run[1])
     part = layout.leaf_values(updates[run], k)
-    out[i] = _like(part.reshape(x.shape), x)
+    out[i] = part.reshape(x.shape)
   return jax.tree.unflatten(treedef, out)
 
 
@@ -421,8 +448,8 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
   message = jnp.zeros(layout.words, layout.word_dtype)
   for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
     if first < len(alone):
-      codes = _whole(quantize.encode(combine(*rows[first]), spec,
-                                     alone[first])).ravel()
+      codes = quantize.encode(combine(*rows[first]), spec,
+                              alone[first]).ravel()
     else:
       inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
                                    first) for j in range(len(rows[first]))]
@@ -435,22 +462,3 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
 
 def _dtypes(row) -> tuple:
   return tuple(x.dtype for x in row)
-
-
-def _explicit_spec(x: jax.Array):
-  """The leaf's partition over explicitly sharded mesh axes, or None."""
-  spec = getattr(jax.typeof(x).sharding, "spec", None)
-  return spec if spec is not None and any(p is not None for p in spec) else None
-
-
-def _whole(x: jax.Array) -> jax.Array:
-  """``x`` gathered over the explicit mesh axes it is sharded on (a model
-  axis beside the data axis): a worker votes on whole leaves. Codes are
-  gathered rather than gradients, at a byte per parameter."""
-  return x if _explicit_spec(x) is None else jax.sharding.reshard(x, P())
-
-
-def _like(d: jax.Array, x: jax.Array) -> jax.Array:
-  """The update ``d`` sharded as its leaf ``x`` (see :func:`_whole`)."""
-  spec = _explicit_spec(x)
-  return d if spec is None else jax.sharding.reshard(d, spec)

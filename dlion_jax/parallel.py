@@ -40,6 +40,7 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
@@ -62,6 +63,10 @@ LossFn = Callable[[Any, Any], jax.Array]
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
 MAX_IN_FLIGHT = 8
+
+
+def _names(axes) -> tuple:
+  return axes if isinstance(axes, tuple) else (axes,)
 
 
 def _size(mesh: Mesh, axes) -> int:
@@ -115,7 +120,31 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   init = per_worker(lambda p: tx.init(mine(p)), mesh,
                     axis_name=_workers(axis_name, shard_axis, mesh),
                     ins=("replicated",), outs="stacked")
-  return jax.jit(init)(params)
+  try:
+    shardings = None if shard_axis is not None else _state_shardings(
+        tx, jax.eval_shape(init, params), params, mesh, axis_name)
+  except (ValueError, TypeError):
+    # A state optax cannot map param-shaped leaves of: the compiler places
+    # it (Explicit axes still shard each momentum like its param).
+    shardings = None
+  return jax.jit(init, out_shardings=shardings)(params)
+
+
+def _state_shardings(tx, state: Any, params: Any, mesh: Mesh,
+                     axis_name: str) -> Any:
+  """Each worker's row on its data-axis devices; a leaf shaped like a
+  param (a momentum) sharded over the other axes as that param is."""
+  def like(leaf, param=None):
+    if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
+      return leaf
+    sharding = getattr(param, "sharding", None)
+    spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
+            and sharding.mesh.shape == mesh.shape
+            and leaf.shape[1:] == param.shape else ())
+    return NamedSharding(mesh, P(axis_name, *spec))
+  return optax.tree_utils.tree_map_params(
+      tx, like, state, params, transform_non_params=like,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 @jax.jit
@@ -337,6 +366,11 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   * ``"split"``: the leading axis is split over the workers
     (``P(axis_name)``), e.g. a global batch. ``fn`` sees its slice.
 
+  ``fn`` is manual over ``axis_name`` only (``shard_map``'s
+  ``axis_names``): the mesh's other axes stay the compiler's, and ``fn``
+  sees every array whole, sharded over them as its type says (``P()`` above
+  speaks of ``axis_name`` alone).
+
   A ``"replicated"`` output must be equal on every worker: ``shard_map``
   returns worker 0's copy without looking at the others. With
   ``check_replicated`` (and no ``check_vma``, more than one worker) ``fn``
@@ -398,6 +432,7 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   out_specs = tuple(map(spec, outs_))
   mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
                          out_specs=out_specs[0] if single else out_specs,
+                         axis_names=set(_names(axis_name)),
                          check_vma=check_vma)
   def call(*args):
     if len(args) != len(ins):
@@ -466,6 +501,20 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     check_vma: bool = False, donate: bool = True,
                     has_aux: bool = False, micro_batches: int = 1):
   """Builds a jitted ``shard_map`` data-parallel step.
+
+  The step is manual over ``axis_name`` only: on a mesh with other axes
+  (``("data", "fsdp")``, ``("data", "fsdp", "model")``) those stay the
+  compiler's, and params, gradients and state are sharded over them as
+  the user places them: params sharded at rest (FSDP / ZeRO-3, gathered by
+  the compiler for the forward pass), tensor parallel, or replicated.
+  ``loss_fn`` then sees its node's whole batch and whole logical leaves,
+  so ``optax.clip_by_global_norm``, masks by rank and
+  ``optax.multi_transform`` labels mean what they mean, and each device
+  votes on its own part of every leaf with its peers across
+  ``axis_name`` (:func:`dlion_jax.shards.on_own_shards`): Distributed Lion
+  over the nodes, each fed its node's mean gradient. Place the batch over
+  all the axes (``NamedSharding(mesh, P(("data", "fsdp")))``) so each
+  device differentiates its own rows.
 
   With ``shard_axis`` (a hybrid mesh: ``axis_name`` across the slow links
   between nodes, ``shard_axis`` over the fast links inside one), the batch
@@ -541,7 +590,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     local_params = (lax.pcast(params, workers, to="varying")
                     if check_vma else params)
     params, state, loss = learn(params, local_params, state, batch)
-    return params, state, lax.pmean(loss, workers)
+    return params, state, _mean_of_workers(loss, workers)
 
   step = per_worker(local_step, mesh, axis_name=workers,
                     ins=("replicated", "stacked", "split"),
@@ -556,6 +605,20 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   return limit_in_flight(_ExchangeCheck(jitted, axis_name,
                                        axis_size(mesh, axis_name)),
                          devices=mesh.devices.flat)
+
+
+def _mean_of_workers(tree: Any, axis_name) -> Any:
+  """``pmean`` of the losses (and aux) over the workers, floats narrower
+  than float32 averaged in float32: a closer mean, and XLA:CPU aborts
+  compiling a bfloat16 all-reduce in a ``shard_map`` manual over some of
+  the mesh's axes only (jaxlib 0.10: "Invalid binary instruction opcode
+  copy")."""
+  def mean(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return lax.pmean(x, axis_name)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return lax.pmean(x.astype(wide), axis_name).astype(x.dtype)
+  return jax.tree.map(mean, tree)
 
 
 def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
@@ -635,7 +698,14 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
       raise ValueError(
           f"micro_batches={micro_batches} must divide each worker's batch, "
           f"which has {rows} rows.")
-    return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
+    spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+    if not spec or spec[0] is None:
+      return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
+    # Rows sharded over the compiler's axes: micro-batch m takes rows m,
+    # m + micro_batches, ..., so that each device keeps its share of each.
+    x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:],
+                  out_sharding=P(spec[0], None, *spec[1:]))
+    return jnp.moveaxis(x, 1, 0)
   def body(total, micro):
     return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
   micro = jax.tree.map(split, batch)

@@ -1,5 +1,15 @@
-"""Every leaf of a pytree cut into ``k`` equal shards over a fast mesh axis.
+"""Leaves cut into shards over the fast mesh axes, so that each device votes
+on its own part.
 
+**The compiler's axes** (:func:`compiler_axes`, :func:`on_own_shards`). A
+step manual over the data axis only leaves the mesh's other axes to the
+compiler; a leaf is sharded over them as its type says. The vote then runs
+in a nested region manual over those axes: each device encodes, packs and
+exchanges across the data axis only its own block of each leaf, cut once
+more over the axes the leaf is replicated on, and gathers the update back
+over the fast links.
+
+**The hand-made hybrid layout** (``make_train_step(..., shard_axis=)``).
 Hybrid meshes (several devices per node on a fast link, nodes on a slow
 one) reduce the gradients exactly inside a node and vote across nodes only.
 Inside a node each of its ``k`` devices keeps ``1/k`` of every leaf (ZeRO
@@ -35,6 +45,7 @@ from typing import Any, Hashable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 
 class LeafShard(NamedTuple):
@@ -235,3 +246,118 @@ def all_gather_leaves(shards: Any, like: Any, axis_name: Hashable) -> Any:
       x = whole[i]
       out[i] = part.reshape(-1)[:x.size].reshape(x.shape)
   return jax.tree.unflatten(treedef, out)
+
+
+# Sharded leaves the JAX way: the step is manual over the vote's axis only
+# (``jax.shard_map(..., axis_names={axis_name})``) and the compiler owns the
+# mesh's other axes, over which each leaf is sharded as its type says.
+
+
+def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
+  """The mesh axes the compiler owns where the vote over ``axis_name`` is
+  traced: those of the enclosing mesh (or, under a bare ``jax.jit``, of
+  the ``leaves``' Explicit shardings) that are not manual. Empty under
+  ``pmap``, ``vmap`` alone and a ``shard_map`` manual over every axis.
+
+  Raises:
+    ValueError: the vote is traced on a mesh without a ``shard_map`` manual
+      over ``axis_name`` (e.g. ``jax.vmap(..., axis_name=)`` under
+      ``jax.jit`` of sharded arrays), or ``axis_name`` names an axis the
+      compiler owns: both would vote on the wrong entries or send several
+      times the vote's bytes.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    meshes = [getattr(jax.typeof(x).sharding, "mesh", None) for x in leaves]
+    mesh = next((m for m in meshes if m is not None and not m.empty), mesh)
+  if mesh.empty:
+    return ()
+  auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  partitioned = any(mesh.shape[a] > 1 for a in auto)
+  if partitioned and (not mesh.manual_axes
+                      or not all(a in mesh.axis_names for a in names)):
+    raise ValueError(
+        f"The vote over axis_name={axis_name!r} is traced on the mesh "
+        f"{dict(mesh.shape)} without a jax.shard_map manual over it (a "
+        "jax.vmap axis under jax.jit?): the compiler would partition the "
+        "packed votes itself, sending several times the vote's bytes, or "
+        "fail. Make the data axis manual and leave the others to the "
+        "compiler: jax.shard_map(step, mesh=mesh, in_specs=..., "
+        "out_specs=..., axis_names={'data'}) with axis_name='data', as "
+        "dl.parallel.make_train_step builds it.")
+  owned = [a for a in names if a in auto]
+  if owned:
+    raise ValueError(
+        f"axis_name={axis_name!r} names the mesh axis {owned[0]!r}, which "
+        "the compiler owns here (it is not manual in the enclosing "
+        "jax.shard_map), so the leaves may be sharded over it and a vote "
+        "over it would add up votes on different entries. Vote over the "
+        "axes the shard_map is manual over "
+        f"(axis_name={tuple(mesh.manual_axes)!r}), or make {owned[0]!r} "
+        "manual too (shard_map's axis_names) if its devices are workers "
+        "with batches of their own.")
+  return auto
+
+
+def leaf_spec(x: jax.Array, axes: tuple[str, ...]) -> P:
+  """``x``'s partition over the mesh axes ``axes`` (read off its type: the
+  Explicit axes; ``P()`` where the compiler alone decides)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
+  def keep(entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    names = tuple(a for a in names if a in axes)
+    return None if not names else names if len(names) > 1 else names[0]
+  return P(*map(keep, spec))
+
+
+def _spec_axes(spec) -> set:
+  return {a for entry in spec if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+def on_own_shards(fn, trees: tuple, axes: tuple[str, ...]) -> Any:
+  """``fn(*trees, leaf_shards=...)`` run by each device on its own part of
+  every leaf, in a region manual over the compiler's ``axes``.
+
+  A leaf sharded over some of ``axes`` is its device's block; the block is
+  flattened and cut once more over the axes it is replicated on (``F``
+  devices, zero-padded to ``F`` equal chunks), so the devices of a node
+  never vote twice on the same entry and each sends only its chunk's votes
+  across the vote's axis. ``fn`` sees 1-D chunks, with a
+  :class:`LeafShard` over ``axes`` per leaf (a whole-leaf statistic sums
+  over them; padding adds zero), and returns the update of each chunk; the
+  chunks are gathered back over the replicated axes (the fast links) and
+  the padding cut off, so the result is sharded like the first tree.
+  """
+  leaves, treedef = jax.tree.flatten(trees[0])
+  specs = [leaf_spec(x, axes) for x in leaves]
+  sizes = dict(jax.sharding.get_abstract_mesh().shape)
+
+  def local(*trees):
+    columns = [treedef.flatten_up_to(t) for t in trees]
+    cut, gathers = [[] for _ in columns], []
+    for k, spec in enumerate(specs):
+      free = tuple(a for a in axes if a not in _spec_axes(spec))
+      parts = math.prod(sizes[a] for a in free)
+      block = columns[0][k]
+      width = -(-block.size // parts)
+      index = lax.axis_index(free) if free else 0
+      for j, column in enumerate(columns):
+        flat = jnp.pad(column[k].ravel(), (0, parts * width - block.size))
+        cut[j].append(lax.dynamic_slice_in_dim(flat, index * width, width))
+      gathers.append((free, block.shape))
+    shards_ = [LeafShard(axes, int(x.size)) for x in leaves]
+    out = treedef.flatten_up_to(fn(*[treedef.unflatten(c) for c in cut],
+                                   leaf_shards=shards_))
+    whole = []
+    for d, (free, shape) in zip(out, gathers):
+      if free:
+        d = lax.all_gather(d, free, tiled=True)
+      whole.append(d[:math.prod(shape)].reshape(shape))
+    return treedef.unflatten(whole)
+
+  in_specs = tuple(treedef.unflatten(specs) for _ in trees)
+  return jax.shard_map(local, in_specs=in_specs,
+                       out_specs=treedef.unflatten(specs),
+                       axis_names=set(axes), check_vma=False)(*trees)

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlion_jax import _drift
+from dlion_jax import shards
 from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
@@ -178,13 +179,19 @@ def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
   when ``do_sync`` (a scalar bool, the same on every worker) holds.
 
   One ``pmean`` of all flagged leaves, inside :func:`jax.lax.cond`, so steps
-  without a sync send nothing.
+  without a sync send nothing. Where the mesh has axes the compiler owns,
+  each device averages its own part of each leaf with its peers
+  (:func:`dlion_jax.shards.on_own_shards`).
   """
   leaves, treedef = jax.tree.flatten(mu)
   chosen = [x for x, f in zip(leaves, flags) if f]
   if not chosen:
     return mu
-  synced = iter(jax.lax.cond(do_sync, lambda xs: _mean_over(xs, axis_name),
-                             lambda xs: xs, chosen))
+  axes = shards.compiler_axes(axis_name)
+  mean = lambda xs: _mean_over(xs, axis_name)
+  if axes:
+    mean = lambda xs: shards.on_own_shards(
+        lambda ys, leaf_shards: _mean_over(ys, axis_name), (xs,), axes)
+  synced = iter(jax.lax.cond(do_sync, mean, lambda xs: xs, chosen))
   return jax.tree.unflatten(
       treedef, [next(synced) if f else x for x, f in zip(leaves, flags)])
