@@ -153,6 +153,46 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
   return jax.tree.unflatten(treedef, placed)
 
 
+def fsdp_spec(shape: tuple[int, ...], num_shards: int,
+              axis_name: str | tuple[str, ...] = "fsdp") -> P:
+  """The usual FSDP partition of a leaf: its largest dimension that
+  ``num_shards`` divides (the first of equals) cut over ``axis_name``;
+  ``P()`` (replicated) when none is, e.g. a bias of 10 over 4 devices."""
+  fits = [d for d, n in enumerate(shape) if n % num_shards == 0 and n > 0]
+  if not fits:
+    return P()
+  best = max(fits, key=lambda d: (shape[d], -d))
+  return P(*[axis_name if d == best else None for d in range(best + 1)])
+
+
+def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
+                 = "fsdp") -> Any:
+  """A copy of ``tree`` sharded FSDP-style over ``axis_name``
+  (:func:`fsdp_spec` for each leaf), replicated over the mesh's other axes.
+
+  Params placed so are sharded at rest (ZeRO-3): the compiler gathers them
+  for the forward pass. To keep params whole and shard only the optimizer
+  state (ZeRO-2), build the state from these and step with
+  :func:`replicate`'s params:
+  ``init_worker_states(tx, shard_params(params, mesh), mesh)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import devices
+    >>> mesh = devices.hybrid_mesh(1)       # 1 x (every device)
+    >>> w = devices.shard_params({"w": jnp.zeros((3, 8))}, mesh)["w"]
+    >>> w.sharding.spec
+    P(None, 'fsdp')
+  """
+  k = axis_size(mesh, axis_name)
+  leaves, treedef = jax.tree.flatten(tree)
+  copies = [jnp.array(x, copy=True) for x in leaves]
+  placed = [jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, k,
+                                                            axis_name)))
+            for x in copies]
+  return jax.tree.unflatten(treedef, placed)
+
+
 def shard_batch(batch: Any, mesh: Mesh, *,
                 axis_name: str | tuple[str, ...] = "data") -> Any:
   """Splits the leading axis of every leaf of ``batch`` over ``axis_name``

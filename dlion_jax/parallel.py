@@ -53,6 +53,7 @@ from dlion_jax.devices import hybrid_mesh  # noqa: F401
 from dlion_jax.devices import replicate  # noqa: F401
 from dlion_jax.devices import replicate_for_pmap
 from dlion_jax.devices import shard_batch  # noqa: F401
+from dlion_jax.devices import shard_params  # noqa: F401
 from dlion_jax.devices import start_processes  # noqa: F401
 from dlion_jax.devices import use_cpu_devices  # noqa: F401
 from dlion_jax.transforms import apply_if_finite  # noqa: F401
@@ -121,7 +122,7 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
                     axis_name=_workers(axis_name, shard_axis, mesh),
                     ins=("replicated",), outs="stacked")
   try:
-    shardings = None if shard_axis is not None else _state_shardings(
+    shardings = None if shard_axis is not None else state_shardings(
         tx, jax.eval_shape(init, params), params, mesh, axis_name)
   except (ValueError, TypeError):
     # A state optax cannot map param-shaped leaves of: the compiler places
@@ -130,10 +131,12 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   return jax.jit(init, out_shardings=shardings)(params)
 
 
-def _state_shardings(tx, state: Any, params: Any, mesh: Mesh,
-                     axis_name: str) -> Any:
-  """Each worker's row on its data-axis devices; a leaf shaped like a
-  param (a momentum) sharded over the other axes as that param is."""
+def state_shardings(tx: optax.GradientTransformation, state: Any,
+                    params: Any, mesh: Mesh, axis_name: str = "data") -> Any:
+  """Where :func:`init_worker_states` places the stacked ``state`` (its
+  shapes suffice): each worker's row on its ``axis_name`` devices, and a
+  leaf shaped like a param (a momentum) sharded over the mesh's other axes
+  as that param is (``params``' ``NamedSharding``s)."""
   def like(leaf, param=None):
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
       return leaf
@@ -311,6 +314,47 @@ class _ExchangeCheck:
     return getattr(self._jitted, name)
 
 
+class _OutputsPlacedLikeInputs:
+  """A jitted step whose new params and state keep the shardings the
+  caller gave them over the compiler's axes: on Auto axes nothing in the
+  step says how they were placed, and the compiler would pick its own
+  (e.g. replicated params come back sharded). One compilation per
+  placement; traced arguments get the plain ``jitted``."""
+
+  def __init__(self, fn: Callable, jitted: Callable, mesh: Mesh,
+               donate: bool):
+    functools.update_wrapper(self, jitted)
+    self._fn, self._jitted, self._mesh, self._donate = (fn, jitted, mesh,
+                                                        donate)
+    self._by_placement = {}
+
+  def _for(self, params, state) -> Callable:
+    leaves = jax.tree.leaves((params, state))
+    shardings = [getattr(x, "sharding", None) for x in leaves]
+    if not all(isinstance(s, NamedSharding) and s.mesh.shape == self._mesh.shape
+               for s in shardings):
+      return self._jitted
+    key = (jax.tree.structure((params, state)), tuple(shardings))
+    if key not in self._by_placement:
+      placed = jax.tree.unflatten(key[0], shardings)
+      self._by_placement[key] = jax.jit(
+          self._fn, out_shardings=placed + (NamedSharding(self._mesh, P()),),
+          donate_argnums=(0, 1) if self._donate else ())
+    return self._by_placement[key]
+
+  def trace(self, params, state, batch):
+    return self._for(params, state).trace(params, state, batch)
+
+  def lower(self, params, state, batch):
+    return self._for(params, state).lower(params, state, batch)
+
+  def __call__(self, params, state, batch):
+    return self._for(params, state)(params, state, batch)
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
+
+
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                       *args) -> Any:
   """``fn(*args)``, traced once; raises if its first output (the new
@@ -336,7 +380,9 @@ def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None):
                                   micro_batches)
     if shard_axis is None:
       updates, state = tx.update(grads, state, params)
-      return optax.apply_updates(params, updates), state, loss
+      new = jax.tree.map(_placed_like, optax.apply_updates(params, updates),
+                         params)
+      return new, state, loss
     mine = shards.own_shards(params, shard_axis)
     grads = shards.reduce_scatter_mean(grads, shard_axis)
     with shards.sharded_over(shard_axis, params):
@@ -345,6 +391,17 @@ def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None):
                                    shard_axis)
     return new, state, loss
   return learn
+
+
+def _placed_like(new: jax.Array, old: jax.Array) -> jax.Array:
+  """``new`` sharded over the compiler's axes as ``old`` was: whole params
+  updated by a ZeRO-2 state's sharded update are gathered back (an
+  Explicit sharding; on Auto axes the type says nothing and the compiler
+  places it)."""
+  spec = getattr(jax.typeof(old).sharding, "spec", None)
+  if spec is None or getattr(jax.typeof(new).sharding, "spec", None) == spec:
+    return new
+  return jax.sharding.reshard(new, spec)
 
 
 _LAYOUTS = ("replicated", "stacked", "split")
@@ -602,6 +659,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     return step(params, state, batch)
 
   jitted = jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
+  if set(mesh.axis_names) - set(_names(workers)):
+    jitted = _OutputsPlacedLikeInputs(checked_step, jitted, mesh, donate)
   return limit_in_flight(_ExchangeCheck(jitted, axis_name,
                                        axis_size(mesh, axis_name)),
                          devices=mesh.devices.flat)

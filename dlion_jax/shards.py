@@ -45,7 +45,10 @@ from typing import Any, Hashable, NamedTuple
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
+
+from dlion_jax import devices
 
 
 class LeafShard(NamedTuple):
@@ -301,14 +304,24 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
 
 
 def leaf_spec(x: jax.Array, axes: tuple[str, ...]) -> P:
-  """``x``'s partition over the mesh axes ``axes`` (read off its type: the
-  Explicit axes; ``P()`` where the compiler alone decides)."""
+  """How ``x`` is sharded over the mesh axes ``axes``: read off its type
+  on Explicit axes. On Auto axes the type says nothing, so the leaf is
+  taken as :func:`dlion_jax.devices.shard_params` places it (its largest
+  dimension their devices divide, over all of them): free when it is so
+  placed or replicated, a reshard over the fast links otherwise."""
   spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
   def keep(entry):
     names = entry if isinstance(entry, tuple) else (entry,)
     names = tuple(a for a in names if a in axes)
     return None if not names else names if len(names) > 1 else names[0]
-  return P(*map(keep, spec))
+  spec = P(*map(keep, spec))
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = tuple(a for a in axes
+               if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Auto)
+  if _spec_axes(spec) or not auto:
+    return spec
+  return devices.fsdp_spec(x.shape, math.prod(mesh.shape[a] for a in auto),
+                           auto if len(auto) > 1 else auto[0])
 
 
 def _spec_axes(spec) -> set:
@@ -328,10 +341,17 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...]) -> Any:
   :class:`LeafShard` over ``axes`` per leaf (a whole-leaf statistic sums
   over them; padding adds zero), and returns the update of each chunk; the
   chunks are gathered back over the replicated axes (the fast links) and
-  the padding cut off, so the result is sharded like the first tree.
+  the padding cut off. A leaf's blocks are those of the most sharded of
+  its arrays across ``trees`` (a ZeRO-2 momentum beside a whole
+  gradient), and so is the result.
   """
   leaves, treedef = jax.tree.flatten(trees[0])
-  specs = [leaf_spec(x, axes) for x in leaves]
+  # The most sharded of a leaf's arrays (a ZeRO-2 momentum beside a whole
+  # gradient) sets its blocks: the others are cut to it, not gathered.
+  specs = [max((leaf_spec(x, axes) for x in column),
+               key=lambda spec: len(_spec_axes(spec)))
+           for column in zip(leaves, *[treedef.flatten_up_to(t)
+                                        for t in trees[1:]])]
   sizes = dict(jax.sharding.get_abstract_mesh().shape)
 
   def local(*trees):

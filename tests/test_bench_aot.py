@@ -85,6 +85,12 @@ def test_analytic_bits_follow_the_cost_model():
   hybrid = aot.analytic_bits(aot.variant("hybrid-dlion"), 2, 8)
   assert hybrid == dl.wire_bits(2) / 4           # 1/4 of the params each
   assert aot.analytic_bits(aot.variant("adamw"), 2, 8) == 56.0
+  for layout in aot.LAYOUTS:
+    v = aot.variant(f"{layout}-dlion")
+    assert v.layout == layout and v.hybrid and v.comm == "auto"
+    assert aot.analytic_bits(v, 2, 8) == hybrid
+  assert aot.variant("zero3-adamw").comm is None
+  assert aot.variant("dlion-psum").layout == "flat"
 
 
 # ------------------------------------------------ compiled for v5e 2x2 x 2
@@ -92,25 +98,27 @@ def test_analytic_bits_follow_the_cost_model():
 
 @pytest.fixture(scope="module")
 def compiled_rows():
-  """The small MLP's flat D-Lion (auto) and hybrid steps, compiled for two
-  v5e 2x2 slices: {variant: (row, HLO text)}."""
+  """The small MLP's flat D-Lion (auto), hybrid and ZeRO-3 steps, compiled
+  for two v5e 2x2 slices: {variant: (row, HLO text)}."""
   pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra (libtpu)")
   why = aot.libtpu_available()
   if why:
     pytest.skip(f"libtpu cannot compile for TPU topologies here: {why}")
   problem = aot_models.mlp_problem()
   return {name: aot.compile_step(problem, "v5e:2x2", 2, name)
-          for name in ("dlion-auto", "hybrid-dlion")}
+          for name in ("dlion-auto", "hybrid-dlion", "zero3-dlion")}
 
 
 @pytest.mark.tpu_aot
 def test_memory_is_positive_and_bounded(compiled_rows):
   params_bytes = 4 * aot_models.mlp_problem().count
-  for row, _ in compiled_rows.values():
+  for name, (row, _) in compiled_rows.items():
     assert row.error is None, row.error
     # Replicated params plus this chip's momentum (whole or a quarter) and
-    # its batch: at least the params, under three copies of them.
-    assert params_bytes <= row.argument_bytes < 3 * params_bytes
+    # its batch: at least the params, under three copies of them (ZeRO-3:
+    # a quarter of the params at least).
+    least = params_bytes / 4 if name.startswith("zero3") else params_bytes
+    assert least <= row.argument_bytes < 3 * params_bytes
     assert 0 < row.temp_bytes < 64 * 2**20
     assert row.compile_s > 0
 
@@ -123,6 +131,18 @@ def test_dcn_bytes_flat_and_hybrid(compiled_rows):
   assert flat.dcn_bytes > 0 and hybrid.dcn_bytes > 0
   assert hybrid.dcn_bytes < flat.dcn_bytes
   assert hybrid.ici_bytes > flat.ici_bytes     # exact fp32 inside a slice
+
+
+@pytest.mark.tpu_aot
+def test_zero3_votes_over_dcn_what_the_hybrid_layout_does(compiled_rows):
+  """Manual over data only, params and state sharded over the chips of a
+  slice: each chip sends across slices the votes of its own shard, the
+  hand-made layout's DCN bytes, and holds less."""
+  hybrid, _ = compiled_rows["hybrid-dlion"]
+  zero3, _ = compiled_rows["zero3-dlion"]
+  assert zero3.error is None and zero3.bytes_error is None, zero3.error
+  assert zero3.dcn_bytes == pytest.approx(hybrid.dcn_bytes, rel=0.05)
+  assert zero3.argument_bytes < hybrid.argument_bytes
 
 
 @pytest.mark.tpu_aot

@@ -17,9 +17,9 @@ def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
   flat = parallel.data_mesh(4)
   tx = hybrid.optimizers()
   lion, dlion = tx["global lion (fp32 all-reduce)"], tx["dlion mavo auto"]
-  flat_dlion, _ = hybrid.bits_by_axis(dlion, flat, None)
-  hybrid_dlion, _ = hybrid.bits_by_axis(dlion, mesh, "fsdp")
-  hybrid_lion, _ = hybrid.bits_by_axis(lion, mesh, "fsdp")
+  flat_dlion, _, _ = hybrid.measure(dlion, flat, "flat")
+  hybrid_dlion, _, _ = hybrid.measure(dlion, mesh, "hand")
+  hybrid_lion, _, _ = hybrid.measure(lion, mesh, "hand")
   # fp32 on 1/2 of the params across 2 nodes; inside: reduce-scatter plus
   # all-gather over 2 devices, an fp32 all-reduce's worth (up to padding).
   assert hybrid_lion["data"] == pytest.approx(dl.allreduce_bits(2) / 2,
@@ -33,7 +33,23 @@ def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
   assert hybrid_dlion["fsdp"] == pytest.approx(hybrid_lion["fsdp"])
 
 
+def test_sharded_placements_vote_on_shards_and_shrink_memory():
+  """Manual over data only: each device votes on its half of every leaf
+  (the hand-made layout's slow-link bits), and ZeRO-2 / ZeRO-3 shrink the
+  arguments a device holds."""
+  mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:4])
+  dlion = hybrid.optimizers()["dlion mavo auto"]
+  hand, _, _ = hybrid.measure(dlion, mesh, "hand")
+  got = {p: hybrid.measure(dlion, mesh, p)
+         for p in ("replicated", "zero2", "zero3")}
+  for bits, _, _ in got.values():
+    assert bits["data"] == pytest.approx(hand["data"], rel=0.02)
+  args = {p: mb["arguments"] for p, (_, mb, _) in got.items()}
+  assert args["zero3"] < args["zero2"] < args["replicated"]
+
+
 def test_report_lists_every_layout():
   text = hybrid.report(4)
-  for layout in ("flat, 4 voters", "2 nodes x 2"):
+  for layout in ("flat, 4 voters", "2 nodes x 2, shard_axis",
+                 "2 nodes x 2, zero2", "2 nodes x 2, zero3"):
     assert text.count(f"| {layout} |") == 2

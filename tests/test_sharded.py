@@ -286,3 +286,46 @@ def test_vmap_under_jit_of_sharded_arrays_names_shard_map(kind):
   with pytest.raises(ValueError, match=r"without a jax.shard_map manual "
                      r"over it .*axis_names=\{'data'\}"):
     step(g)
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_zero_2_and_3_equal_the_reference(zero):
+  """ZeRO-3: params placed by shard_params (sharded at rest); ZeRO-2: whole
+  params, the state built from shard_params' placement. Both equal the
+  numpy reference, and the params stay where they were placed."""
+  nodes, per_node = 2, 4
+  mesh = make_mesh("fsdp at rest")
+  rng = np.random.default_rng(zero)
+  params = {k: rng.normal(size=s).astype(np.float32)
+            for k, s in SHAPES.items()}
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  ref = DistributedLionReference(params, nodes)
+  sharded = parallel.shard_params(params, mesh)
+  state = parallel.init_worker_states(tx, sharded, mesh)
+  p = sharded if zero == 3 else place(params, mesh, {})
+  step = parallel.make_train_step(node_loss(per_node), tx, mesh,
+                                  donate=False)
+  for _ in range(STEPS):
+    rows = {k: rng.integers(-3, 4, size=(8,) + s).astype(np.float32)
+            for k, s in SHAPES.items()}
+    p, state, _ = step(p, state, jax.device_put(rows, NamedSharding(
+        mesh, P(("data", "fsdp")))))
+    ref.step(node_means(rows, nodes, per_node))
+    for k in params:
+      np.testing.assert_array_equal(np.asarray(p[k]), ref.params[k])
+  for k, shape in SHAPES.items():
+    want = padded(sharded[k].sharding.spec, len(shape))
+    assert padded(state[0].mu[k].sharding.spec, len(shape) + 1) == (
+        "data",) + want
+    assert padded(p[k].sharding.spec, len(shape)) == (
+        want if zero == 3 else (None,) * len(shape))
+
+
+def test_shard_params_picks_the_largest_divisible_dimension():
+  mesh = make_mesh("fsdp at rest")
+  tree = {"a": jnp.zeros((3, 8)), "b": jnp.zeros((8, 12)),
+          "c": jnp.zeros((10,)), "d": jnp.zeros(())}
+  got = parallel.shard_params(tree, mesh)
+  assert {k: tuple(v.sharding.spec) for k, v in got.items()} == {
+      "a": (None, "fsdp"), "b": (None, "fsdp"), "c": (), "d": ()}
+  assert got["a"] is not tree["a"]

@@ -22,10 +22,14 @@ machine. For each variant this reads off the TPU executable:
 Variants: ``lion`` and ``adamw`` (fp32 gradients ``pmean``-ed over all
 chips, then ``optax.lion``/``optax.adamw``), flat D-Lion with each ``comm``
 (``dlion-alltoall``, ``-allgather``, ``-psum``, ``-psum_int8``, ``-auto``: one
-``data`` axis over every chip), and the hybrid layout (``hybrid-dlion``,
-``hybrid-adamw``: a ``(data, fsdp)`` mesh of slices x chips a slice,
-``shard_axis="fsdp"``, votes or fp32 all-reduce over DCN on ``1/k`` of the
-params). Models: :mod:`dlion_jax.bench.aot_models`.
+``data`` axis over every chip), and on a ``(data, fsdp)`` mesh of slices x
+chips a slice, votes or fp32 all-reduce over DCN on ``1/k`` of the params:
+the hand-made hybrid layout (``hybrid-dlion``, ``hybrid-adamw``:
+``shard_axis="fsdp"``), and the step manual over ``data`` only, the
+compiler owning ``fsdp``, with params and state replicated
+(``sharded-*``), the state sharded (``zero2-*``) or both (``zero3-*``, as
+:func:`dlion_jax.parallel.shard_params` places them). Models:
+:mod:`dlion_jax.bench.aot_models`.
 
 Usage::
 
@@ -54,14 +58,20 @@ from jax.sharding import PartitionSpec as P
 import dlion_jax as dl
 from dlion_jax import accounting
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 
 LEARNING_RATE = 1e-4
 COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
+# Layouts of a (data, fsdp) mesh: the hand-made hybrid (shard_axis), and the
+# step manual over data only with params and state replicated, ZeRO-2 or
+# ZeRO-3 (parallel.shard_params).
+LAYOUTS = ("hybrid", "sharded", "zero2", "zero3")
 VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
-            + ("hybrid-dlion", "hybrid-adamw"))
+            + tuple(f"{layout}-{opt}" for layout in LAYOUTS
+                    for opt in ("dlion", "adamw")))
 MiB = 2**20
 
 
@@ -104,24 +114,30 @@ def mesh_for(devices: list, slices: int, hybrid: bool) -> Mesh:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-  """An optimizer and layout; ``comm`` is D-Lion's strategy (None: fp32)."""
+  """An optimizer and layout (``"flat"`` or one of :data:`LAYOUTS`);
+  ``comm`` is D-Lion's strategy (None: fp32)."""
   name: str
   tx: optax.GradientTransformation
-  hybrid: bool
+  layout: str
   comm: str | None
+
+  @property
+  def hybrid(self) -> bool:
+    """On a (data, fsdp) mesh: the votes cross DCN on 1/k of the params."""
+    return self.layout != "flat"
 
 
 def variant(name: str) -> Variant:
   """The :data:`VARIANTS` entry ``name``."""
-  hybrid = name.startswith("hybrid-")
-  base = name.removeprefix("hybrid-")
+  layout, _, base = name.rpartition("-") if name.split("-")[0] in LAYOUTS \
+      else ("flat", "", name)
   if base in ("lion", "adamw"):
     opt = optax.lion if base == "lion" else optax.adamw
     tx = optax.chain(parallel.pmean_gradients("data"), opt(LEARNING_RATE))
-    return Variant(name, tx, hybrid, None)
+    return Variant(name, tx, layout, None)
   comm = "auto" if base == "dlion" else base.removeprefix("dlion-")
   return Variant(name, dl.distributed_lion(LEARNING_RATE, axis_name="data",
-                                           comm=comm), hybrid, comm)
+                                           comm=comm), layout, comm)
 
 
 def analytic_bits(v: Variant, slices: int, chips: int) -> float:
@@ -302,7 +318,7 @@ class Row:
     flat, DCN only for hybrid rows."""
     if self.dcn_bytes is None:
       return None
-    sent = self.dcn_bytes if self.variant.startswith("hybrid-") else (
+    sent = self.dcn_bytes if variant(self.variant).hybrid else (
         self.dcn_bytes + self.ici_bytes)
     return 8 * sent / self.params
 
@@ -314,17 +330,33 @@ def _with_sharding(tree: Any, mesh: Mesh, spec: P) -> Any:
       tree)
 
 
+def _fsdp(tree: Any, mesh: Mesh) -> Any:
+  """``tree`` as :func:`dlion_jax.parallel.shard_params` places it."""
+  k = mesh.shape["fsdp"]
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, devices.fsdp_spec(
+          x.shape, k))), tree)
+
+
 def abstract_args(problem: aot_models.Problem, v: Variant, mesh: Mesh):
   """(params, states, batch) as sharded ``ShapeDtypeStruct`` trees."""
-  shard_axis = "fsdp" if v.hybrid else None
-  workers = ("data", "fsdp") if v.hybrid else "data"
+  shard_axis = "fsdp" if v.layout == "hybrid" else None
   params = _with_sharding(problem.params, mesh, P())
-  states = jax.eval_shape(
-      lambda p: parallel.init_worker_states(v.tx, p, mesh,
-                                            shard_axis=shard_axis), params)
-  batch = problem.batch(mesh.devices.size)
-  return (params, _with_sharding(states, mesh, P(workers)),
-          _with_sharding(batch, mesh, P(workers)))
+  batch = _with_sharding(problem.batch(mesh.devices.size), mesh,
+                         P(("data", "fsdp") if v.hybrid else "data"))
+  if v.layout in ("flat", "hybrid"):
+    workers = ("data", "fsdp") if v.hybrid else "data"
+    states = jax.eval_shape(
+        lambda p: parallel.init_worker_states(v.tx, p, mesh,
+                                              shard_axis=shard_axis), params)
+    return params, _with_sharding(states, mesh, P(workers)), batch
+  placed = params if v.layout == "sharded" else _fsdp(problem.params, mesh)
+  shapes = jax.eval_shape(
+      lambda p: parallel.init_worker_states(v.tx, p, mesh), placed)
+  shardings = parallel.state_shardings(v.tx, shapes, placed, mesh)
+  states = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=s), shapes, shardings)
+  return (placed if v.layout == "zero3" else params), states, batch
 
 
 def _read_bytes(row: Row, compiled) -> None:
@@ -346,7 +378,8 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
   row = Row(problem.name, topology, slices, len(devices), name, problem.count,
             analytic_bits=analytic_bits(v, slices, len(devices)))
   step = parallel.make_train_step(
-      problem.loss_fn, v.tx, mesh, shard_axis="fsdp" if v.hybrid else None)
+      problem.loss_fn, v.tx, mesh,
+      shard_axis="fsdp" if v.layout == "hybrid" else None)
   gc.collect()
   try:
     tic = time.perf_counter()

@@ -5,7 +5,12 @@ voter on one ``data`` axis that spans the slow links between the machines.
 Hybrid (:func:`dlion_jax.parallel.make_train_step` with ``shard_axis``),
 each node's gradients are reduced exactly over its fast ``fsdp`` axis and
 only the ``nodes`` devices that hold the same shard vote over ``data``, on
-``1/k`` of the params. This compiles the train CLI's GPT training step
+``1/k`` of the params. Sharded (the same step on a ``("data", "fsdp")``
+mesh without ``shard_axis``: manual over ``data`` only, the compiler owns
+``fsdp``), params and state replicated, ZeRO-2 or ZeRO-3
+(:func:`dlion_jax.parallel.shard_params`), each device voting on its own
+part of every leaf; with the step's memory per device
+(``memory_analysis()``). This compiles the train CLI's GPT training step
 (forward, backward, optimizer) on 8 simulated CPU devices for each layout
 and reads off the compiled HLO what each device sends over each axis
 (:func:`dlion_jax.collective_bytes_by_axis`), for Distributed Lion (MaVo,
@@ -44,49 +49,71 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
   }
 
 
-def bits_by_axis(tx, mesh, shard_axis) -> tuple[dict, int]:
-  """Bits per parameter each device sends a step, by axis; param count."""
+# How a layout places the params and the optimizer state, and the step it
+# runs: "flat" (one data axis), "hand" (shard_axis="fsdp", the hand-made
+# shards), or the step manual over "data" only on an ("data", "fsdp")
+# mesh: params and state replicated, ZeRO-2 (state sharded) or ZeRO-3
+# (both sharded), placed by parallel.shard_params.
+PLACEMENTS = ("flat", "hand", "replicated", "zero2", "zero3")
+
+
+def measure(tx, mesh, placement) -> tuple[dict, dict, int]:
+  """Bits per parameter each device sends a step, by axis; the compiled
+  step's memory per device (MB); the param count."""
   loss_fn, params, make_batch = compile_bench.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
-  params = parallel.replicate(params, mesh)
-  states = parallel.init_worker_states(tx, params, mesh,
+  shard_axis = "fsdp" if placement == "hand" else None
+  whole = parallel.replicate(params, mesh)
+  sharded = (parallel.shard_params(params, mesh)
+             if placement in ("zero2", "zero3") else whole)
+  states = parallel.init_worker_states(tx, sharded, mesh,
                                        shard_axis=shard_axis)
-  axes = "data" if shard_axis is None else ("data", shard_axis)
+  axes = "data" if placement == "flat" else ("data", "fsdp")
   batch = jax.device_put(make_batch(mesh.devices.size),
                          NamedSharding(mesh, P(axes)))
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
-  compiled = step.lower(params, states, batch).compile()
+  compiled = step.lower(sharded if placement == "zero3" else whole, states,
+                        batch).compile()
   sent = dl.collective_bytes_by_axis(compiled, mesh)
-  return {k: 8 * v / count for k, v in sent.items() if k != ()}, count
+  memory = compiled.memory_analysis()
+  mb = {"arguments": memory.argument_size_in_bytes / 1e6,
+        "temporaries": memory.temp_size_in_bytes / 1e6}
+  return {k: 8 * v / count for k, v in sent.items() if k != ()}, mb, count
 
 
-def layouts(workers: int) -> list[tuple[str, int | None]]:
-  """(name, nodes) for the flat mesh and each hybrid split of workers."""
-  out = [(f"flat, {workers} voters", None)]
+def layouts(workers: int) -> list[tuple[str, int | None, str]]:
+  """(name, nodes, placement) for the flat mesh and each split of
+  workers into nodes."""
+  out = [(f"flat, {workers} voters", None, "flat")]
   for nodes in (2, 4):
     if workers % nodes == 0 and nodes < workers:
-      out.append((f"{nodes} nodes x {workers // nodes}", nodes))
+      k = workers // nodes
+      out.append((f"{nodes} nodes x {k}, shard_axis", nodes, "hand"))
+      for placement in PLACEMENTS[2:]:
+        out.append((f"{nodes} nodes x {k}, {placement}", nodes, placement))
   return out
 
 
 def report(workers: int) -> str:
   rows = []
-  for layout, nodes in layouts(workers):
+  for layout, nodes, placement in layouts(workers):
     for name, tx in optimizers().items():
       if nodes is None:
-        mesh, shard_axis = parallel.data_mesh(workers), None
+        mesh = parallel.data_mesh(workers)
       else:
         mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:workers])
-        shard_axis = "fsdp"
-      bits, count = bits_by_axis(tx, mesh, shard_axis)
+      bits, mb, count = measure(tx, mesh, placement)
       rows.append([layout, name, f"{bits['data']:.3f}",
                    f"{bits.get('fsdp', 0.0):.3f}",
-                   f"{bits.get(('data', 'fsdp'), 0.0):.4f}"])
+                   f"{bits.get(('data', 'fsdp'), 0.0):.4f}",
+                   f"{mb['arguments']:.2f}", f"{mb['temporaries']:.1f}"])
   table = reporting.markdown_table(
       ["layout", "optimizer", "bits/param over data (slow)",
-       "bits/param over fsdp (fast)", "over both (the loss)"], rows)
+       "bits/param over fsdp (fast)", "over both (the loss)",
+       "arguments MB/device", "temporaries MB/device"], rows)
   return (f"{bench.machine_line()}\n\nThe CLI's GPT ({count:,} params), "
-          f"{workers} devices, each device's sends per step:\n\n{table}")
+          f"{workers} devices, each device's sends per step and the "
+          f"compiled step's memory:\n\n{table}")
 
 
 def main(argv=None) -> str:
