@@ -193,6 +193,35 @@ def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
   return jax.tree.unflatten(treedef, placed)
 
 
+def stack_for_workers(tree: Any, mesh: Mesh, *,
+                      axis_name: str = "data") -> Any:
+  """A copy of ``tree`` for each worker of ``axis_name``, stacked on a
+  leading axis split over it, each leaf otherwise sharded as it was.
+
+  The per-worker state of an optimizer built outside the library, e.g. a
+  ``flax.nnx.Optimizer``'s ``nnx.state(optimizer)`` or a flax
+  ``TrainState``'s ``opt_state``: laid out ``"stacked"`` for
+  :func:`dlion_jax.parallel.per_worker` (:func:`dlion_jax.parallel.
+  init_worker_states` does this for ``tx.init(params)``).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import devices
+    >>> mesh = devices.data_mesh(1)
+    >>> devices.stack_for_workers({"mu": jnp.zeros(3)}, mesh)["mu"].shape
+    (1, 3)
+  """
+  n = axis_size(mesh, axis_name)
+  def place(x):
+    sharding = getattr(x, "sharding", None)
+    spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
+            and sharding.mesh.shape == mesh.shape else ())
+    return NamedSharding(mesh, P(axis_name, *spec))
+  stack = lambda t: jax.tree.map(
+      lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), t)
+  return jax.jit(stack, out_shardings=jax.tree.map(place, tree))(tree)
+
+
 def shard_batch(batch: Any, mesh: Mesh, *,
                 axis_name: str | tuple[str, ...] = "data") -> Any:
   """Splits the leading axis of every leaf of ``batch`` over ``axis_name``

@@ -54,6 +54,7 @@ from dlion_jax.devices import replicate  # noqa: F401
 from dlion_jax.devices import replicate_for_pmap
 from dlion_jax.devices import shard_batch  # noqa: F401
 from dlion_jax.devices import shard_params  # noqa: F401
+from dlion_jax.devices import stack_for_workers  # noqa: F401
 from dlion_jax.devices import start_processes  # noqa: F401
 from dlion_jax.devices import use_cpu_devices  # noqa: F401
 from dlion_jax.transforms import apply_if_finite  # noqa: F401
@@ -315,17 +316,23 @@ class _ExchangeCheck:
 
 
 class _OutputsPlacedLikeInputs:
-  """A jitted step whose new params and state keep the shardings the
-  caller gave them over the compiler's axes: on Auto axes nothing in the
-  step says how they were placed, and the compiler would pick its own
-  (e.g. replicated params come back sharded). One compilation per
-  placement; traced arguments get the plain ``jitted``."""
+  """A step built for the placement of its params and state over the
+  compiler's axes (``build(placement, out_shardings)``), one compilation
+  per placement; traced arguments get the plain ``jitted``.
 
-  def __init__(self, fn: Callable, jitted: Callable, mesh: Mesh,
-               donate: bool):
+  The new params and state keep the caller's shardings (on Auto axes the
+  compiler would pick its own: replicated params come back sharded), and on
+  Auto axes the optimizer update is typed as they are placed
+  (:func:`_typed_as_placed`).
+  """
+
+  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh,
+               workers):
     functools.update_wrapper(self, jitted)
-    self._fn, self._jitted, self._mesh, self._donate = (fn, jitted, mesh,
-                                                        donate)
+    self._build, self._jitted, self._mesh = build, jitted, mesh
+    self._auto = tuple(
+        a for a, t in zip(mesh.axis_names, mesh.axis_types)
+        if a not in _names(workers) and t == jax.sharding.AxisType.Auto)
     self._by_placement = {}
 
   def _for(self, params, state) -> Callable:
@@ -334,12 +341,18 @@ class _OutputsPlacedLikeInputs:
     if not all(isinstance(s, NamedSharding) and s.mesh.shape == self._mesh.shape
                for s in shardings):
       return self._jitted
-    key = (jax.tree.structure((params, state)), tuple(shardings))
+    treedef = jax.tree.structure((params, state))
+    key = (treedef, tuple(shardings))
     if key not in self._by_placement:
-      placed = jax.tree.unflatten(key[0], shardings)
-      self._by_placement[key] = jax.jit(
-          self._fn, out_shardings=placed + (NamedSharding(self._mesh, P()),),
-          donate_argnums=(0, 1) if self._donate else ())
+      placed = jax.tree.unflatten(treedef, shardings)
+      placement = None
+      if self._auto:
+        specs = jax.tree.map(lambda s: s.spec, placed)
+        placement = (self._auto, specs[0], jax.tree.map(
+            lambda spec: P(*spec[1:]), specs[1],
+            is_leaf=lambda x: isinstance(x, P)))
+      self._by_placement[key] = self._build(
+          placement, placed + (NamedSharding(self._mesh, P()),))
     return self._by_placement[key]
 
   def trace(self, params, state, batch):
@@ -355,6 +368,16 @@ class _OutputsPlacedLikeInputs:
     return getattr(self._jitted, name)
 
 
+def _typed_as_placed(update: Callable, placement) -> Callable:
+  """``update`` with the mesh's Auto axes made Explicit for it, its
+  arguments typed as the caller placed params and state: the vote reads
+  each leaf's sharding off its type, which on Auto axes the compiler alone
+  would know."""
+  axes, params, state = placement
+  return jax.sharding.explicit_axes(update, axes=axes,
+                                    in_sharding=(params, state, params))
+
+
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                       *args) -> Any:
   """``fn(*args)``, traced once; raises if its first output (the new
@@ -368,18 +391,23 @@ def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
   return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
 
-def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None):
+def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None,
+           placement=None):
   """One worker's loss, gradients and update: what must hold an exchange.
 
   With a ``shard_axis`` the gradients are averaged over it exactly and the
   optimizer runs on this device's shard of every leaf (ZeRO-2); the new
-  shards are gathered back into whole params.
+  shards are gathered back into whole params. With a ``placement`` (Auto
+  axes beside the workers') the update is typed as placed
+  (:func:`_typed_as_placed`).
   """
+  update = tx.update if placement is None else _typed_as_placed(tx.update,
+                                                                placement)
   def learn(params, local_params, state, batch):
     loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
                                   micro_batches)
     if shard_axis is None:
-      updates, state = tx.update(grads, state, params)
+      updates, state = update(grads, state, params)
       new = jax.tree.map(_placed_like, optax.apply_updates(params, updates),
                          params)
       return new, state, loss
@@ -408,7 +436,7 @@ _LAYOUTS = ("replicated", "stacked", "split")
 
 
 def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
-               ins: tuple[str, ...], outs: tuple[str, ...] | str,
+               ins: tuple[Any, ...], outs: tuple[Any, ...] | Any,
                check_vma: bool = False,
                check_replicated: bool = True) -> Callable:
   """``jax.shard_map`` of ``fn``, written for one worker.
@@ -422,6 +450,11 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     per-worker gradients. ``fn`` sees its own row, *without* that axis;
   * ``"split"``: the leading axis is split over the workers
     (``P(axis_name)``), e.g. a global batch. ``fn`` sees its slice.
+
+  A layout may also be a pytree prefix of its argument with a layout at
+  each leaf: ``state.replace(step="replicated", params="replicated",
+  opt_state="stacked")`` for a flax ``TrainState`` whose optimizer state is
+  every worker's own.
 
   ``fn`` is manual over ``axis_name`` only (``shard_map``'s
   ``axis_names``): the mesh's other axes stay the compiler's, and ``fn``
@@ -443,9 +476,9 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     mesh: the device mesh; ``axis_name`` must be one of its axes.
     axis_name: the data-parallel axis, or a tuple of mesh axes whose
       devices all count as workers (``N`` their product, rows in mesh order).
-    ins: the layout of each positional argument.
-    outs: the layout of each output of ``fn``, or one layout when ``fn``
-      returns a single pytree rather than a tuple.
+    ins: the layout of each positional argument (a layout or a prefix).
+    outs: the layout of each output of ``fn`` (a tuple), or one layout
+      (not a tuple) when ``fn`` returns a single pytree.
     check_vma: passed to :func:`jax.shard_map` (JAX's own, stricter check
       of the replicated outputs).
     check_replicated: check the ``"replicated"`` outputs as above; turn it
@@ -467,24 +500,24 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     Array([2., 2.], dtype=float32)
   """
   n = _size(mesh, axis_name)
-  single = isinstance(outs, str)
+  single = not isinstance(outs, (tuple, list))
   ins, outs_ = tuple(ins), (outs,) if single else tuple(outs)
   for name, layouts in (("ins", ins), ("outs", outs_)):
-    bad = [x for x in layouts if x not in _LAYOUTS]
+    bad = [x for x in jax.tree.leaves(layouts) if x not in _LAYOUTS]
     if bad:
       raise ValueError(f"per_worker: {name} has {bad[0]!r}; each layout is "
-                       f"one of {_LAYOUTS}.")
+                       f"one of {_LAYOUTS} (or a pytree prefix of the "
+                       "argument with one at each leaf).")
   checked = _replication_checked(fn, ins, outs_, single, axis_name) if (
       check_replicated and not check_vma and n > 1
-      and "replicated" in outs_) else fn
-  spec = lambda layout: P() if layout == "replicated" else P(axis_name)
+      and "replicated" in jax.tree.leaves(outs_)) else fn
+  spec = lambda layout: jax.tree.map(
+      lambda k: P() if k == "replicated" else P(axis_name), layout)
   def local(*args):
-    args = [jax.tree.map(lambda x: x[0], a) if k == "stacked" else a
-            for a, k in zip(args, ins)]
+    args = [_rows(a, k, lambda x: x[0]) for a, k in zip(args, ins)]
     out = checked(*args)
     out = (out,) if single else _outputs(out, outs_)
-    out = tuple(jax.tree.map(lambda x: x[None], o) if k == "stacked" else o
-                for o, k in zip(out, outs_))
+    out = tuple(_rows(o, k, lambda x: x[None]) for o, k in zip(out, outs_))
     return out[0] if single else out
   out_specs = tuple(map(spec, outs_))
   mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
@@ -498,14 +531,34 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
           f"but ins gives {len(ins)} layouts {ins}; give one layout per "
           "argument.")
     for i, (arg, layout) in enumerate(zip(args, ins)):
-      if layout == "stacked":
-        _check_leading_axis(
-            arg, n, f"per_worker argument {i} (\"stacked\")",
-            "one row per worker", "Stack one row per worker, or lay the "
-            "argument out \"split\" if its rows are to be divided among "
-            "the workers.")
+      _rows(arg, layout, lambda x: x, lambda sub: _check_leading_axis(
+          sub, n, f"per_worker argument {i} (\"stacked\")",
+          "one row per worker", "Stack one row per worker, or lay the "
+          "argument out \"split\" if its rows are to be divided among "
+          "the workers."))
     return mapped(*args)
   return call
+
+
+def _rows(tree: Any, layout: Any, row: Callable, check=None) -> Any:
+  """``row`` applied to every leaf of the ``"stacked"`` parts of ``tree``
+  (``layout`` a layout or a prefix of ``tree``); ``check`` sees each
+  stacked part first."""
+  def part(k, sub):
+    if k != "stacked":
+      return sub
+    if check is not None:
+      check(sub)
+    return jax.tree.map(row, sub)
+  return jax.tree.map(part, layout, tree)
+
+
+def _leaf_layouts(layout: Any, tree: Any) -> list[str]:
+  """The layout of each leaf of ``tree``, in ``jax.tree.leaves`` order."""
+  out = []
+  jax.tree.map(lambda k, sub: out.extend([k] * len(jax.tree.leaves(sub))),
+               layout, tree)
+  return out
 
 
 def _outputs(out, outs: tuple[str, ...]) -> tuple:
@@ -530,12 +583,14 @@ def _replication_checked(fn, ins, outs, single, axis_name) -> Callable:
     return frozenset()
   def checked(*args):
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-    varying = [varies(leaf, layout) for a, layout in zip(args, ins)
-               for leaf in jax.tree.leaves(a)]
+    varying = [varies(leaf, layout) for a, k in zip(args, ins)
+               for leaf, layout in zip(jax.tree.leaves(a),
+                                       _leaf_layouts(k, a))]
     flags = iter(_drift.varying_outputs(closed, varying))
     shapes = (shape,) if single else _outputs(shape, outs)
-    for i, (out, layout) in enumerate(zip(shapes, outs)):
-      for path, _ in jax.tree_util.tree_leaves_with_path(out):
+    for i, (out, k) in enumerate(zip(shapes, outs)):
+      for (path, _), layout in zip(jax.tree_util.tree_leaves_with_path(out),
+                                   _leaf_layouts(k, out)):
         if next(flags) and layout == "replicated":
           raise ValueError(
               f"per_worker: output {i} is laid out \"replicated\" but its "
@@ -641,26 +696,31 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
 
-  learn = _learn(loss_fn, tx, has_aux, micro_batches, shard_axis)
+  def build(placement=None, out_shardings=None):
+    learn = _learn(loss_fn, tx, has_aux, micro_batches, shard_axis,
+                   placement)
 
-  def local_step(params, state, batch):
-    local_params = (lax.pcast(params, workers, to="varying")
-                    if check_vma else params)
-    params, state, loss = learn(params, local_params, state, batch)
-    return params, state, _mean_of_workers(loss, workers)
+    def local_step(params, state, batch):
+      local_params = (lax.pcast(params, workers, to="varying")
+                      if check_vma else params)
+      params, state, loss = learn(params, local_params, state, batch)
+      return params, state, _mean_of_workers(loss, workers)
 
-  step = per_worker(local_step, mesh, axis_name=workers,
-                    ins=("replicated", "stacked", "split"),
-                    outs=("replicated", "stacked", "replicated"),
-                    check_vma=check_vma, check_replicated=False)
+    step = per_worker(local_step, mesh, axis_name=workers,
+                      ins=("replicated", "stacked", "split"),
+                      outs=("replicated", "stacked", "replicated"),
+                      check_vma=check_vma, check_replicated=False)
 
-  def checked_step(params, state, batch):
-    _check_worker_states(state, n, shard_axis)
-    return step(params, state, batch)
+    def checked_step(params, state, batch):
+      _check_worker_states(state, n, shard_axis)
+      return step(params, state, batch)
 
-  jitted = jax.jit(checked_step, donate_argnums=(0, 1) if donate else ())
+    return jax.jit(checked_step, out_shardings=out_shardings,
+                   donate_argnums=(0, 1) if donate else ())
+
+  jitted = build()
   if set(mesh.axis_names) - set(_names(workers)):
-    jitted = _OutputsPlacedLikeInputs(checked_step, jitted, mesh, donate)
+    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, workers)
   return limit_in_flight(_ExchangeCheck(jitted, axis_name,
                                        axis_size(mesh, axis_name)),
                          devices=mesh.devices.flat)
