@@ -1,9 +1,12 @@
 """One process of tests/test_hybrid_multiprocess.py (run by the launcher).
 
 Runs STEPS hybrid steps of Distributed Lion on ``hybrid_mesh()``: one row
-per process, this process's 4 CPU devices in it. Every process builds the
-same inputs from a seed; process 0 writes the final params and the whole
-stacked momentum to the .npz named on the command line. Imported by the
+per process, this process's 4 CPU devices in it; ``layout`` is ``"hand"``
+(``shard_axis="fsdp"``) or ``"zero3"`` (params sharded over ``fsdp`` at rest
+by ``devices.fsdp_spec``, the step manual over ``data`` only). Every
+process builds the same inputs from a seed; process 0 writes the final
+params and the whole stacked momentum to the .npz named on the command
+line. Imported by the
 test for the same inputs on one process.
 """
 
@@ -25,22 +28,29 @@ def inputs():
   return params, batches
 
 
-def run(mesh):
+def run(mesh, layout="hand"):
   """Final (params, momentum) as numpy, gathered onto every process."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
+  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
 
-  def loss(p, batch):
-    return sum(jnp.sum(p[k] * batch[k]) for k in p)
+  hand = layout == "hand"
+  def loss(p, batch):    # hand: a device's row; zero3: the node's mean row
+    scale = 1.0 if hand else 1.0 / PER_NODE
+    return sum(jnp.sum(p[k] * batch[k].sum(0)) for k in p) * scale
   tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
   params, batches = inputs()
-  p = parallel.global_array(params, NamedSharding(mesh, jax.P()))
-  state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
-  step = parallel.make_train_step(loss, tx, mesh, shard_axis="fsdp")
+  p = {k: parallel.global_array(v, NamedSharding(mesh, jax.P() if hand else
+                                                 devices.fsdp_spec(
+                                                     v.shape, PER_NODE)))
+       for k, v in params.items()}
+  shard_axis = "fsdp" if hand else None
+  state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
+  step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
   split = NamedSharding(mesh, jax.P(("data", "fsdp")))
   for batch in batches:
     p, state, _ = step(p, state, parallel.global_array(batch, split))
@@ -49,7 +59,7 @@ def run(mesh):
   return gather(p), gather(state[0].mu)
 
 
-def main(out):
+def main(out, layout):
   from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   devices.start_processes(PER_NODE, init_timeout=60)
@@ -58,11 +68,11 @@ def main(out):
       "data": NODES, "fsdp": PER_NODE}, mesh
   # Each row of the mesh is one process: the vote crosses processes.
   assert {d.process_index for d in mesh.devices[1]} == {1}
-  params, mu = run(mesh)
+  params, mu = run(mesh, layout)
   if jax.process_index() == 0:
     np.savez(out, **{f"p_{k}": v for k, v in params.items()},
              **{f"mu_{k}": v for k, v in mu.items()})
 
 
 if __name__ == "__main__":
-  main(sys.argv[1])
+  main(sys.argv[1], sys.argv[2])

@@ -1,6 +1,7 @@
 """A hybrid step on 2 real processes x 4 CPU devices (gloo across them)
 equals the single-process (2, 4) mesh bit for bit: params and every
-device's shard of the momentum."""
+device's shard of the momentum; for the hand-made layout (shard_axis) and
+for params sharded at rest with the step manual over "data" only."""
 
 import os
 import subprocess
@@ -17,17 +18,19 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_two_processes_equal_one_process(tmp_path):
+@pytest.mark.parametrize("layout", ["hand", "zero3"])
+def test_two_processes_equal_one_process(tmp_path, layout):
   out = tmp_path / "multi.npz"
   run = subprocess.run(
       [sys.executable, "-m", "dlion_jax.launch", "-n", "2", "--timeout",
-       "150", "--", sys.executable, "-m", "tests.hybrid_worker", str(out)],
+       "150", "--", sys.executable, "-m", "tests.hybrid_worker", str(out),
+       layout],
       capture_output=True, text=True, timeout=180, cwd=ROOT)
   assert run.returncode == 0, run.stdout + run.stderr
   multi = np.load(out)
   mesh = parallel.hybrid_mesh(hybrid_worker.NODES,
                               devices=jax.devices()[:8])
-  params, mu = hybrid_worker.run(mesh)
+  params, mu = hybrid_worker.run(mesh, layout)
   for k in hybrid_worker.SHAPES:
     np.testing.assert_array_equal(multi[f"p_{k}"], params[k])
     np.testing.assert_array_equal(multi[f"mu_{k}"], mu[k])
