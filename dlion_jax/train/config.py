@@ -7,6 +7,7 @@ A config has five sections (``mesh`` optional) and a few top-level keys::
   workers: 8                  # data-parallel workers (simulated on CPU)
   run_dir: runs/quickstart
   mesh: {nodes: 2}            # optional hybrid layout: 2 nodes of 4 workers
+                              # (shard_params: true for FSDP params)
   data: {name: digits, global_batch: 256}
   model: {name: mlp, hidden: [128, 128]}      # other keys go to the model
   optimizer: {name: dlion, learning_rate: 3.0e-3, weight_decay: 1.0e-2}
@@ -110,8 +111,15 @@ class MeshConfig:
   vote between nodes, lion, adamw and sgd all-reduce the gradient shards
   (the updates of a run without ``nodes`` up to the rounding of the sums,
   the state sharded).
+
+  ``shard_params: true`` (with ``nodes``): FSDP instead. The params and the
+  optimizer state are sharded over a node's devices at rest
+  (:func:`dlion_jax.parallel.shard_params`, ZeRO-3); the step is manual
+  over the nodes only and the compiler owns the node's devices (gathering
+  params for the forward pass); each device votes on its own shard.
   """
   nodes: Optional[int] = None
+  shard_params: bool = False
 
 
 @dataclasses.dataclass
@@ -258,8 +266,15 @@ def _validate_limits(data: DataConfig) -> None:
 
 
 def _validate_mesh(config: Config) -> None:
-  """``mesh.nodes``, if set, divides ``workers``."""
+  """``mesh.nodes``, if set, divides ``workers``; ``mesh.shard_params``
+  needs it."""
   nodes = config.mesh.nodes
+  if config.mesh.shard_params and nodes is None:
+    raise ConfigError(
+        "mesh.shard_params=true shards the params over each node's devices, "
+        "but mesh.nodes is not set (one data axis, no node to shard over). "
+        "Set mesh.nodes (e.g. mesh.nodes=2), or drop mesh.shard_params.",
+        key="mesh.shard_params")
   if nodes is None or (nodes >= 1 and config.workers % nodes == 0):
     return
   divisors = [d for d in range(1, config.workers + 1)

@@ -36,6 +36,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax.train import checkpoint
 from dlion_jax.train import data as data_lib
@@ -120,14 +121,30 @@ def make_mesh(cfg: Config):
                               devices=list(mesh.devices.flat))
 
 
-def shard_axis(mesh) -> str | None:
-  """The axis a hybrid mesh shards the optimizer state over, else None."""
+def shard_axis(mesh, cfg: Config | None = None) -> str | None:
+  """The axis the hand-made hybrid layout shards the optimizer state over
+  (``make_train_step``'s ``shard_axis``), else None: a flat mesh, or FSDP
+  params (``mesh.shard_params``), whose step leaves the axis to the
+  compiler."""
+  if cfg is not None and cfg.mesh.shard_params:
+    return None
   return SHARD_AXIS if SHARD_AXIS in mesh.axis_names else None
 
 
 def worker_axes(mesh):
   """The axis, or axes, whose devices each take a slice of the batch."""
-  return AXIS if shard_axis(mesh) is None else (AXIS, SHARD_AXIS)
+  return (AXIS, SHARD_AXIS) if SHARD_AXIS in mesh.axis_names else AXIS
+
+
+def place_params(params, cfg: Config, mesh):
+  """The params on every device, or sharded FSDP-style over each node's
+  devices (``mesh.shard_params``), from host values alike on every
+  process."""
+  if not cfg.mesh.shard_params:
+    return parallel.global_array(params, NamedSharding(mesh, P()))
+  k = mesh.shape[SHARD_AXIS]
+  return jax.tree.map(lambda x: parallel.global_array(x, NamedSharding(
+      mesh, devices.fsdp_spec(x.shape, k, SHARD_AXIS))), params)
 
 
 def make_eval_step(graphdef, mesh):
@@ -380,9 +397,9 @@ def _setup(cfg: Config, mesh) -> _Run:
   graphdef, params = models.split_params(model)
   tx = optimizers.build_optimizer(cfg.optimizer,
                                   total_steps=cfg.train.steps, axis_name=AXIS)
-  params = parallel.global_array(params, NamedSharding(mesh, P()))
+  params = place_params(params, cfg, mesh)
   opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS,
-                                          shard_axis=shard_axis(mesh))
+                                          shard_axis=shard_axis(mesh, cfg))
   batches = data_lib.Batches(dataset.train, global_batch=cfg.data.global_batch,
                              seed=cfg.seed, kind=dataset.kind,
                              seq_len=(cfg.data.seq_len if dataset.kind == "lm"
@@ -428,7 +445,7 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   per_worker = NamedSharding(run.mesh, P(worker_axes(run.mesh)))
   step_fn = parallel.make_train_step(make_loss_fn(run.graphdef), run.tx,
                                      run.mesh, axis_name=AXIS,
-                                     shard_axis=shard_axis(run.mesh),
+                                     shard_axis=shard_axis(run.mesh, cfg),
                                      has_aux=True)
   position = run.batches.state()
   example = parallel.global_array(next(run.batches), per_worker)
@@ -595,10 +612,12 @@ def _resume(ckpt, cfg, like, batches):
 
 
 def _saved_config(meta: dict) -> dict | None:
-  """A checkpoint's flat config; one written before ``mesh.nodes`` existed
-  had no hybrid layout."""
+  """A checkpoint's flat config; one written before ``mesh.nodes`` or
+  ``mesh.shard_params`` existed had no hybrid layout, or the hand-made
+  one."""
   saved = meta.get("config")
-  return None if saved is None else {"mesh.nodes": None, **saved}
+  return None if saved is None else {"mesh.nodes": None,
+                                     "mesh.shard_params": False, **saved}
 
 
 def _summary_text(s: dict, cfg: Config) -> str:
@@ -617,14 +636,17 @@ def _summary_text(s: dict, cfg: Config) -> str:
       f"{_fmt_bytes(s['sent_bytes_per_step'])}/step, "
       f"{_fmt_bytes(s['sent_bytes_total'])} over {cfg.train.steps} steps")
   if cfg.mesh.nodes is not None:
+    inside = ("fp32 params all-gather and gradient reduce-scatter, the "
+              "compiler's" if cfg.mesh.shard_params else
+              "fp32 gradient reduce-scatter and params all-gather")
     lines.append(
         f"of which {s['sent_bits_per_param_over_data']:.3f} bits/param/step "
         f"across the {cfg.mesh.nodes} nodes (analytic "
         f"{s['analytic_bits_per_param_across_nodes']:.3f}), "
         f"{s['sent_bits_per_param_over_fsdp']:.1f} inside a node (analytic "
-        f"{s['analytic_bits_per_param_inside_nodes']:.0f}: fp32 gradient "
-        "reduce-scatter and params all-gather), "
-        f"{s['sent_bits_per_param_over_data+fsdp']:.4f} over both (the loss)")
+        f"{s['analytic_bits_per_param_inside_nodes']:.0f}: {inside}), "
+        f"{s.get('sent_bits_per_param_over_data+fsdp', 0.0):.4f} over both "
+        "(the loss)")
   lines.append(
       f"an fp32 gradient all-reduce would send "
       f"{dl.allreduce_bits(cfg.workers):.0f} bits/param/step = "
