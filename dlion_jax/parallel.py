@@ -712,7 +712,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                       check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
-      _check_worker_states(state, n, shard_axis)
+      _check_worker_states(state, n, shard_axis, mesh.devices.size)
       return step(params, state, batch)
 
     return jax.jit(checked_step, out_shardings=out_shardings,
@@ -752,10 +752,20 @@ def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
           f"{fix}")
 
 
-def _check_worker_states(state: Any, n: int, shard_axis=None) -> None:
+def _check_worker_states(state: Any, n: int, shard_axis=None,
+                         devices: int | None = None) -> None:
   """Raises a ValueError naming the first state leaf not stacked for the
-  ``n`` workers of the step, and the call that builds the state."""
-  if shard_axis is None:
+  ``n`` workers of the step, and the call that builds the state (a state
+  with a row per device of the ``devices`` a mesh has beside the workers
+  was built for the hand-made layout, ``shard_axis``)."""
+  rows = {np.shape(x)[0] for x in jax.tree.leaves(state) if np.ndim(x)}
+  if shard_axis is None and devices not in (None, n) and rows == {devices}:
+    fix = ("It has a row per device: it was built with init_worker_states("
+           "..., shard_axis=...) for the hand-made layout, whose step "
+           "takes the same shard_axis. For this step (no shard_axis: the "
+           "compiler owns the mesh's other axes) build it with "
+           "parallel.init_worker_states(tx, params, mesh), no shard_axis.")
+  elif shard_axis is None:
     fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
            "not tx.init(params).")
   else:

@@ -329,3 +329,20 @@ def test_shard_params_picks_the_largest_divisible_dimension():
   assert {k: tuple(v.sharding.spec) for k, v in got.items()} == {
       "a": (None, "fsdp"), "b": (None, "fsdp"), "c": (), "d": ()}
   assert got["a"] is not tree["a"]
+
+
+def test_state_of_the_hand_made_layout_names_shard_axis():
+  """A state built with shard_axis (a row per device) given to the step
+  that leaves the fast axis to the compiler: the error says which
+  argument built it and what to write instead."""
+  mesh = parallel.hybrid_mesh(2)
+  params = parallel.replicate({"w": jnp.ones((8, 6))}, mesh)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
+  step = parallel.make_train_step(node_loss(4), tx, mesh)
+  with pytest.raises(ValueError, match=r"has shape \(8,\).* a row per "
+                     r"device: it was built with init_worker_states\(\.\.\., "
+                     r"shard_axis=\.\.\.\).*, no shard_axis\."):
+    step(params, state, jax.device_put({"w": jnp.ones((8, 8, 6))},
+                                       NamedSharding(mesh, P(("data",
+                                                              "fsdp")))))
