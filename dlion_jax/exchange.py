@@ -338,7 +338,8 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               num_workers: int, spec: VoteSpec, aggregation: str, comm: str,
               min_compress_size: int = 0,
-              leaf_shards: Sequence[LeafShard | None] | None = None):
+              leaf_shards: Sequence[LeafShard | None] | None = None,
+              constants: tuple = ()):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``).
@@ -356,7 +357,9 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   sends only that part's votes, to its peers across ``axis_name``.
   ``leaf_shards`` (:func:`dlion_jax.shards.leaf_shards`) says which whole
   leaf each leaf is a shard of: the L1 scales and the
-  ``min_compress_size`` test see whole leaves.
+  ``min_compress_size`` test see whole leaves. ``combine`` gets
+  ``constants`` after the leaves (traced hyperparameters: see
+  :func:`dlion_jax.shards.on_own_shards`).
   """
   options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
                  aggregation=aggregation, comm=comm,
@@ -370,10 +373,12 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
         "over it would add up votes on different entries. Vote over the "
         "data axis alone, e.g. dl.distributed_lion(lr, axis_name='data').")
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  def run(*trees, leaf_shards, constants):
+    return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
+                      leaf_shards=leaf_shards, **options)
   if axes and not cut:
-    return shards.on_own_shards(
-        functools.partial(_aggregate, combine, **options), trees, axes)
-  return _aggregate(combine, *trees, leaf_shards=leaf_shards, **options)
+    return shards.on_own_shards(run, trees, axes, constants)
+  return run(*trees, leaf_shards=leaf_shards, constants=constants)
 
 
 def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,

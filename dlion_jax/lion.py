@@ -239,15 +239,29 @@ def scale_by_distributed_lion(
           error=optax.tree.zeros_like(params, dtype=mu_dtype))
     return DistributedLionState(count=count, mu=mu)
 
-  def pre_sign(g, m):
-    return (1.0 - b1) * g + b1 * m
+  # A traced b1 (optax.inject_hyperparams) enters the vote as an argument:
+  # a region manual over the compiler's axes may not close over it.
+  constants = () if isinstance(b1, (int, float)) else (b1,)
 
-  def voted_update(combine, num_workers, *trees):
+  def pre_sign(g, m, *traced_b1):
+    rate = traced_b1[0] if traced_b1 else b1
+    return (1.0 - rate) * g + rate * m
+
+  def moment(g, m):
+    """``(1 - b2) g + b2 m`` in the wider dtype of the two, rounded once to
+    the momentum's (b2 taken in it, as JAX takes a Python scalar): a bf16
+    momentum must not round ``b2 m`` on its own where a layout splits the
+    fusion that otherwise keeps it wide."""
+    wide = jnp.promote_types(g.dtype, m.dtype)
+    decay = jnp.asarray(b2, m.dtype).astype(wide)
+    return ((1.0 - b2) * g + decay * m.astype(wide)).astype(m.dtype)
+
+  def voted_update(combine, num_workers, *trees, constants=()):
     return exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size,
-        leaf_shards=shards.leaf_shards(trees[0]))
+        leaf_shards=shards.leaf_shards(trees[0]), constants=constants)
 
   def update_fn(updates, state, params=None):
     del params
@@ -271,9 +285,9 @@ def scale_by_distributed_lion(
               treedef.flatten_up_to(state.error),
               shards.leaf_shards(corrected))])}
     else:   # c computed inside the vote, on the whole message at once
-      new_updates = voted_update(pre_sign, num_workers, updates, state.mu)
-    mu = optax.tree.update_moment(updates, state.mu, b2, 1)
-    mu = optax.tree.cast(mu, mu_dtype)
+      new_updates = voted_update(pre_sign, num_workers, updates, state.mu,
+                                 constants=constants)
+    mu = jax.tree.map(moment, updates, state.mu)
     count = optax.safe_increment(state.count)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)

@@ -117,6 +117,7 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
     ``shard_axis``) on every leaf, placed so that worker ``i`` holds row
     ``i``.
   """
+  _check_not_over(params, axis_name)
   mine = (lambda p: p) if shard_axis is None else (
       lambda p: shards.own_shards(p, shard_axis))
   init = per_worker(lambda p: tx.init(mine(p)), mesh,
@@ -137,7 +138,14 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
   """Where :func:`init_worker_states` places the stacked ``state`` (its
   shapes suffice): each worker's row on its ``axis_name`` devices, and a
   leaf shaped like a param (a momentum) sharded over the mesh's other axes
-  as that param is (``params``' ``NamedSharding``s)."""
+  as that param is (``params``' ``NamedSharding``s).
+
+  Raises:
+    ValueError: a param sharded over ``axis_name`` itself (the workers
+      each hold every param; a momentum cannot be split over them twice).
+  """
+  _check_not_over(params, axis_name)
+
   def like(leaf, param=None):
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
       return leaf
@@ -167,8 +175,12 @@ def _marker(out: Any) -> jax.Array | None:
             if isinstance(x, jax.Array) and x.size and not x.is_deleted()]
   if not arrays:
     return None
-  smallest = min(arrays, key=lambda x: x.size)
-  return _first_entry(smallest.addressable_shards[0].data)
+  shard = min(arrays, key=lambda x: x.size).addressable_shards[0].data
+  # A mesh of the shard's own device: under the caller's jax.set_mesh of
+  # the whole mesh, a call on one device is refused ("incompatible
+  # devices"), after the step has run and consumed its donated inputs.
+  with jax.set_mesh(Mesh(np.array([shard.device]), ("marker",))):
+    return _first_entry(shard)
 
 
 class _InFlightLimit:
@@ -315,6 +327,15 @@ class _ExchangeCheck:
     return getattr(self._jitted, name)
 
 
+def _ids(mesh) -> list[int]:
+  return np.asarray(mesh.device_ids).ravel().tolist()
+
+
+def _same_mesh(a, b) -> bool:
+  return (a.shape_tuple == b.shape_tuple
+          and np.array_equal(a.device_ids, b.device_ids))
+
+
 class _OutputsPlacedLikeInputs:
   """A step built for the placement of its params and state over the
   compiler's axes (``build(placement, out_shardings)``), one compilation
@@ -322,33 +343,46 @@ class _OutputsPlacedLikeInputs:
 
   The new params and state keep the caller's shardings (on Auto axes the
   compiler would pick its own: replicated params come back sharded), and on
-  Auto axes the optimizer update is typed as they are placed
-  (:func:`_typed_as_placed`).
+  Auto axes the optimizer update is told how they are placed
+  (:func:`_placement`).
   """
 
   def __init__(self, build: Callable, jitted: Callable, mesh: Mesh,
-               workers):
+               workers, tx):
     functools.update_wrapper(self, jitted)
-    self._build, self._jitted, self._mesh = build, jitted, mesh
+    self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
     self._auto = tuple(
         a for a, t in zip(mesh.axis_names, mesh.axis_types)
         if a not in _names(workers) and t == jax.sharding.AxisType.Auto)
     self._by_placement = {}
 
   def _for(self, params, state) -> Callable:
-    leaves = jax.tree.leaves((params, state))
-    shardings = [getattr(x, "sharding", None) for x in leaves]
-    if not all(isinstance(s, NamedSharding) and s.mesh.shape == self._mesh.shape
-               for s in shardings):
+    leaves = jax.tree_util.tree_leaves_with_path({"params": params,
+                                                  "state": state})
+    shardings = [getattr(x, "sharding", None) for _, x in leaves]
+    for (path, _), s in zip(leaves, shardings):
+      if isinstance(s, NamedSharding) and not _same_mesh(s.mesh, self._mesh):
+        raise ValueError(
+            f"{jax.tree_util.keystr(path)} is placed on the mesh "
+            f"{dict(s.mesh.shape)} (devices {_ids(s.mesh)}), not on the "
+            f"step's {dict(self._mesh.shape)} (devices {_ids(self._mesh)}). "
+            "Place params and "
+            "state on the mesh given to make_train_step: "
+            "parallel.replicate(params, mesh) or parallel.shard_params("
+            "params, mesh), and parallel.init_worker_states(tx, params, "
+            "mesh).")
+    if not all(isinstance(s, NamedSharding) for s in shardings):
       return self._jitted
     treedef = jax.tree.structure((params, state))
     key = (treedef, tuple(shardings))
     if key not in self._by_placement:
       placed = jax.tree.unflatten(treedef, shardings)
+      _check_placement(self._tx, jax.tree.map(lambda s: s.spec, placed),
+                       self._mesh)
       placement = None
       if self._auto:
         specs = jax.tree.map(lambda s: s.spec, placed)
-        placement = (self._auto, specs[0], jax.tree.map(
+        placement = _placement(self._tx, specs[0], jax.tree.map(
             lambda spec: P(*spec[1:]), specs[1],
             is_leaf=lambda x: isinstance(x, P)))
       self._by_placement[key] = self._build(
@@ -368,14 +402,90 @@ class _OutputsPlacedLikeInputs:
     return getattr(self._jitted, name)
 
 
-def _typed_as_placed(update: Callable, placement) -> Callable:
-  """``update`` with the mesh's Auto axes made Explicit for it, its
-  arguments typed as the caller placed params and state: the vote reads
-  each leaf's sharding off its type, which on Auto axes the compiler alone
-  would know."""
-  axes, params, state = placement
-  return jax.sharding.explicit_axes(update, axes=axes,
-                                    in_sharding=(params, state, params))
+def _placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
+  """For each params leaf (by key path), the most sharded of its own
+  placement and that of the state leaves shaped like it (a ZeRO-2
+  momentum): how the optimizer update is to cut it (:func:`dlion_jax.
+  shards.placed`)."""
+  paths = jax.tree_util.tree_map_with_path(
+      lambda path, _: jax.tree_util.keystr(path), params_specs,
+      is_leaf=lambda x: isinstance(x, P))
+  out = {}
+  def note(spec, param_spec, path):
+    best = out.get(path, param_spec)
+    if isinstance(spec, P) and len(_spec_names(spec)) > len(
+        _spec_names(best)):
+      best = spec
+    out[path] = best
+  jax.tree.map(note, params_specs, params_specs, paths,
+               is_leaf=lambda x: isinstance(x, P))
+  try:
+    optax.tree_utils.tree_map_params(
+        tx, note, state_specs, params_specs, paths,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
+  except (ValueError, TypeError):    # a state optax cannot map: params only
+    pass
+  return out
+
+
+def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
+  """Raises a ValueError naming a state leaf sharded over the mesh's
+  Explicit axes otherwise than its param, unless the param is whole (a
+  ZeRO-2 state): optax would add them, a sharding type error."""
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit}
+  params_specs, state_specs = specs
+  paths = jax.tree_util.tree_map_with_path(
+      lambda path, _: jax.tree_util.keystr(path), params_specs,
+      is_leaf=lambda x: isinstance(x, P))
+  conflicts = []
+  def check(spec, param_spec, path):
+    if not isinstance(spec, P):
+      return
+    mine, theirs = P(*spec[1:]), param_spec
+    pad = max(len(mine), len(theirs))
+    if (_spec_names(theirs) & explicit and _spec_names(mine) & explicit
+        and tuple(mine) + (None,) * (pad - len(mine))
+        != tuple(theirs) + (None,) * (pad - len(theirs))):
+      conflicts.append((path, mine, theirs))
+  try:
+    optax.tree_utils.tree_map_params(
+        tx, check, state_specs, params_specs, paths,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
+  except (ValueError, TypeError):   # a state optax cannot map: not checked
+    return
+  if conflicts:
+    path, mine, theirs = conflicts[0]
+    raise ValueError(
+        f"The optimizer state's leaf for params {path} is sharded {mine} "
+        f"but the param is sharded {theirs} (Explicit axes): the optimizer "
+        "would add arrays sharded differently. Build the state from the "
+        "params as you place them: parallel.init_worker_states(tx, params, "
+        "mesh), or from parallel.shard_params(params, mesh) for whole "
+        "params and a sharded state (ZeRO-2).")
+
+
+def _check_not_over(params: Any, axis_name: str) -> None:
+  """Raises a ValueError naming a params leaf sharded over the vote's axis
+  (each worker holds every param)."""
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    sharding = getattr(x, "sharding", None)
+    if isinstance(sharding, NamedSharding) and axis_name in _spec_names(
+        sharding.spec):
+      raise ValueError(
+          f"params leaf {jax.tree_util.keystr(path)} is sharded "
+          f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
+          "workers vote over: each worker holds every param. Shard params "
+          "over the mesh's other axes only (parallel.shard_params(params, "
+          f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
+          "vote over another axis.")
+
+
+def _spec_names(spec: P) -> set:
+  return {a for entry in spec if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
@@ -398,11 +508,15 @@ def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None,
   With a ``shard_axis`` the gradients are averaged over it exactly and the
   optimizer runs on this device's shard of every leaf (ZeRO-2); the new
   shards are gathered back into whole params. With a ``placement`` (Auto
-  axes beside the workers') the update is typed as placed
-  (:func:`_typed_as_placed`).
+  axes beside the workers', :func:`_placement`) the update knows how each
+  leaf is placed (:func:`dlion_jax.shards.placed`).
   """
-  update = tx.update if placement is None else _typed_as_placed(tx.update,
-                                                                placement)
+  def update(grads, state, params):
+    if placement is None:
+      return tx.update(grads, state, params)
+    with shards.placed(placement):
+      return tx.update(grads, state, params)
+
   def learn(params, local_params, state, batch):
     loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
                                   micro_batches)
@@ -720,7 +834,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   jitted = build()
   if set(mesh.axis_names) - set(_names(workers)):
-    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, workers)
+    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, workers, tx)
   return limit_in_flight(_ExchangeCheck(jitted, axis_name,
                                        axis_size(mesh, axis_name)),
                          devices=mesh.devices.flat)
@@ -830,6 +944,15 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
     spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
     if not spec or spec[0] is None:
       return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
+    mesh = jax.sharding.get_abstract_mesh()
+    k = math.prod(mesh.shape[a] for a in _names(spec[0]))
+    if (rows // micro_batches) % k:
+      raise ValueError(
+          f"micro_batches={micro_batches} leaves {rows // micro_batches} "
+          f"rows of each worker's batch of {rows} a micro-batch, which the "
+          f"{k} devices its rows are sharded over ({spec[0]!r}) cannot "
+          f"share: each micro-batch must hold a multiple of {k} rows. Use "
+          f"a micro_batches that divides {rows // k}, or a larger batch.")
     # Rows sharded over the compiler's axes: micro-batch m takes rows m,
     # m + micro_batches, ..., so that each device keeps its share of each.
     x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:],

@@ -303,12 +303,31 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
   return auto
 
 
-def leaf_spec(x: jax.Array, axes: tuple[str, ...]) -> P:
+# Set while dlion_jax.parallel.make_train_step traces the optimizer update
+# of a step on Auto axes: each params leaf's placement, by key path.
+_PLACED = contextvars.ContextVar("placed", default=None)
+
+
+@contextlib.contextmanager
+def placed(specs: dict[str, P]):
+  """Marks the optimizer update traced inside as updating leaves placed as
+  ``specs`` says (by the params' key paths, ``jax.tree_util.keystr``): on
+  Auto axes their types do not say how they are sharded."""
+  token = _PLACED.set(specs)
+  try:
+    yield
+  finally:
+    _PLACED.reset(token)
+
+
+def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
+              ) -> P:
   """How ``x`` is sharded over the mesh axes ``axes``: read off its type
-  on Explicit axes. On Auto axes the type says nothing, so the leaf is
-  taken as :func:`dlion_jax.devices.shard_params` places it (its largest
-  dimension their devices divide, over all of them): free when it is so
-  placed or replicated, a reshard over the fast links otherwise."""
+  on Explicit axes. On Auto axes the type says nothing: the placement of
+  the params leaf at ``path`` (:func:`placed`), or else the leaf as
+  :func:`dlion_jax.devices.shard_params` places it (its largest dimension
+  their devices divide, over all of them): free when it is so placed or
+  replicated, a reshard over the fast links otherwise."""
   spec = getattr(jax.typeof(x).sharding, "spec", None) or ()
   def keep(entry):
     names = entry if isinstance(entry, tuple) else (entry,)
@@ -320,6 +339,9 @@ def leaf_spec(x: jax.Array, axes: tuple[str, ...]) -> P:
                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Auto)
   if _spec_axes(spec) or not auto:
     return spec
+  known = (_PLACED.get() or {}).get(path)
+  if known is not None and len(known) <= x.ndim:
+    return P(*map(keep, known))
   return devices.fsdp_spec(x.shape, math.prod(mesh.shape[a] for a in auto),
                            auto if len(auto) > 1 else auto[0])
 
@@ -329,9 +351,10 @@ def _spec_axes(spec) -> set:
           for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
-def on_own_shards(fn, trees: tuple, axes: tuple[str, ...]) -> Any:
-  """``fn(*trees, leaf_shards=...)`` run by each device on its own part of
-  every leaf, in a region manual over the compiler's ``axes``.
+def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
+                  constants: tuple = ()) -> Any:
+  """``fn(*trees, leaf_shards=..., constants=...)`` run by each device on its
+  own part of every leaf, in a region manual over the compiler's ``axes``.
 
   A leaf sharded over some of ``axes`` is its device's block; the block is
   flattened and cut once more over the axes it is replicated on (``F``
@@ -343,20 +366,28 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...]) -> Any:
   chunks are gathered back over the replicated axes (the fast links) and
   the padding cut off. A leaf's blocks are those of the most sharded of
   its arrays across ``trees`` (a ZeRO-2 momentum beside a whole
-  gradient), and so is the result.
+  gradient); the result is typed like the first tree's leaf, as an optax
+  update must be (``optax.MultiSteps`` puts it in a ``lax.cond`` beside
+  zeros of the gradient's type). Traced values ``fn`` needs beside the
+  trees (an ``optax.inject_hyperparams`` rate) go in ``constants``: a
+  region may not close over values typed on Explicit axes.
   """
-  leaves, treedef = jax.tree.flatten(trees[0])
+  paths, treedef = jax.tree_util.tree_flatten_with_path(trees[0])
+  paths, leaves = [jax.tree_util.keystr(p) for p, _ in paths], [
+      x for _, x in paths]
+  columns = list(zip(leaves, *[treedef.flatten_up_to(t) for t in trees[1:]]))
   # The most sharded of a leaf's arrays (a ZeRO-2 momentum beside a whole
   # gradient) sets its blocks: the others are cut to it, not gathered.
-  specs = [max((leaf_spec(x, axes) for x in column),
+  specs = [max((leaf_spec(x, axes, path) for x in column),
                key=lambda spec: len(_spec_axes(spec)))
-           for column in zip(leaves, *[treedef.flatten_up_to(t)
-                                        for t in trees[1:]])]
+           for path, column in zip(paths, columns)]
   sizes = dict(jax.sharding.get_abstract_mesh().shape)
+  shards_ = [LeafShard(axes, int(x.size)) for x in leaves]
 
-  def local(*trees):
+  def cut(trees):
+    """Each tree's 1-D chunk of every leaf, and how to put them back."""
     columns = [treedef.flatten_up_to(t) for t in trees]
-    cut, gathers = [[] for _ in columns], []
+    chunks, gathers = [[] for _ in columns], []
     for k, spec in enumerate(specs):
       free = tuple(a for a in axes if a not in _spec_axes(spec))
       parts = math.prod(sizes[a] for a in free)
@@ -365,19 +396,36 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...]) -> Any:
       index = lax.axis_index(free) if free else 0
       for j, column in enumerate(columns):
         flat = jnp.pad(column[k].ravel(), (0, parts * width - block.size))
-        cut[j].append(lax.dynamic_slice_in_dim(flat, index * width, width))
-      gathers.append((free, block.shape))
-    shards_ = [LeafShard(axes, int(x.size)) for x in leaves]
-    out = treedef.flatten_up_to(fn(*[treedef.unflatten(c) for c in cut],
-                                   leaf_shards=shards_))
-    whole = []
-    for d, (free, shape) in zip(out, gathers):
+        chunks[j].append(lax.dynamic_slice_in_dim(flat, index * width, width))
+      gathers.append((free if width else (), block.shape))
+    return [treedef.unflatten(c) for c in chunks], gathers
+
+  def whole(out, gathers):
+    parts = []
+    for d, (free, shape) in zip(treedef.flatten_up_to(out), gathers):
       if free:
         d = lax.all_gather(d, free, tiled=True)
-      whole.append(d[:math.prod(shape)].reshape(shape))
-    return treedef.unflatten(whole)
+      parts.append(d[:math.prod(shape)].reshape(shape))
+    return treedef.unflatten(parts)
 
-  in_specs = tuple(treedef.unflatten(specs) for _ in trees)
-  return jax.shard_map(local, in_specs=in_specs,
-                       out_specs=treedef.unflatten(specs),
-                       axis_names=set(axes), check_vma=False)(*trees)
+  def local(constants, *trees):
+    chunks, gathers = cut(trees)
+    return whole(fn(*chunks, leaf_shards=shards_, constants=constants),
+                 gathers)
+
+  in_specs = (P(),) + tuple(treedef.unflatten(specs) for _ in trees)
+  out = jax.shard_map(local, in_specs=in_specs,
+                      out_specs=treedef.unflatten(specs),
+                      axis_names=set(axes), check_vma=False)(constants,
+                                                             *trees)
+  return treedef.unflatten([_typed_like(d, x, spec) for d, x, spec in zip(
+      treedef.flatten_up_to(out), leaves, specs)])
+
+
+def _typed_like(d: jax.Array, x: jax.Array, spec: P) -> jax.Array:
+  """``d`` (blocks of ``spec``) resharded as ``x``'s type says, where that
+  is an Explicit sharding other than ``spec``."""
+  typed = getattr(jax.typeof(x).sharding, "spec", None)
+  if typed is None or getattr(jax.typeof(d).sharding, "spec", None) == typed:
+    return d
+  return jax.sharding.reshard(d, typed)

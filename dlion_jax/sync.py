@@ -191,7 +191,7 @@ def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
   mean = lambda xs: _mean_over(xs, axis_name)
   if axes:
     mean = lambda xs: shards.on_own_shards(
-        lambda ys, leaf_shards: _mean_over(ys, axis_name), (xs,), axes)
+        lambda ys, **_: _mean_over(ys, axis_name), (xs,), axes)
   synced = iter(jax.lax.cond(do_sync, mean, lambda xs: xs, chosen))
   return jax.tree.unflatten(
       treedef, [next(synced) if f else x for x, f in zip(leaves, flags)])

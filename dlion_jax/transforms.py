@@ -22,7 +22,10 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
 
   ``optax.chain(pmean_gradients("data"), optax.lion(...))`` is the usual
   data-parallel Lion that all-reduces fp32 gradients, the baseline that
-  :func:`dlion_jax.distributed_lion` replaces.
+  :func:`dlion_jax.distributed_lion` replaces. Where the mesh has axes the
+  compiler owns beside ``axis_name``, each device averages only its own
+  part of every leaf with its peers (:func:`dlion_jax.shards.on_own_shards`),
+  as the vote does.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -37,7 +40,12 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
-    return lax.pmean(updates, axis_name), state
+    axes = shards.compiler_axes(axis_name, jax.tree.leaves(updates))
+    if not axes:
+      return lax.pmean(updates, axis_name), state
+    return shards.on_own_shards(
+        lambda g, **_: lax.pmean(g, axis_name), (updates,),
+        axes), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
 
