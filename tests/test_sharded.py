@@ -148,24 +148,41 @@ def test_lion_cub_options_see_whole_leaves(option):
   run_against_reference("fsdp x model", np.float32, option, ref)
 
 
-def test_wire_bytes_are_each_devices_own_message():
+def own_parts(layout):
+  """Entries of each leaf a device votes on: its block, cut over the fast
+  axes the leaf is replicated on."""
+  shape, names, _, specs = LAYOUTS[layout]
+  sizes = dict(zip(names, shape))
+  out = []
+  for k, leaf in SHAPES.items():
+    used = {a for e in specs.get(k, P()) if e is not None
+            for a in (e if isinstance(e, tuple) else (e,))}
+    block = int(np.prod(leaf)) // int(np.prod([sizes[a] for a in used]))
+    free = int(np.prod([sizes[a] for a in names[1:] if a not in used]))
+    out.append(-(-block // free))
+  return tuple(out)
+
+
+@pytest.mark.parametrize("layout", ["fsdp at rest", "fsdp x model"])
+def test_wire_bytes_are_each_devices_own_message(layout):
   """Across the data axis each device sends the flat message of the parts
-  of the leaves it votes on (1/4 of each here), and the loss's pmean."""
-  layout = "fsdp at rest"
+  of the leaves it votes on, and the loss's pmean; nothing else."""
   mesh = make_mesh(layout)
-  params = place({k: jnp.zeros(s) for k, s in SHAPES.items()}, mesh,
-                 LAYOUTS[layout][3])
-  batch = jax.device_put({k: jnp.zeros((8,) + s) for k, s in SHAPES.items()},
-                         NamedSharding(mesh, P(("data", "fsdp"))))
-  parts = tuple(-(-int(np.prod(s)) // 4) for s in SHAPES.values())
+  shape, names, _, specs = LAYOUTS[layout]
+  per_node = int(np.prod(shape[1:]))
+  params = place({k: jnp.zeros(s) for k, s in SHAPES.items()}, mesh, specs)
+  batch = jax.device_put({k: jnp.zeros((2 * per_node,) + s)
+                          for k, s in SHAPES.items()},
+                         NamedSharding(mesh, P(names)))
   for comm in ("alltoall", "allgather", "psum", "psum_int8"):
     tx = dl.distributed_lion(1e-2, axis_name="data", comm=comm)
     state = parallel.init_worker_states(tx, params, mesh)
-    step = parallel.make_train_step(node_loss(4), tx, mesh, donate=False)
+    step = parallel.make_train_step(node_loss(per_node), tx, mesh,
+                                    donate=False)
     compiled = step.lower(params, state, batch).compile()
     got = dl.collective_bytes_by_axis(compiled, mesh)["data"]
-    want = message.MessageLayout(parts, 2, quantize.BINARY, "mavo",
-                                 comm).sent_bytes()
+    want = message.MessageLayout(own_parts(layout), 2, quantize.BINARY,
+                                 "mavo", comm).sent_bytes()
     assert got == want + 4, comm       # + the loss's f32 pmean over 2
 
 
