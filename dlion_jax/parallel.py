@@ -407,9 +407,6 @@ def _placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
   placement and that of the state leaves shaped like it (a ZeRO-2
   momentum): how the optimizer update is to cut it (:func:`dlion_jax.
   shards.placed`)."""
-  paths = jax.tree_util.tree_map_with_path(
-      lambda path, _: jax.tree_util.keystr(path), params_specs,
-      is_leaf=lambda x: isinstance(x, P))
   out = {}
   def note(spec, param_spec, path):
     best = out.get(path, param_spec)
@@ -417,16 +414,31 @@ def _placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
         _spec_names(best)):
       best = spec
     out[path] = best
-  jax.tree.map(note, params_specs, params_specs, paths,
-               is_leaf=lambda x: isinstance(x, P))
+  _each_param_leaf(tx, note, params_specs, params_specs)
+  _each_param_leaf(tx, note, state_specs, params_specs)   # else params only
+  return out
+
+
+def _each_param_leaf(tx, fn: Callable, state_specs: Any,
+                     params_specs: Any) -> bool:
+  """``fn(state spec, param spec, param key path)`` for every leaf of the
+  state shaped like a param (``state_specs`` may be the params' own);
+  False where optax cannot tell those leaves."""
+  paths = jax.tree_util.tree_map_with_path(
+      lambda path, _: jax.tree_util.keystr(path), params_specs,
+      is_leaf=lambda x: isinstance(x, P))
+  if state_specs is params_specs:
+    jax.tree.map(fn, state_specs, params_specs, paths,
+                 is_leaf=lambda x: isinstance(x, P))
+    return True
   try:
     optax.tree_utils.tree_map_params(
-        tx, note, state_specs, params_specs, paths,
+        tx, fn, state_specs, params_specs, paths,
         transform_non_params=lambda _: None,
         is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
-  except (ValueError, TypeError):    # a state optax cannot map: params only
-    pass
-  return out
+  except (ValueError, TypeError):
+    return False
+  return True
 
 
 def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
@@ -436,9 +448,6 @@ def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
   explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
               if t == jax.sharding.AxisType.Explicit}
   params_specs, state_specs = specs
-  paths = jax.tree_util.tree_map_with_path(
-      lambda path, _: jax.tree_util.keystr(path), params_specs,
-      is_leaf=lambda x: isinstance(x, P))
   conflicts = []
   def check(spec, param_spec, path):
     if not isinstance(spec, P):
@@ -449,13 +458,7 @@ def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
         and tuple(mine) + (None,) * (pad - len(mine))
         != tuple(theirs) + (None,) * (pad - len(theirs))):
       conflicts.append((path, mine, theirs))
-  try:
-    optax.tree_utils.tree_map_params(
-        tx, check, state_specs, params_specs, paths,
-        transform_non_params=lambda _: None,
-        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
-  except (ValueError, TypeError):   # a state optax cannot map: not checked
-    return
+  _each_param_leaf(tx, check, state_specs, params_specs)
   if conflicts:
     path, mine, theirs = conflicts[0]
     raise ValueError(
