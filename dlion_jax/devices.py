@@ -3,8 +3,9 @@
 Which devices take part and where each array lives: simulated CPU devices
 for tests and laptops, starting several processes (``jax.distributed``),
 the 1-D data-parallel mesh and the hybrid (nodes x devices) one, and the
-placement of params (replicated), batches (split over the workers) and
-host values on several processes. The step builders of
+placement of params (replicated, or sharded FSDP-style over a fast axis),
+per-worker state built elsewhere (stacked), batches (split over the
+workers) and host values on several processes. The step builders of
 :mod:`dlion_jax.parallel` take what these return; ``dl.parallel``
 re-exports the public names.
 """

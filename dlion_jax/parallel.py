@@ -12,6 +12,12 @@ Shapes (``N`` workers on the mesh axis ``axis_name``):
 * the step returns ``(params, state, loss)`` with ``loss`` the mean over
   workers of their local losses.
 
+On a mesh with axes beside ``axis_name`` (``("data", "fsdp", "model")``)
+the steps are manual over ``axis_name`` only, and ``P()`` and
+``P(axis_name)`` above speak of it alone: over the other axes params are
+sharded as placed (:func:`shard_params` for FSDP), each momentum like its
+param, and the compiler owns them (:mod:`dlion_jax.shards`).
+
 Each worker differentiates its local loss only: no gradient all-reduce is
 issued, the optimizer's vote exchange is the step's only communication (plus
 one scalar ``pmean`` of the loss).
