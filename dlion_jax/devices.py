@@ -169,7 +169,8 @@ def fsdp_spec(shape: tuple[int, ...], num_shards: int,
 def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
                  = "fsdp") -> Any:
   """A copy of ``tree`` sharded FSDP-style over ``axis_name``
-  (:func:`fsdp_spec` for each leaf), replicated over the mesh's other axes.
+  (:func:`fsdp_spec` for each leaf), replicated over the mesh's other axes;
+  from host values alike on every process, as :func:`global_array`.
 
   Params placed so are sharded at rest (ZeRO-3): the compiler gathers them
   for the forward pass. To keep params whole and shard only the optimizer
@@ -186,12 +187,8 @@ def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
     P(None, 'fsdp')
   """
   k = axis_size(mesh, axis_name)
-  leaves, treedef = jax.tree.flatten(tree)
-  copies = [jnp.array(x, copy=True) for x in leaves]
-  placed = [jax.device_put(x, NamedSharding(mesh, fsdp_spec(x.shape, k,
-                                                            axis_name)))
-            for x in copies]
-  return jax.tree.unflatten(treedef, placed)
+  return jax.tree.map(lambda x: global_array(x, NamedSharding(
+      mesh, fsdp_spec(np.shape(x), k, axis_name))), tree)
 
 
 def stack_for_workers(tree: Any, mesh: Mesh, *,
@@ -213,14 +210,20 @@ def stack_for_workers(tree: Any, mesh: Mesh, *,
     (1, 3)
   """
   n = axis_size(mesh, axis_name)
-  def place(x):
-    sharding = getattr(x, "sharding", None)
-    spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
-            and sharding.mesh.shape == mesh.shape else ())
-    return NamedSharding(mesh, P(axis_name, *spec))
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), t)
-  return jax.jit(stack, out_shardings=jax.tree.map(place, tree))(tree)
+  return jax.jit(stack, out_shardings=jax.tree.map(
+      lambda x: stacked_sharding(x, mesh, axis_name), tree))(tree)
+
+
+def stacked_sharding(like: Any, mesh: Mesh, axis_name: str) -> NamedSharding:
+  """Rows split over ``axis_name`` (a leading worker axis), each row
+  sharded over the mesh's other axes as ``like`` is (an array placed on
+  ``mesh``; otherwise, or for None, whole)."""
+  sharding = getattr(like, "sharding", None)
+  spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
+          and sharding.mesh.shape == mesh.shape else ())
+  return NamedSharding(mesh, P(axis_name, *spec))
 
 
 def shard_batch(batch: Any, mesh: Mesh, *,

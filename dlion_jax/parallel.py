@@ -61,6 +61,7 @@ from dlion_jax.devices import replicate_for_pmap
 from dlion_jax.devices import shard_batch  # noqa: F401
 from dlion_jax.devices import shard_params  # noqa: F401
 from dlion_jax.devices import stack_for_workers  # noqa: F401
+from dlion_jax.devices import stacked_sharding
 from dlion_jax.devices import start_processes  # noqa: F401
 from dlion_jax.devices import use_cpu_devices  # noqa: F401
 from dlion_jax.transforms import apply_if_finite  # noqa: F401
@@ -155,11 +156,8 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
   def like(leaf, param=None):
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
       return leaf
-    sharding = getattr(param, "sharding", None)
-    spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
-            and sharding.mesh.shape == mesh.shape
-            and leaf.shape[1:] == param.shape else ())
-    return NamedSharding(mesh, P(axis_name, *spec))
+    same = param is not None and leaf.shape[1:] == param.shape
+    return stacked_sharding(param if same else None, mesh, axis_name)
   return optax.tree_utils.tree_map_params(
       tx, like, state, params, transform_non_params=like,
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
@@ -185,8 +183,15 @@ def _marker(out: Any) -> jax.Array | None:
   # A mesh of the shard's own device: under the caller's jax.set_mesh of
   # the whole mesh, a call on one device is refused ("incompatible
   # devices"), after the step has run and consumed its donated inputs.
-  with jax.set_mesh(Mesh(np.array([shard.device]), ("marker",))):
+  with jax.set_mesh(_device_mesh(shard.device)):
     return _first_entry(shard)
+
+
+@functools.cache
+def _device_mesh(device) -> Mesh:
+  """A mesh of one device (made once a device: :func:`_marker` runs every
+  step)."""
+  return Mesh(np.array([device]), ("marker",))
 
 
 class _InFlightLimit:
@@ -383,11 +388,10 @@ class _OutputsPlacedLikeInputs:
     key = (treedef, tuple(shardings))
     if key not in self._by_placement:
       placed = jax.tree.unflatten(treedef, shardings)
-      _check_placement(self._tx, jax.tree.map(lambda s: s.spec, placed),
-                       self._mesh)
+      specs = jax.tree.map(lambda s: s.spec, placed)
+      _check_placement(self._tx, specs, self._mesh)
       placement = None
       if self._auto:
-        specs = jax.tree.map(lambda s: s.spec, placed)
         placement = _placement(self._tx, specs[0], jax.tree.map(
             lambda spec: P(*spec[1:]), specs[1],
             is_leaf=lambda x: isinstance(x, P)))
@@ -416,8 +420,8 @@ def _placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
   out = {}
   def note(spec, param_spec, path):
     best = out.get(path, param_spec)
-    if isinstance(spec, P) and len(_spec_names(spec)) > len(
-        _spec_names(best)):
+    if isinstance(spec, P) and len(shards.spec_axes(spec)) > len(
+        shards.spec_axes(best)):
       best = spec
     out[path] = best
   _each_param_leaf(tx, note, params_specs, params_specs)
@@ -460,7 +464,8 @@ def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
       return
     mine, theirs = P(*spec[1:]), param_spec
     pad = max(len(mine), len(theirs))
-    if (_spec_names(theirs) & explicit and _spec_names(mine) & explicit
+    if (shards.spec_axes(theirs) & explicit
+        and shards.spec_axes(mine) & explicit
         and tuple(mine) + (None,) * (pad - len(mine))
         != tuple(theirs) + (None,) * (pad - len(theirs))):
       conflicts.append((path, mine, theirs))
@@ -481,8 +486,8 @@ def _check_not_over(params: Any, axis_name: str) -> None:
   (each worker holds every param)."""
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     sharding = getattr(x, "sharding", None)
-    if isinstance(sharding, NamedSharding) and axis_name in _spec_names(
-        sharding.spec):
+    if (isinstance(sharding, NamedSharding)
+        and axis_name in shards.spec_axes(sharding.spec)):
       raise ValueError(
           f"params leaf {jax.tree_util.keystr(path)} is sharded "
           f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
@@ -490,11 +495,6 @@ def _check_not_over(params: Any, axis_name: str) -> None:
           "over the mesh's other axes only (parallel.shard_params(params, "
           f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
           "vote over another axis.")
-
-
-def _spec_names(spec: P) -> set:
-  return {a for entry in spec if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
@@ -531,8 +531,8 @@ def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None,
                                   micro_batches)
     if shard_axis is None:
       updates, state = update(grads, state, params)
-      new = jax.tree.map(_placed_like, optax.apply_updates(params, updates),
-                         params)
+      new = jax.tree.map(shards.typed_like,
+                         optax.apply_updates(params, updates), params)
       return new, state, loss
     mine = shards.own_shards(params, shard_axis)
     grads = shards.reduce_scatter_mean(grads, shard_axis)
@@ -542,17 +542,6 @@ def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None,
                                    shard_axis)
     return new, state, loss
   return learn
-
-
-def _placed_like(new: jax.Array, old: jax.Array) -> jax.Array:
-  """``new`` sharded over the compiler's axes as ``old`` was: whole params
-  updated by a ZeRO-2 state's sharded update are gathered back (an
-  Explicit sharding; on Auto axes the type says nothing and the compiler
-  places it)."""
-  spec = getattr(jax.typeof(old).sharding, "spec", None)
-  if spec is None or getattr(jax.typeof(new).sharding, "spec", None) == spec:
-    return new
-  return jax.sharding.reshard(new, spec)
 
 
 _LAYOUTS = ("replicated", "stacked", "split")

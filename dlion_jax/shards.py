@@ -337,7 +337,7 @@ def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
   mesh = jax.sharding.get_abstract_mesh()
   auto = tuple(a for a in axes
                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Auto)
-  if _spec_axes(spec) or not auto:
+  if spec_axes(spec) or not auto:
     return spec
   known = (_PLACED.get() or {}).get(path)
   if known is not None and len(known) <= x.ndim:
@@ -346,7 +346,8 @@ def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
                            auto if len(auto) > 1 else auto[0])
 
 
-def _spec_axes(spec) -> set:
+def spec_axes(spec) -> set:
+  """The mesh axes a ``PartitionSpec`` names."""
   return {a for entry in spec if entry is not None
           for a in (entry if isinstance(entry, tuple) else (entry,))}
 
@@ -379,7 +380,7 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
   # The most sharded of a leaf's arrays (a ZeRO-2 momentum beside a whole
   # gradient) sets its blocks: the others are cut to it, not gathered.
   specs = [max((leaf_spec(x, axes, path) for x in column),
-               key=lambda spec: len(_spec_axes(spec)))
+               key=lambda spec: len(spec_axes(spec)))
            for path, column in zip(paths, columns)]
   sizes = dict(jax.sharding.get_abstract_mesh().shape)
   shards_ = [LeafShard(axes, int(x.size)) for x in leaves]
@@ -389,7 +390,7 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
     columns = [treedef.flatten_up_to(t) for t in trees]
     chunks, gathers = [[] for _ in columns], []
     for k, spec in enumerate(specs):
-      free = tuple(a for a in axes if a not in _spec_axes(spec))
+      free = tuple(a for a in axes if a not in spec_axes(spec))
       parts = math.prod(sizes[a] for a in free)
       block = columns[0][k]
       width = -(-block.size // parts)
@@ -418,13 +419,14 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
                       out_specs=treedef.unflatten(specs),
                       axis_names=set(axes), check_vma=False)(constants,
                                                              *trees)
-  return treedef.unflatten([_typed_like(d, x, spec) for d, x, spec in zip(
-      treedef.flatten_up_to(out), leaves, specs)])
+  return treedef.unflatten([typed_like(d, x) for d, x in zip(
+      treedef.flatten_up_to(out), leaves)])
 
 
-def _typed_like(d: jax.Array, x: jax.Array, spec: P) -> jax.Array:
-  """``d`` (blocks of ``spec``) resharded as ``x``'s type says, where that
-  is an Explicit sharding other than ``spec``."""
+def typed_like(d: jax.Array, x: jax.Array) -> jax.Array:
+  """``d`` resharded as ``x``'s type says, where that is an Explicit
+  sharding other than ``d``'s (on Auto axes the type says nothing and the
+  compiler places it)."""
   typed = getattr(jax.typeof(x).sharding, "spec", None)
   if typed is None or getattr(jax.typeof(d).sharding, "spec", None) == typed:
     return d

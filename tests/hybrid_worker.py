@@ -3,7 +3,7 @@
 Runs STEPS hybrid steps of Distributed Lion on ``hybrid_mesh()``: one row
 per process, this process's 4 CPU devices in it; ``layout`` is ``"hand"``
 (``shard_axis="fsdp"``) or ``"zero3"`` (params sharded over ``fsdp`` at rest
-by ``devices.fsdp_spec``, the step manual over ``data`` only). Every
+by ``parallel.shard_params``, the step manual over ``data`` only). Every
 process builds the same inputs from a seed; process 0 writes the final
 params and the whole stacked momentum to the .npz named on the command
 line. Imported by the
@@ -35,7 +35,6 @@ def run(mesh, layout="hand"):
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
-  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
 
   hand = layout == "hand"
@@ -44,10 +43,8 @@ def run(mesh, layout="hand"):
     return sum(jnp.sum(p[k] * batch[k].sum(0)) for k in p) * scale
   tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
   params, batches = inputs()
-  p = {k: parallel.global_array(v, NamedSharding(mesh, jax.P() if hand else
-                                                 devices.fsdp_spec(
-                                                     v.shape, PER_NODE)))
-       for k, v in params.items()}
+  p = (parallel.global_array(params, NamedSharding(mesh, jax.P())) if hand
+       else parallel.shard_params(params, mesh))
   shard_axis = "fsdp" if hand else None
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)

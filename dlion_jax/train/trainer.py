@@ -36,7 +36,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
-from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax.train import checkpoint
 from dlion_jax.train import data as data_lib
@@ -142,9 +141,7 @@ def place_params(params, cfg: Config, mesh):
   process."""
   if not cfg.mesh.shard_params:
     return parallel.global_array(params, NamedSharding(mesh, P()))
-  k = mesh.shape[SHARD_AXIS]
-  return jax.tree.map(lambda x: parallel.global_array(x, NamedSharding(
-      mesh, devices.fsdp_spec(x.shape, k, SHARD_AXIS))), params)
+  return parallel.shard_params(params, mesh, SHARD_AXIS)
 
 
 def make_eval_step(graphdef, mesh):
