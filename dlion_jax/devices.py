@@ -155,15 +155,32 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
 
 
 def fsdp_spec(shape: tuple[int, ...], num_shards: int,
-              axis_name: str | tuple[str, ...] = "fsdp") -> P:
+              axis_name: str | tuple[str, ...] = "fsdp", *,
+              placed: P = P()) -> P:
   """The usual FSDP partition of a leaf: its largest dimension that
   ``num_shards`` divides (the first of equals) cut over ``axis_name``;
-  ``P()`` (replicated) when none is, e.g. a bias of 10 over 4 devices."""
-  fits = [d for d, n in enumerate(shape) if n % num_shards == 0 and n > 0]
+  ``P()`` (replicated) when none is, e.g. a bias of 10 over 4 devices.
+
+  With ``placed`` (the leaf's spec over other axes, e.g. tensor parallel
+  ``P(None, "model")``) the dimensions it shards are kept and not chosen.
+
+  Example:
+    >>> from jax.sharding import PartitionSpec as P
+    >>> fsdp_spec((8, 12), 4)
+    P(None, 'fsdp')
+    >>> fsdp_spec((8, 12), 4, placed=P(None, "model"))
+    P('fsdp', 'model')
+  """
+  entries = list(placed) + [None] * (len(shape) - len(placed))
+  fits = [d for d, n in enumerate(shape)
+          if n % num_shards == 0 and n > 0 and entries[d] is None]
   if not fits:
-    return P()
+    return placed
   best = max(fits, key=lambda d: (shape[d], -d))
-  return P(*[axis_name if d == best else None for d in range(best + 1)])
+  entries[best] = axis_name
+  while entries and entries[-1] is None:
+    entries.pop()
+  return P(*entries)
 
 
 def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
@@ -216,14 +233,19 @@ def stack_for_workers(tree: Any, mesh: Mesh, *,
       lambda x: stacked_sharding(x, mesh, axis_name), tree))(tree)
 
 
+def spec_on(like: Any, mesh: Mesh) -> P:
+  """How ``like`` (an array or ``jax.ShapeDtypeStruct`` placed on
+  ``mesh``) is sharded; ``P()`` for anything else."""
+  sharding = getattr(like, "sharding", None)
+  return (sharding.spec if isinstance(sharding, NamedSharding)
+          and sharding.mesh.shape == mesh.shape else P())
+
+
 def stacked_sharding(like: Any, mesh: Mesh, axis_name: str) -> NamedSharding:
   """Rows split over ``axis_name`` (a leading worker axis), each row
   sharded over the mesh's other axes as ``like`` is (an array placed on
   ``mesh``; otherwise, or for None, whole)."""
-  sharding = getattr(like, "sharding", None)
-  spec = (tuple(sharding.spec) if isinstance(sharding, NamedSharding)
-          and sharding.mesh.shape == mesh.shape else ())
-  return NamedSharding(mesh, P(axis_name, *spec))
+  return NamedSharding(mesh, P(axis_name, *spec_on(like, mesh)))
 
 
 def shard_batch(batch: Any, mesh: Mesh, *,

@@ -50,7 +50,6 @@ from dlion_jax._checks import check_choice
 from dlion_jax.message import MessageLayout
 from dlion_jax.message import signed_sum
 from dlion_jax.quantize import VoteSpec
-from dlion_jax.shards import LeafShard
 
 AGGREGATIONS = message_lib.AGGREGATIONS
 VOTES = quantize.VOTES
@@ -337,9 +336,7 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               num_workers: int, spec: VoteSpec, aggregation: str, comm: str,
-              min_compress_size: int = 0,
-              leaf_shards: Sequence[LeafShard | None] | None = None,
-              constants: tuple = ()):
+              min_compress_size: int = 0, constants: tuple = ()):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``).
@@ -354,31 +351,22 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   Where the mesh has axes the compiler owns beside ``axis_name`` (a
   ``shard_map`` manual over the data axis only), each device votes on its
   own part of every leaf (:func:`dlion_jax.shards.on_own_shards`): it
-  sends only that part's votes, to its peers across ``axis_name``.
-  ``leaf_shards`` (:func:`dlion_jax.shards.leaf_shards`) says which whole
-  leaf each leaf is a shard of: the L1 scales and the
-  ``min_compress_size`` test see whole leaves. ``combine`` gets
+  sends only that part's votes, to its peers across ``axis_name``, and
+  the L1 scales and the ``min_compress_size`` test see whole leaves.
+  ``combine`` gets
   ``constants`` after the leaves (traced hyperparameters: see
   :func:`dlion_jax.shards.on_own_shards`).
   """
   options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
                  aggregation=aggregation, comm=comm,
                  min_compress_size=min_compress_size)
-  cut = {s.axis_name for s in leaf_shards or () if s is not None}
-  voted_over = set(axis_name if isinstance(axis_name, tuple) else (axis_name,))
-  if cut & voted_over:
-    raise ValueError(
-        f"axis_name={axis_name!r} includes {sorted(cut & voted_over)[0]!r}, "
-        "the axis the leaves are cut into shards over (shard_axis): a vote "
-        "over it would add up votes on different entries. Vote over the "
-        "data axis alone, e.g. dl.distributed_lion(lr, axis_name='data').")
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
-  def run(*trees, leaf_shards, constants):
+  def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
                       leaf_shards=leaf_shards, **options)
-  if axes and not cut:
+  if axes:
     return shards.on_own_shards(run, trees, axes, constants)
-  return run(*trees, leaf_shards=leaf_shards, constants=constants)
+  return run(*trees, constants=constants)
 
 
 def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,

@@ -12,7 +12,6 @@ from dlion_jax import _drift
 from dlion_jax import exchange
 from dlion_jax import message
 from dlion_jax import quantize
-from dlion_jax import shards
 from dlion_jax import sync
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
@@ -81,15 +80,14 @@ def _min_compress_size(value) -> int:
   return value
 
 
-def _residual(p, d, dtype, shard):
+def _residual(p, d, dtype):
   """``p - mean|p| * D``: what the worker meant minus what was applied.
 
   A non-finite ``p`` leaves a residual of 0 rather than one that would
-  feed the NaN back on every later step. ``shard``: see
-  :func:`dlion_jax.quantize.l1_scale`.
+  feed the NaN back on every later step.
   """
   wide = quantize.scale_dtype(p.dtype)
-  scale = quantize.l1_scale(p, shard)
+  scale = quantize.l1_scale(p)
   residual = p.astype(wide) - scale * d.astype(wide)
   return jnp.where(jnp.isfinite(residual), residual, 0).astype(dtype)
 
@@ -260,8 +258,7 @@ def scale_by_distributed_lion(
     return exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
-        min_compress_size=min_compress_size,
-        leaf_shards=shards.leaf_shards(trees[0]), constants=constants)
+        min_compress_size=min_compress_size, constants=constants)
 
   def update_fn(updates, state, params=None):
     del params
@@ -280,10 +277,9 @@ def scale_by_distributed_lion(
       new_updates = voted_update(lambda c: c, num_workers, corrected)
       leaves, treedef = jax.tree.flatten(corrected)
       extra = {"error": treedef.unflatten([
-          _residual(p, d, e.dtype, shard) for p, d, e, shard in zip(
+          _residual(p, d, e.dtype) for p, d, e in zip(
               leaves, treedef.flatten_up_to(new_updates),
-              treedef.flatten_up_to(state.error),
-              shards.leaf_shards(corrected))])}
+              treedef.flatten_up_to(state.error))])}
     else:   # c computed inside the vote, on the whole message at once
       new_updates = voted_update(pre_sign, num_workers, updates, state.mu,
                                  constants=constants)

@@ -35,6 +35,7 @@ here, where the step builders' users look for them.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 from typing import Any, Callable
@@ -50,6 +51,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
+from dlion_jax import devices
 from dlion_jax import shards
 from dlion_jax._checks import positive_int
 from dlion_jax.devices import axis_size
@@ -83,26 +85,35 @@ def _size(mesh: Mesh, axes) -> int:
   return axis_size(mesh, axes)
 
 
-def _workers(axis_name, shard_axis, mesh: Mesh):
-  """The mesh axes a step's workers span: ``axis_name``, and with a
-  ``shard_axis`` both.
-
-  Raises:
-    ValueError: naming the argument that is not an axis of ``mesh``, or a
-      ``shard_axis`` that is ``axis_name``.
-  """
+def _check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
+  """Raises a ValueError naming ``axis_name`` or ``shard_axis`` where it
+  is not an axis of ``mesh``, or where they are the same axis."""
   axis_size(mesh, axis_name)
   if shard_axis is None:
-    return axis_name
+    return
   if shard_axis == axis_name:
     raise ValueError(
         f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
-        "votes cross axis_name and each node's shards are cut over "
+        "votes cross axis_name and each node's batch is split over "
         "shard_axis, two different axes of the mesh. Pass the mesh's other "
         "axis (parallel.hybrid_mesh names them 'data' and 'fsdp'), or drop "
         "shard_axis.")
   axis_size(mesh, shard_axis, name="shard_axis")
-  return (axis_name, shard_axis)
+
+
+def _cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:
+  """``params`` as abstract arrays, each leaf not sharded over
+  ``shard_axis`` placed over it as :func:`shard_params` would (its
+  largest dimension the axis divides not sharded otherwise): where
+  :func:`init_worker_states` puts a ZeRO-2 state."""
+  k = mesh.shape[shard_axis]
+  def cut(x):
+    spec = devices.spec_on(x, mesh)
+    if shard_axis not in shards.spec_axes(spec):
+      spec = devices.fsdp_spec(np.shape(x), k, shard_axis, placed=spec)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(cut, params)
 
 
 def init_worker_states(tx: optax.GradientTransformation, params: Any,
@@ -112,27 +123,26 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
 
   Args:
     tx: the optimizer.
-    params: the replicated params.
+    params: the params, replicated or sharded over the mesh's other axes
+      (:func:`shard_params`): each momentum is sharded like its param.
     mesh: the device mesh.
     axis_name: the data-parallel axis the optimizer votes over.
-    shard_axis: with a hybrid mesh (:func:`make_train_step`), the fast
-      axis the state is sharded over: each device initializes the state of
-      its shard of every leaf (:mod:`dlion_jax.shards`).
+    shard_axis: a fast axis to shard the state over as well (ZeRO-2 for
+      :func:`make_train_step`'s ``shard_axis``): each momentum not sharded
+      over it already is cut over it as :func:`shard_params` would cut its
+      param.
 
   Returns:
-    The state pytree with a leading axis of size ``N`` (times the size of
-    ``shard_axis``) on every leaf, placed so that worker ``i`` holds row
-    ``i``.
+    The state pytree with a leading axis of size ``N`` on every leaf,
+    placed so that worker ``i`` holds row ``i``.
   """
+  _check_shard_axis(axis_name, shard_axis, mesh)
   _check_not_over(params, axis_name)
-  mine = (lambda p: p) if shard_axis is None else (
-      lambda p: shards.own_shards(p, shard_axis))
-  init = per_worker(lambda p: tx.init(mine(p)), mesh,
-                    axis_name=_workers(axis_name, shard_axis, mesh),
+  init = per_worker(tx.init, mesh, axis_name=axis_name,
                     ins=("replicated",), outs="stacked")
   try:
-    shardings = None if shard_axis is not None else state_shardings(
-        tx, jax.eval_shape(init, params), params, mesh, axis_name)
+    shardings = state_shardings(tx, jax.eval_shape(init, params), params,
+                                mesh, axis_name, shard_axis=shard_axis)
   except (ValueError, TypeError):
     # A state optax cannot map param-shaped leaves of: the compiler places
     # it (Explicit axes still shard each momentum like its param).
@@ -141,16 +151,20 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
 
 
 def state_shardings(tx: optax.GradientTransformation, state: Any,
-                    params: Any, mesh: Mesh, axis_name: str = "data") -> Any:
+                    params: Any, mesh: Mesh, axis_name: str = "data", *,
+                    shard_axis: str | None = None) -> Any:
   """Where :func:`init_worker_states` places the stacked ``state`` (its
   shapes suffice): each worker's row on its ``axis_name`` devices, and a
   leaf shaped like a param (a momentum) sharded over the mesh's other axes
-  as that param is (``params``' ``NamedSharding``s).
+  as that param is (``params``' ``NamedSharding``s), and with a
+  ``shard_axis`` over that axis too.
 
   Raises:
     ValueError: a param sharded over ``axis_name`` itself (the workers
       each hold every param; a momentum cannot be split over them twice).
   """
+  if shard_axis is not None:
+    params = _cut_over(params, mesh, shard_axis)
   _check_not_over(params, axis_name)
 
   def like(leaf, param=None):
@@ -295,13 +309,13 @@ def _drift_error(leaves: list[str], total: int, axis_name,
       "does not make the workers' updates equal.")
 
 
-def _check_no_drift(jaxpr, params: Any, batch: Any, axis_name,
+def _check_no_drift(jaxpr, params: Any, num_varying: int, axis_name,
                     num_workers) -> None:
   """Raises unless every new params leaf is equal on all workers: each must
   come from an exchange of its own update (or a reduction of its own
-  gradient) over ``axis_name``."""
-  drifting = _drifting_leaves(jaxpr, params, len(jax.tree.leaves(batch)),
-                              axis_name)
+  gradient) over ``axis_name``. The last ``num_varying`` inputs of
+  ``jaxpr`` (the batch, or each worker's gradients) differ by worker."""
+  drifting = _drifting_leaves(jaxpr, params, num_varying, axis_name)
   if drifting:
     raise _drift_error(drifting, len(jax.tree.leaves(params)), axis_name,
                        num_workers)
@@ -320,9 +334,14 @@ class _ExchangeCheck:
   def trace(self, params, state, batch):
     traced = self._jitted.trace(params, state, batch)
     if not self._checked:
-      body = next(e for e in traced.jaxpr.jaxpr.eqns
-                  if e.primitive.name == "shard_map").params["jaxpr"]
-      _check_no_drift(body, params, batch, self._axis, self._n)
+      # The update's region is the last; a shard_axis step's first region
+      # computes the gradients, its inputs' varying part.
+      regions = [e for e in traced.jaxpr.jaxpr.eqns
+                 if e.primitive.name == "shard_map"]
+      varying = (len(jax.tree.leaves(batch)) if len(regions) == 1
+                 else len(regions[0].outvars))
+      _check_no_drift(regions[-1].params["jaxpr"], params, varying,
+                      self._axis, self._n)
       self._checked = True
     return traced
 
@@ -349,8 +368,9 @@ def _same_mesh(a, b) -> bool:
 
 class _OutputsPlacedLikeInputs:
   """A step built for the placement of its params and state over the
-  compiler's axes (``build(placement, out_shardings)``), one compilation
-  per placement; traced arguments get the plain ``jitted``.
+  compiler's axes (``build((params' specs, state rows' specs),
+  out_shardings)``), one compilation per placement; traced arguments get
+  the plain ``jitted``.
 
   The new params and state keep the caller's shardings (on Auto axes the
   compiler would pick its own: replicated params come back sharded), and on
@@ -358,13 +378,9 @@ class _OutputsPlacedLikeInputs:
   (:func:`_placement`).
   """
 
-  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh,
-               workers, tx):
+  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx):
     functools.update_wrapper(self, jitted)
     self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
-    self._auto = tuple(
-        a for a, t in zip(mesh.axis_names, mesh.axis_types)
-        if a not in _names(workers) and t == jax.sharding.AxisType.Auto)
     self._by_placement = {}
 
   def _for(self, params, state) -> Callable:
@@ -390,13 +406,10 @@ class _OutputsPlacedLikeInputs:
       placed = jax.tree.unflatten(treedef, shardings)
       specs = jax.tree.map(lambda s: s.spec, placed)
       _check_placement(self._tx, specs, self._mesh)
-      placement = None
-      if self._auto:
-        placement = _placement(self._tx, specs[0], jax.tree.map(
-            lambda spec: P(*spec[1:]), specs[1],
-            is_leaf=lambda x: isinstance(x, P)))
+      rows = jax.tree.map(lambda spec: P(*spec[1:]), specs[1],
+                          is_leaf=lambda x: isinstance(x, P))
       self._by_placement[key] = self._build(
-          placement, placed + (NamedSharding(self._mesh, P()),))
+          (specs[0], rows), placed + (NamedSharding(self._mesh, P()),))
     return self._by_placement[key]
 
   def trace(self, params, state, batch):
@@ -505,42 +518,34 @@ def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
   of a second trace."""
   closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(*args)
   if num_workers > 1:
-    _check_no_drift(closed, out_shape[0], args[-1], axis_name, num_workers)
+    _check_no_drift(closed, out_shape[0], len(jax.tree.leaves(args[-1])),
+                    axis_name, num_workers)
   flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
 
 
-def _learn(loss_fn, tx, has_aux, micro_batches, shard_axis=None,
-           placement=None):
-  """One worker's loss, gradients and update: what must hold an exchange.
-
-  With a ``shard_axis`` the gradients are averaged over it exactly and the
-  optimizer runs on this device's shard of every leaf (ZeRO-2); the new
-  shards are gathered back into whole params. With a ``placement`` (Auto
+def _update(tx, placement=None):
+  """One worker's optimizer step, ``(grads, state, params) -> (new params,
+  state)``, the new params typed like the old. With a ``placement`` (Auto
   axes beside the workers', :func:`_placement`) the update knows how each
-  leaf is placed (:func:`dlion_jax.shards.placed`).
-  """
+  leaf is placed (:func:`dlion_jax.shards.placed`)."""
   def update(grads, state, params):
-    if placement is None:
-      return tx.update(grads, state, params)
-    with shards.placed(placement):
-      return tx.update(grads, state, params)
+    with (contextlib.nullcontext() if placement is None
+          else shards.placed(placement)):
+      updates, state = tx.update(grads, state, params)
+    new = jax.tree.map(shards.typed_like,
+                       optax.apply_updates(params, updates), params)
+    return new, state
+  return update
 
+
+def _learn(loss_fn, tx, has_aux, micro_batches, placement=None):
+  """One worker's loss, gradients and update: what must hold an exchange."""
+  update = _update(tx, placement)
   def learn(params, local_params, state, batch):
     loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
                                   micro_batches)
-    if shard_axis is None:
-      updates, state = update(grads, state, params)
-      new = jax.tree.map(shards.typed_like,
-                         optax.apply_updates(params, updates), params)
-      return new, state, loss
-    mine = shards.own_shards(params, shard_axis)
-    grads = shards.reduce_scatter_mean(grads, shard_axis)
-    with shards.sharded_over(shard_axis, params):
-      updates, state = tx.update(grads, state, mine)
-    new = shards.all_gather_leaves(optax.apply_updates(mine, updates), params,
-                                   shard_axis)
-    return new, state, loss
+    return *update(grads, state, params), loss
   return learn
 
 
@@ -741,29 +746,37 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   device differentiates its own rows.
 
   With ``shard_axis`` (a hybrid mesh: ``axis_name`` across the slow links
-  between nodes, ``shard_axis`` over the fast links inside one), the batch
-  is split over both axes, each node's gradients are averaged exactly with
-  one ``psum_scatter`` over ``shard_axis``, and each device runs ``tx`` on
-  its ``1/k`` shard of every leaf (:mod:`dlion_jax.shards`): the votes
-  cross ``axis_name`` only, between the devices that hold the same shard,
-  and the optimizer state is sharded over ``shard_axis``
-  (:func:`init_worker_states` with the same ``shard_axis``). The new shards
-  are all-gathered back, so params stay replicated (ZeRO-2). It equals
-  Distributed Lion over the nodes, each fed its node's mean gradient, bit
-  for bit with sign votes. The L1-scaled quantizers (``ternary_l1``,
-  ``pbit_l1``, and error feedback) take a leaf's scale as the sum of its
-  shards' sums, which may round differently from one sum over the whole
-  leaf: bit for bit when the sums are exact, otherwise within the rounding
-  of the scale (its last bit; a level may then differ by one where
-  ``L c / a`` lies on a rounding boundary).
+  between nodes, ``shard_axis`` over the fast links inside one, whose
+  devices only split a node's batch), the gradients are not left to the
+  compiler: each device differentiates its own rows with whole params
+  (gathered over ``shard_axis`` first where they are sharded at rest), and
+  one reduce-scatter per leaf leaves it the node's mean gradient on its
+  block of the leaf (:func:`dlion_jax.shards.node_mean_grads`). The fast
+  links then carry that reduce-scatter and one all-gather (of the params,
+  or of the updates where params are replicated), however the compiler
+  would have partitioned an unannotated model. The optimizer runs as
+  above, on whole logical leaves, each device voting on its block. Params
+  may be replicated (ZeRO-2 with :func:`init_worker_states`'
+  ``shard_axis``) or placed by :func:`shard_params` (ZeRO-3); the batch is
+  split over both axes (:func:`shard_batch` with
+  ``axis_name=("data", "fsdp")``).
+
+  Either way it equals Distributed Lion over the nodes, each fed its
+  node's mean gradient, bit for bit with sign votes. The L1-scaled
+  quantizers (``ternary_l1``, ``pbit_l1``, and error feedback) take a
+  leaf's scale as the sum of its blocks' sums, which may round differently
+  from one sum over the whole leaf: bit for bit when the sums are exact,
+  otherwise within the rounding of the scale (its last bit; a level may
+  then differ by one where ``L c / a`` lies on a rounding boundary).
 
   Args:
     loss_fn: ``loss_fn(params, local_batch) -> scalar`` on one worker's batch.
     tx: the optimizer, e.g. ``dl.distributed_lion(lr, axis_name=axis_name)``.
     mesh: the device mesh; ``axis_name`` must be one of its axes.
     axis_name: the data-parallel axis, the one ``tx`` votes over.
-    shard_axis: a second mesh axis whose devices share one node's work
-      (see above), or None.
+    shard_axis: a mesh axis whose devices split each node's batch (see
+      above), or None to leave every axis but ``axis_name`` to the
+      compiler (tensor parallelism, models with sharding annotations).
     check_vma: passed to :func:`jax.shard_map`. With ``True`` JAX checks
       statically that the new params are replicated; the parameters are then
       marked per-worker before differentiation so that JAX does not insert
@@ -801,41 +814,111 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     >>> float(loss)
     9.0
   """
-  workers = _workers(axis_name, shard_axis, mesh)
-  n = _size(mesh, workers)
+  _check_shard_axis(axis_name, shard_axis, mesh)
+  n = axis_size(mesh, axis_name)
   micro_batches = positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
+  auto = any(t == jax.sharding.AxisType.Auto
+             for a, t in zip(mesh.axis_names, mesh.axis_types)
+             if a != axis_name)
 
-  def build(placement=None, out_shardings=None):
-    learn = _learn(loss_fn, tx, has_aux, micro_batches, shard_axis,
-                   placement)
+  def build(specs=None, out_shardings=None):
+    if shard_axis is not None:
+      step = _hybrid_step(loss_fn, tx, mesh, axis_name, shard_axis, specs,
+                          auto=auto, has_aux=has_aux,
+                          micro_batches=micro_batches, check_vma=check_vma)
+    else:
+      learn = _learn(loss_fn, tx, has_aux, micro_batches,
+                     _placement(tx, *specs) if specs and auto else None)
 
-    def local_step(params, state, batch):
-      local_params = (lax.pcast(params, workers, to="varying")
-                      if check_vma else params)
-      params, state, loss = learn(params, local_params, state, batch)
-      return params, state, _mean_of_workers(loss, workers)
+      def local_step(params, state, batch):
+        local_params = (lax.pcast(params, axis_name, to="varying")
+                        if check_vma else params)
+        params, state, loss = learn(params, local_params, state, batch)
+        return params, state, _mean_of_workers(loss, axis_name)
 
-    step = per_worker(local_step, mesh, axis_name=workers,
-                      ins=("replicated", "stacked", "split"),
-                      outs=("replicated", "stacked", "replicated"),
-                      check_vma=check_vma, check_replicated=False)
+      step = per_worker(local_step, mesh, axis_name=axis_name,
+                        ins=("replicated", "stacked", "split"),
+                        outs=("replicated", "stacked", "replicated"),
+                        check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
-      _check_worker_states(state, n, shard_axis, mesh.devices.size)
+      _check_worker_states(state, n, mesh.devices.size)
       return step(params, state, batch)
 
     return jax.jit(checked_step, out_shardings=out_shardings,
                    donate_argnums=(0, 1) if donate else ())
 
   jitted = build()
-  if set(mesh.axis_names) - set(_names(workers)):
-    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, workers, tx)
-  return limit_in_flight(_ExchangeCheck(jitted, axis_name,
-                                       axis_size(mesh, axis_name)),
+  if len(mesh.axis_names) > 1:
+    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, tx)
+  return limit_in_flight(_ExchangeCheck(jitted, axis_name, n),
                          devices=mesh.devices.flat)
+
+
+def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
+                 specs, *, auto: bool, has_aux: bool, micro_batches: int,
+                 check_vma: bool) -> Callable:
+  """:func:`make_train_step`'s step with a ``shard_axis``: each node's mean
+  gradient by :func:`dlion_jax.shards.node_mean_grads` (manual over both
+  axes), then the update manual over ``axis_name`` alone, each leaf's
+  gradient and vote in the blocks :func:`_blocks` gives it."""
+  def device_grads(params, batch):
+    value, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
+                                   micro_batches)
+    return _mean_of_workers(value, shard_axis), grads
+
+  def step(params, state, batch):
+    paths = [jax.tree_util.keystr(p)
+             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    param_specs, blocks = _blocks(tx, specs, params, mesh, shard_axis)
+    value, grads = shards.node_mean_grads(
+        device_grads, mesh, axis_name=axis_name, shard_axis=shard_axis,
+        param_dims=[shards.axis_dim(s, shard_axis, f"params leaf {p}")
+                    for s, p in zip(param_specs, paths)],
+        grad_dims=[shards.axis_dim(blocks[p], shard_axis) for p in paths],
+    )(params, batch)
+    update = _update(tx, blocks if auto else None)
+
+    def local_update(params, state, value, grads):
+      params, state = update(grads, state, params)
+      return params, state, _mean_of_workers(value, axis_name)
+    # The gradients come last: the exchange check reads them as varying.
+    return per_worker(local_update, mesh, axis_name=axis_name,
+                      ins=("replicated", "stacked", "stacked", "stacked"),
+                      outs=("replicated", "stacked", "replicated"),
+                      check_vma=check_vma, check_replicated=False)(
+                          params, state, value, grads)
+  return step
+
+
+def _blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str):
+  """For the ``shard_axis`` step: each params leaf's spec (from ``specs``,
+  the placement of the call's params and state, else the leaf's type),
+  and by key path the blocks its gradient and vote take: the most sharded
+  of its param's and its state's placement, cut over ``shard_axis`` as
+  :func:`shard_params` would where neither is."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if specs is None:
+    param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
+                   for _, x in leaves]
+    merged = {jax.tree_util.keystr(p): s
+              for (p, _), s in zip(leaves, param_specs)}
+  else:
+    param_specs = jax.tree.leaves(specs[0],
+                                  is_leaf=lambda x: isinstance(x, P))
+    merged = _placement(tx, *specs)
+  k = mesh.shape[shard_axis]
+  blocks = {}
+  for path, x in leaves:
+    key = jax.tree_util.keystr(path)
+    spec = merged[key]
+    if shard_axis not in shards.spec_axes(spec):
+      spec = devices.fsdp_spec(x.shape, k, shard_axis, placed=spec)
+    blocks[key] = spec
+  return param_specs, blocks
 
 
 def _mean_of_workers(tree: Any, axis_name) -> Any:
@@ -864,26 +947,18 @@ def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
           f"{fix}")
 
 
-def _check_worker_states(state: Any, n: int, shard_axis=None,
-                         devices: int | None = None) -> None:
+def _check_worker_states(state: Any, n: int, devices: int) -> None:
   """Raises a ValueError naming the first state leaf not stacked for the
   ``n`` workers of the step, and the call that builds the state (a state
-  with a row per device of the ``devices`` a mesh has beside the workers
-  was built for the hand-made layout, ``shard_axis``)."""
+  with a row per device of the mesh was built for a step whose workers
+  are every device)."""
   rows = {np.shape(x)[0] for x in jax.tree.leaves(state) if np.ndim(x)}
-  if shard_axis is None and devices not in (None, n) and rows == {devices}:
-    fix = ("It has a row per device: it was built with init_worker_states("
-           "..., shard_axis=...) for the hand-made layout, whose step "
-           "takes the same shard_axis. For this step (no shard_axis: the "
-           "compiler owns the mesh's other axes) build it with "
-           "parallel.init_worker_states(tx, params, mesh), no shard_axis.")
-  elif shard_axis is None:
-    fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
-           "not tx.init(params).")
-  else:
-    fix = ("Build it with parallel.init_worker_states(tx, params, mesh, "
-           f"shard_axis={shard_axis!r}), the step's shard_axis: each device "
-           "keeps the state of its shards.")
+  fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
+         "not tx.init(params).")
+  if devices != n and rows == {devices}:
+    fix = (f"It has a row per device of the mesh ({devices}); this step's "
+           f"workers are the {n} rows of the data axis, each voting for "
+           "its node. " + fix)
   _check_leading_axis(state, n, "optimizer state",
                       "every worker's state stacked", fix)
 

@@ -9,41 +9,34 @@ exchanges across the data axis only its own block of each leaf, cut once
 more over the axes the leaf is replicated on, and gathers the update back
 over the fast links.
 
-**The hand-made hybrid layout** (``make_train_step(..., shard_axis=)``).
-Hybrid meshes (several devices per node on a fast link, nodes on a slow
-one) reduce the gradients exactly inside a node and vote across nodes only.
-Inside a node each of its ``k`` devices keeps ``1/k`` of every leaf (ZeRO
-stages 1 and 2: gradients and optimizer state sharded, params whole):
+**Data parallel inside a node** (:func:`node_mean_grads`,
+``make_train_step(..., shard_axis=)``). Where a fast axis only splits each
+node's batch (the devices of a node each differentiate their own rows),
+the gradients are not left to the compiler: each device gathers whole
+params, differentiates its rows, and one reduce-scatter per leaf over the
+axis leaves it the node's mean gradient on its block of the leaf (ZeRO),
+so the fast links carry a reduce-scatter and an all-gather however the
+compiler would have partitioned the model. The optimizer then runs on
+whole logical leaves as above.
 
-* leaf ``l`` of ``n_l`` elements is flattened and zero-padded to
-  ``k * s_l`` elements, ``s_l = ceil(n_l / k)``; device ``j`` of the axis
-  owns elements ``[j s_l, (j + 1) s_l)``;
-* device ``j``'s shards of all leaves lie end to end in one buffer, so the
-  gradients travel in **one** ``psum_scatter`` and the new params in one
-  ``all_gather`` per dtype, however many leaves the model has (on TPU the
-  ``psum_scatter``'s buffer is zero-padded to whole memory tiles, so that
-  XLA:TPU keeps it a reduce-scatter: :func:`_scatter_width`).
-
-Invariant: a shard holds whole elements of one leaf at the same positions
-on every node, so an elementwise optimizer that runs on the shards (Lion's
-update, its sign vote across nodes) computes exactly what it would on the
-whole leaves; padding is zero in and cut off on the way back. A statistic
-of a whole leaf (Lion Cub's L1 scale, via :class:`LeafShard`) is the sum
-over the axis of each shard's sum: bit for bit the whole leaf's sum when
-the sums are exact, otherwise within its rounding (the two orders of
-addition may round the last bit differently).
+Invariant: a device's block of a leaf holds the same entries on every
+node, so an elementwise optimizer (Lion's update, its sign vote across
+nodes) computes on the blocks exactly what it would on whole leaves; a
+statistic of a whole leaf (Lion Cub's L1 scale, via :class:`LeafShard`)
+is the sum over the axes of each block's sum: bit for bit the whole
+leaf's sum when the sums are exact, otherwise within its rounding.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-import dataclasses
 import math
-from typing import Any, Hashable, NamedTuple
+from typing import Any, Callable, Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -59,143 +52,13 @@ class LeafShard(NamedTuple):
   size: int
 
 
-class _Context(NamedTuple):
-  axis_name: Hashable
-  sizes: dict[str, int]       # whole leaf sizes by key path
-
-
-# Set while dlion_jax.parallel.make_train_step traces a hybrid step's
-# optimizer update.
-_CONTEXT = contextvars.ContextVar("shards", default=None)
-
-
-@contextlib.contextmanager
-def sharded_over(axis_name: Hashable, whole: Any):
-  """Marks the optimizer update traced inside as running on shards of the
-  leaves of ``whole`` (the params), cut over ``axis_name``."""
-  sizes = {jax.tree_util.keystr(path): int(x.size)
-           for path, x in jax.tree_util.tree_leaves_with_path(whole)}
-  token = _CONTEXT.set(_Context(axis_name, sizes))
-  try:
-    yield
-  finally:
-    _CONTEXT.reset(token)
-
-
-def current_shard_axis() -> Hashable | None:
-  """The fast axis the leaves being updated are shards over, or None."""
-  context = _CONTEXT.get()
-  return None if context is None else context.axis_name
-
-
-def leaf_shards(tree: Any) -> list[LeafShard | None]:
-  """For each leaf of ``tree`` (an optimizer's updates), the whole leaf it
-  is a shard of, found by its key path; all None outside a hybrid step.
-
-  Raises:
-    ValueError: a leaf's path is not one of the params' (a transform that
-      renames the tree), so its whole size is unknown.
-  """
-  context = _CONTEXT.get()
-  paths = jax.tree_util.tree_leaves_with_path(tree)
-  if context is None:
-    return [None] * len(paths)
-  out = []
-  for path, _ in paths:
-    key = jax.tree_util.keystr(path)
-    if key not in context.sizes:
-      raise ValueError(
-          f"The update's leaf {key} is not a leaf of the params, so its "
-          f"whole size over shard_axis={context.axis_name!r} is unknown. "
-          "Give the optimizer trees shaped like the params, or drop "
-          "shard_axis.")
-    out.append(LeafShard(context.axis_name, context.sizes[key]))
-  return out
-
-
-@dataclasses.dataclass(frozen=True)
-class ShardLayout:
-  """Where each leaf's shard sits in a device's buffer.
-
-  Attributes:
-    sizes: elements of each leaf, in ``jax.tree.leaves`` order.
-    num_shards: ``k``, the size of the axis the leaves are cut over.
-  """
-  sizes: tuple[int, ...]
-  num_shards: int
-
-  @property
-  def shard_sizes(self) -> tuple[int, ...]:
-    """``ceil(n_l / k)``: one device's share of each leaf."""
-    return tuple(math.ceil(n / self.num_shards) for n in self.sizes)
-
-  @property
-  def offsets(self) -> tuple[int, ...]:
-    """Where each leaf's shard starts in a device's buffer."""
-    ends = [0]
-    for s in self.shard_sizes:
-      ends.append(ends[-1] + s)
-    return tuple(ends[:-1])
-
-  def stack(self, leaves: list[jax.Array]) -> jax.Array:
-    """``[k, sum s_l]``: row ``j`` is device ``j``'s buffer of shards."""
-    rows = [jnp.pad(x.ravel(), (0, self.num_shards * s - x.size)).reshape(
-        self.num_shards, s) for x, s in zip(leaves, self.shard_sizes)]
-    return jnp.concatenate(rows, axis=1)
-
-  def split(self, buffer: jax.Array) -> list[jax.Array]:
-    """One device's buffer -> its shard of each leaf (1-D)."""
-    return [buffer[..., o:o + s] for o, s in zip(self.offsets,
-                                                  self.shard_sizes)]
-
-
-def _by_dtype(leaves: list[jax.Array]):
-  """(dtype, indices of the leaves of that dtype), in a fixed order."""
-  for dtype in sorted({x.dtype for x in leaves}, key=str):
-    yield dtype, [i for i, x in enumerate(leaves) if x.dtype == dtype]
-
-
-def reduce_scatter_mean(tree: Any, axis_name: Hashable) -> Any:
-  """The mean of ``tree`` over ``axis_name``, each device keeping its shard.
-
-  One ``psum_scatter`` per dtype of the leaves; returns the tree of 1-D
-  shards (sums in the leaves' dtype, times ``1/k``).
-  """
-  k = lax.axis_size(axis_name)
-  leaves, treedef = jax.tree.flatten(tree)
-  out = [None] * len(leaves)
-  for dtype, group in _by_dtype(leaves):
-    layout = ShardLayout(tuple(leaves[i].size for i in group), k)
-    rows = layout.stack([leaves[i] for i in group])
-    if on_tpu():
-      width = _scatter_width(rows.shape[1], k)
-      rows = jnp.pad(rows, ((0, 0), (0, width - rows.shape[1])))
-      rows = rows.reshape(k, width // _LANES, _LANES)
-    total = lax.psum_scatter(rows, axis_name, scatter_dimension=0,
-                             tiled=True)
-    # times 1/k, not / k: one rounding a reference can reproduce
-    mine = total.reshape(-1) * dtype.type(1 / k)
-    for i, shard in zip(group, layout.split(mine)):
-      out[i] = shard
-  return jax.tree.unflatten(treedef, out)
-
-
-# TPU memory tiles are (8, 128) elements. XLA:TPU keeps a reduce-scatter
-# only when each device's part is whole tiles along the operand's major
-# dimension and the whole buffer cuts into equal spans of a few MiB, each
-# of whole tiles per device; otherwise its reduce-scatter-decomposer makes
-# it an all-reduce of the whole buffer and a dynamic-slice (twice the
-# bytes). [k, width] scattered over dimension 0 (the tiles' rows) always
-# was; [k, width / 128, 128] with width as below is not (libtpu 0.0.42,
-# v5e/v6e, k = 4 to 64).
-# Other backends keep any reduce-scatter, so only TPU pays the padding.
-_LANES, _TILE = 128, 8 * 128
-
-
 def on_tpu() -> bool:
   """Whether the devices of the step being traced are TPUs."""
   device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   return getattr(device, "platform", None) == "tpu"
+
+
+_LANES = 128
 
 
 def lane_rows(x: jax.Array, rows: int) -> jax.Array:
@@ -205,50 +68,102 @@ def lane_rows(x: jax.Array, rows: int) -> jax.Array:
   return jnp.pad(x, (0, -x.size % (rows * _LANES))).reshape(-1, _LANES)
 
 
-def _scatter_width(width: int, k: int) -> int:
-  """``width`` rounded up to ``t`` whole tiles, ``t`` a multiple of a power
-  of two ``>= max(2, k t / 1024)``, so that spans of up to 4 MiB (f32)
-  divide the buffer evenly; adds at most 2 tiles or ``k / 512`` of it."""
-  tiles = -(-width // _TILE)
-  step = 1 << max(1, (k * tiles - 1).bit_length() - 10)
-  return -(-tiles // step) * step * _TILE
+def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:
+  """The dimension ``spec`` shards over ``axis`` alone, or None.
+
+  Raises:
+    ValueError: ``spec`` shards one dimension over ``axis`` together with
+      other axes (a block :func:`node_mean_grads` cannot gather or cut).
+  """
+  for d, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if axis in names and len(names) > 1:
+      raise ValueError(
+          f"{what} is sharded {spec}: its dimension {d} over {entry!r}, "
+          f"shard_axis={axis!r} with other axes. With shard_axis each leaf "
+          f"is cut over {axis!r} alone: place it on its own dimension "
+          f"(parallel.shard_params(params, mesh, {axis!r})), or drop "
+          "shard_axis and let the compiler own that axis.")
+    if axis in names:
+      return d
+  return None
 
 
-def own_shards(tree: Any, axis_name: Hashable) -> Any:
-  """This device's shard of every leaf of a replicated ``tree`` (no
-  communication: each device slices its own part)."""
-  k, j = lax.axis_size(axis_name), lax.axis_index(axis_name)
-  leaves, treedef = jax.tree.flatten(tree)
-  out = [None] * len(leaves)
-  for _, group in _by_dtype(leaves):
-    layout = ShardLayout(tuple(leaves[i].size for i in group), k)
-    mine = layout.stack([leaves[i] for i in group])[j]
-    for i, shard in zip(group, layout.split(mine)):
-      out[i] = shard
-  return jax.tree.unflatten(treedef, out)
+def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
+                    shard_axis: str, param_dims: list, grad_dims: list,
+                    ) -> Callable:
+  """``grad_fn`` data parallel over ``shard_axis``, reduced inside a node.
 
+  A region manual over ``axis_name`` and ``shard_axis`` (the mesh's other
+  axes stay the compiler's): each device gathers whole params over
+  ``shard_axis`` (those sharded over it at rest), runs
+  ``grad_fn(params, its batch rows)`` and takes its block of the node's
+  mean gradient in one reduce-scatter per leaf, the sum over
+  ``shard_axis`` times ``1/k`` (one rounding a reference can reproduce).
+  JAX's FSDP recipe with ``shard_map``, written out so that the fast
+  links carry one all-gather and one reduce-scatter whatever the model:
+  left to the compiler, an unannotated model may run the node's whole
+  batch on every device or gather each weight once per use.
 
-def all_gather_leaves(shards: Any, like: Any, axis_name: Hashable) -> Any:
-  """Inverse of :func:`own_shards`: the whole leaves, shaped like ``like``,
-  from every device's shards (one ``all_gather`` per dtype)."""
-  k = lax.axis_size(axis_name)
-  leaves, treedef = jax.tree.flatten(shards)
-  whole = treedef.flatten_up_to(like)
-  out = [None] * len(leaves)
-  for _, group in _by_dtype(leaves):
-    layout = ShardLayout(tuple(whole[i].size for i in group), k)
-    buffer = jnp.concatenate([leaves[i] for i in group])
-    width = buffer.size
-    if on_tpu():           # whole tiles, or XLA:TPU may all-reduce instead
-      buffer = lane_rows(buffer, _TILE // _LANES)
-    # Typed invariant: the whole leaves are the same on every device of the
-    # axis, which replicated params need under shard_map(check_vma=True).
-    rows = lax.all_gather(buffer, axis_name, to="invarying")
-    rows = rows.reshape(k, -1)[:, :width]                     # [k, sum s_l]
-    for i, part in zip(group, layout.split(rows)):
-      x = whole[i]
-      out[i] = part.reshape(-1)[:x.size].reshape(x.shape)
-  return jax.tree.unflatten(treedef, out)
+  Args:
+    grad_fn: ``(params, batch) -> (value, grads)`` on one device's rows;
+      it may reduce ``value`` over ``shard_axis`` (bound inside).
+    mesh: the mesh.
+    axis_name: the nodes' axis (the vote's).
+    shard_axis: the fast axis whose devices split a node's batch.
+    param_dims: for each params leaf (``jax.tree.leaves`` order), the
+      dimension it is sharded on over ``shard_axis`` at rest, or None.
+    grad_dims: for each leaf, the dimension its mean gradient is cut on
+      over ``shard_axis``, or None (each device gets the whole mean: an
+      all-reduce, for leaves no dimension of which ``k`` divides).
+
+  Returns:
+    ``f(params, batch) -> (value, grads)``, both with a leading axis of the
+    nodes (sharded over ``axis_name``), the grads' blocks over
+    ``shard_axis`` as ``grad_dims`` says. ``batch`` leaves are split over
+    both axes on their first dimension.
+  """
+  k = mesh.shape[shard_axis]
+  spec = lambda d: P() if d is None else P(*[None] * d, shard_axis)
+
+  def mean(g, d):
+    if not jnp.issubdtype(g.dtype, jnp.inexact):  # zeros (parallel's grads)
+      return g if d is None else jnp.zeros(
+          g.shape[:d] + (g.shape[d] // k,) + g.shape[d + 1:], g.dtype)
+    g = g * np.dtype(g.dtype).type(1 / k)
+    if d is None:
+      return lax.psum(g, shard_axis)
+    scatter = lambda g: lax.psum_scatter(g, shard_axis, scatter_dimension=d,
+                                         tiled=True)
+    typed = getattr(jax.typeof(g).sharding, "spec", None)
+    if typed is None or not spec_axes(typed):
+      return scatter(g)
+    # JAX 0.10 cannot lower a reduce-scatter of an array typed on Explicit
+    # axes in a partly manual region; under auto_axes it is untyped.
+    return jax.sharding.auto_axes(scatter, axes=tuple(spec_axes(typed)),
+                                  out_sharding=typed)(g)
+
+  def local(params, batch):
+    leaves, treedef = jax.tree.flatten(params)
+    whole = treedef.unflatten([
+        x if d is None else lax.all_gather(x, shard_axis, axis=d, tiled=True)
+        for x, d in zip(leaves, param_dims)])
+    value, grads = grad_fn(whole, batch)
+    grads = treedef.unflatten([
+        mean(g, d) for g, d in zip(treedef.flatten_up_to(grads), grad_dims)])
+    return jax.tree.map(lambda x: x[None], (value, grads))
+
+  def run(params, batch):
+    treedef = jax.tree.structure(params)
+    stacked = lambda dims: treedef.unflatten(
+        [P(axis_name, *spec(d)) for d in dims])
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(treedef.unflatten([spec(d) for d in param_dims]),
+                  P((axis_name, shard_axis))),
+        out_specs=(P(axis_name), stacked(grad_dims)),
+        axis_names={axis_name, shard_axis}, check_vma=False)(params, batch)
+  return run
 
 
 # Sharded leaves the JAX way: the step is manual over the vote's axis only

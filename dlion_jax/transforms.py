@@ -103,7 +103,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
         [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
     _check_bound(axis_name)
     bad_workers = lax.psum((~local_ok).astype(jnp.int32),
-                           _with_shard_axis(axis_name))
+                           axis_name)
     isfinite = bad_workers == 0
     # Equal on every worker, but typed per worker under check_vma.
     count = _drift.typed_same_on_every_worker(state.notfinite_count)
@@ -125,15 +125,6 @@ def apply_if_finite(inner: optax.GradientTransformation,
         inner_state=inner_state)
 
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _with_shard_axis(axis_name):
-  """``axis_name`` and, in a hybrid step, the axis the leaves are sharded
-  over: there each device checks its shard, and a node's devices must
-  agree too."""
-  shard = shards.current_shard_axis()
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return axes if shard is None or shard in axes else axes + (shard,)
 
 
 def _check_bound(axis_name) -> None:

@@ -1,9 +1,11 @@
 """One process of tests/test_hybrid_multiprocess.py (run by the launcher).
 
 Runs STEPS hybrid steps of Distributed Lion on ``hybrid_mesh()``: one row
-per process, this process's 4 CPU devices in it; ``layout`` is ``"hand"``
-(``shard_axis="fsdp"``) or ``"zero3"`` (params sharded over ``fsdp`` at rest
-by ``parallel.shard_params``, the step manual over ``data`` only). Every
+per process, this process's 4 CPU devices in it; ``layout`` is
+``"shard_axis"`` (``shard_axis="fsdp"``, params replicated),
+``"shard_axis_zero3"`` (the same with params sharded over ``fsdp`` at rest
+by ``parallel.shard_params``) or ``"zero3"`` (params so sharded, the step
+leaving ``fsdp`` to the compiler). Every
 process builds the same inputs from a seed; process 0 writes the final
 params and the whole stacked momentum to the .npz named on the command
 line. Imported by the
@@ -14,7 +16,7 @@ import sys
 
 import numpy as np
 
-SHAPES = {"b": (3,), "big": (37,), "w": (5, 7)}
+SHAPES = {"b": (3,), "big": (37,), "w": (5, 7), "m": (8, 6)}
 STEPS = 3
 NODES, PER_NODE = 2, 4
 
@@ -28,7 +30,7 @@ def inputs():
   return params, batches
 
 
-def run(mesh, layout="hand"):
+def run(mesh, layout="shard_axis"):
   """Final (params, momentum) as numpy, gathered onto every process."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -37,15 +39,14 @@ def run(mesh, layout="hand"):
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
 
-  hand = layout == "hand"
-  def loss(p, batch):    # hand: a device's row; zero3: the node's mean row
-    scale = 1.0 if hand else 1.0 / PER_NODE
+  shard_axis = "fsdp" if layout.startswith("shard_axis") else None
+  def loss(p, batch):    # shard_axis: a device's row; else the node's mean
+    scale = 1.0 if shard_axis else 1.0 / PER_NODE
     return sum(jnp.sum(p[k] * batch[k].sum(0)) for k in p) * scale
   tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
   params, batches = inputs()
-  p = (parallel.global_array(params, NamedSharding(mesh, jax.P())) if hand
-       else parallel.shard_params(params, mesh))
-  shard_axis = "fsdp" if hand else None
+  p = (parallel.global_array(params, NamedSharding(mesh, jax.P()))
+       if layout == "shard_axis" else parallel.shard_params(params, mesh))
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
   split = NamedSharding(mesh, jax.P(("data", "fsdp")))

@@ -18,8 +18,8 @@ def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
   tx = hybrid.optimizers()
   lion, dlion = tx["global lion (fp32 all-reduce)"], tx["dlion mavo auto"]
   flat_dlion, _, _ = hybrid.measure(dlion, flat, "flat")
-  hybrid_dlion, _, _ = hybrid.measure(dlion, mesh, "hand")
-  hybrid_lion, _, _ = hybrid.measure(lion, mesh, "hand")
+  hybrid_dlion, _, _ = hybrid.measure(dlion, mesh, "shard_axis")
+  hybrid_lion, _, _ = hybrid.measure(lion, mesh, "shard_axis")
   # fp32 on 1/2 of the params across 2 nodes; inside: reduce-scatter plus
   # all-gather over 2 devices, an fp32 all-reduce's worth (up to padding).
   assert hybrid_lion["data"] == pytest.approx(dl.allreduce_bits(2) / 2,
@@ -34,22 +34,29 @@ def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
 
 
 def test_sharded_placements_vote_on_shards_and_shrink_memory():
-  """Manual over data only: each device votes on its half of every leaf
-  (the hand-made layout's slow-link bits), and ZeRO-2 / ZeRO-3 shrink the
-  arguments a device holds."""
+  """Each device votes on its half of every leaf in every layout (the
+  same slow-link bits); with shard_axis the fast links carry one
+  reduce-scatter and one all-gather however the params are placed, fewer
+  bytes than the compiler's layouts of this unannotated GPT; sharding the
+  state, then the params, shrinks the arguments a device holds."""
   mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:4])
   dlion = hybrid.optimizers()["dlion mavo auto"]
-  hand, _, _ = hybrid.measure(dlion, mesh, "hand")
-  got = {p: hybrid.measure(dlion, mesh, p)
-         for p in ("replicated", "zero2", "zero3")}
+  got = {p: hybrid.measure(dlion, mesh, p) for p in hybrid.PLACEMENTS[1:]}
+  want = got["shard_axis"][0]
   for bits, _, _ in got.values():
-    assert bits["data"] == pytest.approx(hand["data"], rel=0.02)
+    assert bits["data"] == pytest.approx(want["data"], rel=0.02)
+  for p in ("shard_axis", "shard_axis zero3"):
+    assert got[p][0]["fsdp"] == pytest.approx(dl.allreduce_bits(2), rel=0.01)
+    for compiler in ("replicated", "zero2", "zero3"):
+      assert got[p][0]["fsdp"] < got[compiler][0]["fsdp"]
   args = {p: mb["arguments"] for p, (_, mb, _) in got.items()}
   assert args["zero3"] < args["zero2"] < args["replicated"]
+  assert args["shard_axis zero3"] < args["shard_axis"] < args["replicated"]
 
 
 def test_report_lists_every_layout():
   text = hybrid.report(4)
   for layout in ("flat, 4 voters", "2 nodes x 2, shard_axis",
-                 "2 nodes x 2, zero2", "2 nodes x 2, zero3"):
+                 "2 nodes x 2, shard_axis zero3", "2 nodes x 2, zero2",
+                 "2 nodes x 2, zero3"):
     assert text.count(f"| {layout} |") == 2

@@ -16,7 +16,6 @@ import dlion_jax as dl
 from dlion_jax import hlo
 from dlion_jax import message
 from dlion_jax import parallel
-from dlion_jax import shards
 
 # Leaf sizes 3, 37, 35: none a multiple of 8, 4 or 2.
 SHAPES = {"b": (3,), "big": (37,), "w": (5, 7)}
@@ -69,21 +68,27 @@ def flat_vote_bytes(nodes, leaf_sizes, **options):
 @pytest.mark.parametrize("nodes,per_node", [(2, 4), (4, 2)])
 @pytest.mark.parametrize("comm", ["auto", "alltoall", "allgather", "psum"])
 def test_hybrid_step_splits_vote_and_shard_traffic(nodes, per_node, comm):
-  compiled, mesh = hybrid(nodes, per_node, comm=comm)
+  shapes = dict(SHAPES, m=(8, 6))    # "m": cut over k = 2 or 4 devices
+  mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
+  compiled = compile_step(mesh, shapes, shard_axis="fsdp", comm=comm)
   by_axis = dl.collective_bytes_by_axis(compiled, mesh)
-  shard_sizes = shards.ShardLayout(SIZES, per_node).shard_sizes
-  # over the slow axis: the vote on one device's shards, nothing else
-  assert by_axis["data"] == flat_vote_bytes(nodes, shard_sizes, comm=comm)
+  k = per_node
+  blocks = tuple(-(-n // k) for n in SIZES) + (48 // k,)
+  # over the slow axis: the vote on one device's blocks, and the loss mean
+  assert by_axis["data"] == flat_vote_bytes(nodes, blocks, comm=comm) + (
+      pmean_bytes(nodes))
   if comm != "auto":
-    assert by_axis["data"] == message.message_bytes(shard_sizes, nodes,
-                                                    comm=comm)
-  # over the fast axis: psum_scatter ((k-1) x its [1, s] result) and
-  # all_gather ((k-1)/k x its [k, s] result) of the float32 buffers
-  k, s = per_node, sum(shard_sizes)
-  assert by_axis["fsdp"] == (k - 1) * s * F32 + (k - 1) / k * k * s * F32
-  # the loss pmean crosses both
-  assert by_axis[("data", "fsdp")] == pmean_bytes(nodes * per_node)
-  assert set(by_axis) == {"data", "fsdp", ("data", "fsdp")}
+    assert by_axis["data"] == message.message_bytes(
+        blocks, nodes, comm=comm) + pmean_bytes(nodes)
+  # over the fast axis, float32: "m"'s gradient reduce-scattered ((k-1) x
+  # its block) and its update all-gathered ((k-1)/k of it); the others'
+  # all-reduced (2 (k-1)/k) and their votes' chunks gathered ((k-1) x a
+  # chunk); the loss mean
+  cut = (k - 1) * 48 / k * F32 + (k - 1) / k * 48 * F32
+  whole = sum(2 * (k - 1) / k * n * F32 + (k - 1) * c * F32
+              for n, c in zip(SIZES, blocks))
+  assert by_axis["fsdp"] == cut + whole + pmean_bytes(k)
+  assert set(by_axis) == {"data", "fsdp"}
   assert sum(by_axis.values()) == dl.collective_bytes(compiled)
 
 
@@ -117,9 +122,12 @@ def test_conditional_false_leaves_out_momentum_syncs():
         compiled, conditional=conditional)
   synced = dl.collective_bytes_by_axis(compiled, mesh)
   plain = dl.collective_bytes_by_axis(compiled, mesh, conditional=False)
-  # the sync averages each momentum shard over the nodes: slow axis only
+  # the sync averages each device's chunk of each momentum over the nodes;
+  # these leaves no k divides are whole on every device of a node, so the
+  # chunks are gathered back over the fast axis
   assert synced["data"] > plain["data"]
-  assert synced["fsdp"] == plain["fsdp"]
+  assert synced["fsdp"] - plain["fsdp"] == sum(3 * -(-n // 4) * F32
+                                               for n in SIZES)
 
 
 def test_ppermute_goes_under_the_axis_it_shifts_along():

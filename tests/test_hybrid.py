@@ -1,26 +1,38 @@
-"""Hybrid meshes: exact reduction over the fast axis, vote over the slow one.
+"""Hybrid meshes: data parallel inside a node, a vote across nodes.
 
-``make_train_step(..., shard_axis=...)`` on an (n nodes, k devices) mesh must
-equal flat Distributed Lion over the n nodes, each fed its node's mean
-gradient, bit for bit against the numpy reference: params every step and
-every node's momentum at the end, for leaves not divisible by k. With the
-L1-scaled quantizers, whose scale sums the shards' sums, a large leaf may
-differ within the rounding of that scale.
+``make_train_step(..., shard_axis=...)`` on an (n nodes, k devices) mesh:
+each device differentiates its own rows, one reduce-scatter per leaf over
+``shard_axis`` leaves it the node's mean gradient on its block, and the
+optimizer runs on whole logical leaves, each device voting on its block.
+It must equal flat Distributed Lion over the n nodes, each fed its node's
+mean gradient, bit for bit against the numpy reference: params every step
+and every node's momentum at the end, with params replicated (ZeRO-2) or
+sharded at rest (ZeRO-3), on leaves the k devices divide and leaves they
+do not. With the L1-scaled quantizers, whose scale sums the blocks' sums,
+a large leaf may differ within the rounding of that scale.
 """
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import shards
 from messages import assert_names
 from tests.reference import DistributedLionReference
 
-SHAPES = {"b": (3,), "big": (37,), "w": (5, 7)}
+# "m" is cut over the fast devices (12 rows: k = 2, 3, 4), "w" where k is
+# 2 or 4; no k here divides the others: their mean gradient is an
+# all-reduce and the vote cuts them flat, zero-padded.
+SHAPES = {"b": (3,), "big": (37,), "w": (5, 8), "m": (12, 6)}
 STEPS = 3
 
 
@@ -35,25 +47,14 @@ def linear_loss(params, batch):
 
 def node_means(rows, nodes, per_node):
   """rows[k]: [nodes * per_node, *shape] -> per node the mean, as the step
-  takes it: an exact sum of small integers, times 1/k in the leaf's dtype."""
+  takes it: each row times 1/k (the leaf's dtype's, kept in float32 as
+  XLA keeps it), summed in float32 (XLA:CPU's reduction), rounded once."""
   def mean(v):
-    return v.sum(axis=0, dtype=np.float32).astype(v.dtype) * v.dtype.type(
-        1 / per_node)
+    scale = np.float32(v.dtype.type(1 / per_node))
+    return (v.astype(np.float32) * scale).sum(axis=0, dtype=np.float32
+                                              ).astype(v.dtype)
   return [{k: mean(v[i * per_node:(i + 1) * per_node])
            for k, v in rows.items()} for i in range(nodes)]
-
-
-def momenta(state, params, nodes, per_node):
-  """Every node's whole momentum, rebuilt from its devices' shards."""
-  mu = state[0].mu
-  out = []
-  for i in range(nodes):
-    node = {}
-    for k, p in params.items():
-      rows = np.asarray(mu[k])[i * per_node:(i + 1) * per_node]
-      node[k] = rows.reshape(-1)[:p.size].reshape(p.shape)
-    out.append(node)
-  return out
 
 
 CASES = [(2, 4, "auto", np.float32), (3, 2, "auto", np.float32),
@@ -72,16 +73,30 @@ def test_equals_flat_dlion_on_node_means(nodes, per_node, comm, dtype,
                           comm=comm)
 
 
+@pytest.mark.parametrize("nodes,per_node,comm,dtype",
+                         [(2, 4, "auto", np.float32),
+                          (3, 2, "alltoall", jnp.bfloat16),
+                          (2, 3, "psum", np.float32)],
+                         ids=lambda x: getattr(x, "__name__", str(x)))
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_params_sharded_at_rest_equal_the_reference(nodes, per_node, comm,
+                                                    dtype, aggregation):
+  """ZeRO-3: params placed by shard_params, gathered inside the step."""
+  check_against_reference(nodes, per_node, dtype, zero3=True,
+                          aggregation=aggregation, comm=comm)
+
+
 def test_momentum_sync_on_shards():
-  """Lion Cub's momentum sync averages each shard over the nodes: the same
+  """Lion Cub's momentum sync averages each block over the nodes: the same
   as syncing whole momenta (2 nodes: their f32 mean is exact)."""
   check_against_reference(2, 3, np.float32, momentum_sync=2)
 
 
-def check_against_reference(nodes, per_node, dtype, **options):
+def check_against_reference(nodes, per_node, dtype, *, mesh=None,
+                            zero3=False, specs=None, **options):
   """STEPS hybrid steps equal the numpy reference on node means."""
   rng = np.random.default_rng(nodes * 10 + per_node)
-  mesh = hybrid_mesh(nodes, per_node)
+  mesh = mesh or hybrid_mesh(nodes, per_node)
   params = {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}
   tx = dl.distributed_lion(1e-2, axis_name="data", **options)
   sync = options.get("momentum_sync")
@@ -91,37 +106,44 @@ def check_against_reference(nodes, per_node, dtype, **options):
   ref = DistributedLionReference(
       params, nodes, sync_steps=range(sync, STEPS + 1, sync) if sync else (),
       **same)
-  p = parallel.replicate(params, mesh)
+  if specs is not None:
+    p = {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P())))
+         for k, v in params.items()}
+  elif zero3:
+    p = parallel.shard_params(params, mesh)
+  else:
+    p = parallel.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
+  split = NamedSharding(mesh, P(("data", "fsdp")))
   for _ in range(STEPS):
     rows = {k: rng.integers(-3, 4, size=(nodes * per_node,) + s).astype(
         dtype) for k, s in SHAPES.items()}
-    batch = jax.device_put(rows, jax.sharding.NamedSharding(
-        mesh, jax.P(("data", "fsdp"))))
-    p, state, _ = step(p, state, batch)
+    p, state, _ = step(p, state, jax.device_put(rows, split))
     ref.step(node_means(rows, nodes, per_node))
     for k in params:
-      np.testing.assert_array_equal(np.asarray(p[k]), ref.params[k])
-  for got, want in zip(momenta(state, params, nodes, per_node), ref.mu):
+      np.testing.assert_array_equal(np.asarray(p[k]), ref.params[k],
+                                    err_msg=k)
+  for i, want in enumerate(ref.mu):
     for k in params:
-      np.testing.assert_array_equal(got[k], want[k])
+      np.testing.assert_array_equal(np.asarray(state[0].mu[k])[i], want[k],
+                                    err_msg=f"node {i} mu {k}")
+  return p, state
 
 
-def test_shards_round_trip():
-  """own_shards then all_gather_leaves gives the leaves back, any size."""
-  mesh = hybrid_mesh(1, 8)
-  tree = {"a": jnp.arange(13.0), "b": jnp.ones((2, 3), jnp.bfloat16),
-          "c": jnp.arange(8.0).reshape(2, 4)}
-  fn = parallel.per_worker(
-      lambda t: shards.all_gather_leaves(shards.own_shards(t, "fsdp"), t,
-                                         "fsdp"),
-      mesh, axis_name="fsdp", ins=("replicated",), outs="replicated")
-  out = jax.jit(fn)(tree)
-  for k in tree:
-    assert out[k].dtype == tree[k].dtype
-    np.testing.assert_array_equal(np.asarray(out[k]), np.asarray(tree[k]))
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_a_model_axis_beside_shard_axis_stays_the_compilers(kind):
+  """data x fsdp x model: a leaf tensor parallel over "model" (and one
+  over both fast axes, each on its own dimension) keeps its placement;
+  the gradients are reduced over fsdp and the compiler owns "model"."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"),
+                       axis_types=(kind,) * 3)
+  p, _ = check_against_reference(
+      2, 2, np.float32, mesh=mesh,
+      specs={"m": P("fsdp", "model"), "w": P(None, "model")})
+  assert p["m"].sharding.spec == P("fsdp", "model")
+  assert p["w"].sharding.spec == P(None, "model")
 
 
 @pytest.mark.parametrize("option", [
@@ -132,29 +154,30 @@ def test_shards_round_trip():
     ids=str)
 def test_whole_leaf_options_see_whole_leaves(option):
   """Lion Cub's L1 scales (votes, error feedback) are taken over the whole
-  leaf (a psum over the shard axis) and min_compress_size tests the whole
-  leaf's size: the same as flat D-Lion on node means."""
+  leaf and min_compress_size tests the whole leaf's size, padding never
+  votes: the same as flat D-Lion on node means."""
   check_against_reference(3, 2, np.float32, **option)
+  check_against_reference(2, 4, np.float32, **option)
 
 
 def test_apply_if_finite_skips_the_step_on_every_device():
-  """A NaN in one device's shard of one node: every device of both axes
+  """A NaN in one device's rows of one node: every device of both axes
   skips (params unchanged everywhere, one count), then steps together."""
   mesh = hybrid_mesh(2, 4)
   tx = dl.apply_if_finite(dl.distributed_lion(1e-2, axis_name="data"), 3,
                           axis_name="data")
-  params = {"w": np.linspace(-1, 1, 11).astype(np.float32)}
+  params = {"w": np.linspace(-1, 1, 12).astype(np.float32)}
   p = parallel.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
-  sharding = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
-  rows = np.ones((8, 11), np.float32)
-  rows[5, 10] = np.nan           # node 1, device 1: the last shard's owner
+  sharding = NamedSharding(mesh, P(("data", "fsdp")))
+  rows = np.ones((8, 12), np.float32)
+  rows[5, 11] = np.nan           # node 1, device 1; the last block's entry
   p, state, _ = step(p, state, jax.device_put({"w": rows}, sharding))
   np.testing.assert_array_equal(np.asarray(p["w"]), params["w"])
   assert np.all(np.asarray(state.notfinite_count) == 1)
-  p, state, _ = step(p, state, jax.device_put({"w": np.ones((8, 11),
+  p, state, _ = step(p, state, jax.device_put({"w": np.ones((8, 12),
                                                             np.float32)},
                                               sharding))
   assert np.all(np.asarray(state.notfinite_count) == 0)
@@ -170,30 +193,20 @@ def test_hybrid_mesh_rows_and_errors():
 
 
 def test_size_one_fast_axis_is_the_flat_step():
-  """shard_axis of size 1 is today's make_train_step, bit for bit."""
+  """shard_axis of size 1 is the flat make_train_step, bit for bit."""
   rng = np.random.default_rng(3)
   params = {k: rng.normal(size=s).astype(np.float32)
             for k, s in SHAPES.items()}
   rows = [{k: rng.normal(size=(8,) + s).astype(np.float32)
            for k, s in SHAPES.items()} for _ in range(STEPS)]
   tx = dl.distributed_lion(1e-2, axis_name="data", aggregation="avg")
-  out = []
-  for mesh, shard_axis in ((parallel.data_mesh(8), None),
-                           (hybrid_mesh(8, 1), "fsdp")):
-    axes = "data" if shard_axis is None else ("data", "fsdp")
-    p = parallel.replicate(params, mesh)
-    state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
-    step = parallel.make_train_step(linear_loss, tx, mesh,
-                                    shard_axis=shard_axis)
-    for batch in rows:
-      batch = jax.device_put(batch, jax.sharding.NamedSharding(
-          mesh, jax.P(axes)))
-      p, state, _ = step(p, state, batch)
-    out.append(jax.device_get((p, state[0].mu)))
-  (flat_p, flat_mu), (hybrid_p, hybrid_mu) = out
+  runs = [trainer(tx, params, parallel.data_mesh(8), None),
+          trainer(tx, params, hybrid_mesh(8, 1), "fsdp")]
+  for batch in rows:
+    (flat_p, flat_mu), (hybrid_p, hybrid_mu) = [run(batch) for run in runs]
   for k in SHAPES:
     np.testing.assert_array_equal(hybrid_p[k], flat_p[k])
-    np.testing.assert_array_equal(hybrid_mu[k], flat_mu[k].reshape(8, -1))
+    np.testing.assert_array_equal(hybrid_mu[k], flat_mu[k])
 
 
 def test_micro_batches_average_before_the_scatter():
@@ -202,10 +215,10 @@ def test_micro_batches_average_before_the_scatter():
   mesh = hybrid_mesh(2, 2)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   rng = np.random.default_rng(5)
-  params = {"w": rng.normal(size=(7,)).astype(np.float32)}
-  rows = rng.integers(-3, 4, size=(4, 7)).astype(np.float32)
+  params = {"w": rng.normal(size=(8,)).astype(np.float32)}
+  rows = rng.integers(-3, 4, size=(4, 8)).astype(np.float32)
   doubled = np.repeat(rows, 2, axis=0)          # each device: its row twice
-  split = jax.sharding.NamedSharding(mesh, jax.P(("data", "fsdp")))
+  split = NamedSharding(mesh, P(("data", "fsdp")))
   results = []
   for batch, micro in ((rows, 1), (doubled, 2)):
     p = parallel.replicate(params, mesh)
@@ -221,30 +234,34 @@ def test_micro_batches_average_before_the_scatter():
 
 @pytest.mark.parametrize("comm", ["alltoall", "psum"])
 def test_check_vma_true_gives_the_same_step(comm):
-  """With check_vma=True JAX proves the gathered params replicated; the
-  step is the same as without the check."""
+  """With check_vma=True JAX proves the new params replicated; the step is
+  the same as without the check."""
   mesh = hybrid_mesh(2, 4)
   tx = dl.distributed_lion(1e-2, axis_name="data", comm=comm)
-  params = {"w": np.linspace(-1, 1, 11).astype(np.float32)}
-  rows = np.random.default_rng(0).normal(size=(8, 11)).astype(np.float32)
-  batch = jax.device_put({"w": rows}, jax.sharding.NamedSharding(
-      mesh, jax.P(("data", "fsdp"))))
+  params = {"w": np.linspace(-1, 1, 12).astype(np.float32),
+            "b": np.linspace(-1, 1, 11).astype(np.float32)}
+  rng = np.random.default_rng(0)
+  batch = jax.device_put(
+      {k: rng.normal(size=(8,) + v.shape).astype(np.float32)
+       for k, v in params.items()},
+      NamedSharding(mesh, P(("data", "fsdp"))))
   out = []
   for check_vma in (False, True):
     p = parallel.replicate(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
     step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                     check_vma=check_vma)
-    out.append(np.asarray(step(p, state, batch)[0]["w"]))
-  np.testing.assert_array_equal(out[1], out[0])
+    out.append(jax.device_get(step(p, state, batch)[0]))
+  for k in params:
+    np.testing.assert_array_equal(out[1][k], out[0][k])
 
 
 def test_large_leaf_l1_votes_within_the_rounding_of_the_scale():
-  """On a leaf of 2,000,003 elements the L1 scale, a sum of the shards'
+  """On a leaf of 2,000,003 elements the L1 scale, a sum of the blocks'
   sums, may round unlike one sum over the leaf: the hybrid step equals flat
   D-Lion over the nodes except for votes one level apart where ``L c / a``
-  lies on a rounding boundary (here one coordinate, at step 3). The
-  momenta, which no scale touches, stay equal bit for bit."""
+  lies on a rounding boundary. The momenta, which no scale touches, stay
+  equal bit for bit."""
   size, nodes, per_node, lr, level = 2_000_003, 2, 4, 1e-2, 127
   rng = np.random.default_rng(2)
   params = {"w": rng.normal(size=size).astype(np.float32)}
@@ -257,18 +274,17 @@ def test_large_leaf_l1_votes_within_the_rounding_of_the_scale():
     rows = rng.integers(-3, 4, size=(nodes * per_node, size)).astype(
         np.float32)
     means = node_means({"w": rows}, nodes, per_node)
-    (p, hybrid_mu), (q, flat_mu) = hybrid(rows), flat(
-        np.stack([m["w"] for m in means]))
-    moved = np.abs(p - q) / one_level
+    (p, hybrid_mu), (q, flat_mu) = hybrid({"w": rows}), flat(
+        {"w": np.stack([m["w"] for m in means])})
+    moved = np.abs(p["w"] - q["w"]) / one_level
     assert np.count_nonzero(moved) <= 5, t
     assert moved.max() <= t * 1.01, t   # at most one level a step
-  np.testing.assert_array_equal(hybrid_mu.reshape(nodes, -1)[:, :size],
-                                flat_mu)
+  np.testing.assert_array_equal(hybrid_mu["w"], flat_mu["w"])
 
 
 def trainer(tx, params, mesh, shard_axis):
-  """``advance(rows) -> (params["w"], momenta)``: one step of a run of
-  ``linear_loss`` on ``mesh``, one row per worker."""
+  """``advance(rows) -> (params, momenta)`` on the host: one step of a run
+  of ``linear_loss`` on ``mesh``, one row per worker."""
   p = parallel.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis=shard_axis)
@@ -276,21 +292,26 @@ def trainer(tx, params, mesh, shard_axis):
 
   def advance(rows):
     nonlocal p, state
-    p, state, _ = step(p, state, parallel.shard_batch({"w": rows}, mesh,
+    p, state, _ = step(p, state, parallel.shard_batch(rows, mesh,
                                                       axis_name=axes))
-    return np.asarray(p["w"]), np.asarray(state[0].mu["w"])
+    mu = optax.tree_utils.tree_get(state, "mu")
+    return jax.device_get(p), jax.device_get(mu)
   return advance
 
 
-def test_l1_scale_of_shards_within_an_ulp_of_the_whole_leaf():
-  """The scale of a 2,000,003-element leaf cut in 4 shards, against the
+def test_l1_scale_of_blocks_within_an_ulp_of_the_whole_leaf():
+  """The scale of a 2,000,003-element leaf cut in 4 zero-padded chunks
+  (as the vote cuts a leaf over the devices that hold it), against the
   whole leaf's: at most an ulp apart (the two orders of addition)."""
-  size = 2_000_003
-  mesh = hybrid_mesh(1, 4)
-  fn = jax.jit(parallel.per_worker(
-      lambda c: quantize.l1_scale(shards.own_shards(c, "fsdp"),
-                                  shards.LeafShard("fsdp", size)),
-      mesh, axis_name="fsdp", ins=("replicated",), outs="replicated"))
+  size, k = 2_000_003, 4
+  mesh = hybrid_mesh(1, k)
+
+  def chunk_scale(c):
+    chunks = jnp.pad(c, (0, -size % k)).reshape(k, -1)
+    return quantize.l1_scale(chunks[jax.lax.axis_index("fsdp")],
+                             shards.LeafShard("fsdp", size))
+  fn = jax.jit(parallel.per_worker(chunk_scale, mesh, axis_name="fsdp",
+                                   ins=("replicated",), outs="replicated"))
   rng = np.random.default_rng(0)
   for _ in range(4):
     c = rng.normal(size=size).astype(np.float32)
@@ -299,20 +320,122 @@ def test_l1_scale_of_shards_within_an_ulp_of_the_whole_leaf():
                                     maxulp=1)
 
 
-def test_state_built_without_shard_axis_names_it():
-  """Was: "Build it with parallel.init_worker_states(...)", which the user
-  had called, only without shard_axis."""
+def test_readme_chain_with_clip_and_rank_mask():
+  """Was (the hand-made layout): clip_by_global_norm clipped each shard by
+  its own norm, and a weight-decay mask by rank saw 1-D shards (decay off
+  on every matrix). Now the chain sees whole leaves: params equal flat
+  D-Lion over the nodes fed node means bit for bit (the update is a
+  vote); the momenta within the norm's reduction order."""
+  rng = np.random.default_rng(3)
+  params = {k: rng.normal(size=s).astype(np.float32)
+            for k, s in SHAPES.items()}
+  tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
+      1e-2, weight_decay=0.5, axis_name="data",
+      mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
+  hybrid = trainer(tx, params, hybrid_mesh(2, 4), "fsdp")
+  flat = trainer(tx, params, parallel.data_mesh(2), None)
+  for _ in range(STEPS):
+    rows = {k: rng.integers(-3, 4, size=(8,) + s).astype(np.float32)
+            for k, s in SHAPES.items()}
+    means = node_means(rows, 2, 4)
+    (p, mu), (q, want_mu) = hybrid(rows), flat(
+        {k: np.stack([m[k] for m in means]) for k in SHAPES})
+    for k in params:
+      np.testing.assert_array_equal(p[k], q[k], err_msg=k)
+      np.testing.assert_allclose(mu[k], want_mu[k], rtol=1e-6, atol=1e-7,
+                                 err_msg=k)
+  decayed = p["m"] - params["m"]
+  assert np.abs(decayed).max() > 3 * 1e-2, "the mask left m undecayed"
+
+
+def test_fast_links_carry_one_reduce_scatter_and_one_all_gather():
+  """Over fsdp each device sends a reduce-scatter of the gradients and an
+  all-gather of the updates (fp32, (k-1)/k of each leaf), plus the loss's
+  scalar mean; over data, the flat message of its blocks and the loss's
+  mean: the figures read off the compiled HLO, for ZeRO-2 and ZeRO-3."""
+  mesh = hybrid_mesh(2, 4)
+  shapes = {"m": (16, 6), "w": (8, 12)}
+  count = sum(int(np.prod(s)) for s in shapes.values())
+  tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
+  batch = jax.device_put({k: jnp.zeros((8,) + s) for k, s in shapes.items()},
+                         NamedSharding(mesh, P(("data", "fsdp"))))
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
+                                  donate=False)
+  whole = {k: jnp.zeros(s) for k, s in shapes.items()}
+  for params in (parallel.replicate(whole, mesh),
+                 parallel.shard_params(whole, mesh)):
+    state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
+    sent = dl.collective_bytes_by_axis(
+        step.lower(params, state, batch).compile(), mesh)
+    assert sent["fsdp"] == 2 * 3 / 4 * 4 * count + 2 * 3 / 4 * 4
+    blocks = tuple(int(np.prod(s)) // 4 for s in shapes.values())
+    vote = message.MessageLayout(blocks, 2, quantize.BINARY, "mavo",
+                                 "alltoall").sent_bytes()
+    assert sent["data"] == vote + 4
+
+
+def test_vote_over_the_shard_axis_is_refused():
+  """Was (the hand-made layout): accepted, adding up votes of different
+  entries."""
+  mesh = hybrid_mesh(2, 4)
+  params = parallel.replicate({"w": jnp.ones((8, 6))}, mesh)
+  tx = dl.distributed_lion(1e-2, axis_name=("data", "fsdp"))
+  state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
+  with pytest.raises(ValueError) as e:
+    step(params, state, jax.device_put({"w": jnp.ones((8, 8, 6))},
+                                       NamedSharding(mesh, P(("data",
+                                                              "fsdp")))))
+  assert_names(e, "axis_name=('data', 'fsdp')", "'fsdp', which the compiler "
+               "owns", "axis_name=('data',)")
+
+
+def test_state_without_shard_axis_is_the_same_step():
+  """A state built without shard_axis (momenta whole on every device of
+  a node) gives the same step as the ZeRO-2 state and keeps its
+  placement; one with a row per device names the fix."""
   mesh = hybrid_mesh(2, 4)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  p = parallel.replicate({"w": np.ones(11, np.float32)}, mesh)
-  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
-  batch = parallel.shard_batch({"w": np.ones((8, 11), np.float32)}, mesh,
-                               axis_name=("data", "fsdp"))
+  p = parallel.replicate({"w": np.linspace(-1, 1, 12, dtype=np.float32)},
+                         mesh)
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
+                                  donate=False)
+  batch = parallel.shard_batch(
+      {"w": np.random.default_rng(0).normal(size=(8, 12)).astype(
+          np.float32)}, mesh, axis_name=("data", "fsdp"))
+  out = []
+  for shard_axis in (None, "fsdp"):
+    state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
+    new, state, _ = step(p, state, batch)
+    out.append((np.asarray(new["w"]), np.asarray(state[0].mu["w"])))
+    assert state[0].mu["w"].sharding.spec == P(
+        "data", *([] if shard_axis is None else ["fsdp"]))
+  for got, want in zip(*out):
+    np.testing.assert_array_equal(got, want)
+  flat = parallel.data_mesh(8)
+  rows = parallel.init_worker_states(tx, parallel.replicate(
+      {"w": np.zeros(12, np.float32)}, flat), flat)
   with pytest.raises(ValueError) as e:
-    step(p, parallel.init_worker_states(tx, p, mesh), batch)
-  assert_names(e, "shape (2,)", "size 8",
-               "parallel.init_worker_states(tx, params, mesh, "
-               "shard_axis='fsdp')")
+    step(p, jax.device_put(jax.device_get(rows), NamedSharding(
+        mesh, P(("data", "fsdp")))), batch)
+  assert_names(e, "shape (8,)", "size 2", "a row per device of the mesh (8)",
+               "parallel.init_worker_states(tx, params, mesh)")
+
+
+def test_a_leaf_cut_over_shard_axis_with_another_axis_is_refused():
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"),
+                       axis_types=(AxisType.Explicit,) * 3)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  p = {"w": jax.device_put(jnp.ones((8, 3)),
+                           NamedSharding(mesh, P(("fsdp", "model"))))}
+  state = parallel.init_worker_states(tx, p, mesh)
+  step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
+  with pytest.raises(ValueError) as e:
+    step(p, state, jax.device_put({"w": jnp.ones((8, 8, 3))},
+                                  NamedSharding(mesh, P(("data", "fsdp")))))
+  assert_names(e, "params leaf ['w']", "('fsdp', 'model')",
+               "shard_axis='fsdp'", "parallel.shard_params(params, mesh, "
+               "'fsdp')")
 
 
 @pytest.mark.parametrize("build", ["make_train_step", "init_worker_states"])

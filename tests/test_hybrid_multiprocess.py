@@ -1,7 +1,8 @@
 """A hybrid step on 2 real processes x 4 CPU devices (gloo across them)
 equals the single-process (2, 4) mesh bit for bit: params and every
-device's shard of the momentum; for the hand-made layout (shard_axis) and
-for params sharded at rest with the step manual over "data" only."""
+node's momentum; with shard_axis (params replicated or sharded at rest)
+and for params sharded at rest with the step leaving "fsdp" to the
+compiler."""
 
 import os
 import subprocess
@@ -18,7 +19,8 @@ pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("layout", ["hand", "zero3"])
+@pytest.mark.parametrize("layout", ["shard_axis", "shard_axis_zero3",
+                                    "zero3"])
 def test_two_processes_equal_one_process(tmp_path, layout):
   out = tmp_path / "multi.npz"
   run = subprocess.run(

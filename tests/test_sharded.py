@@ -264,20 +264,6 @@ def test_micro_batches_and_apply_if_finite():
     np.testing.assert_array_equal(np.asarray(p[k]), before[k])
 
 
-def test_vote_over_the_shard_axis_of_a_hybrid_step_is_refused():
-  """Was: accepted, adding up votes of different entries."""
-  mesh = parallel.hybrid_mesh(2)
-  params = parallel.replicate({"w": jnp.ones((8, 6))}, mesh)
-  tx = dl.distributed_lion(1e-2, axis_name=("data", "fsdp"))
-  state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
-  step = parallel.make_train_step(node_loss(1), tx, mesh, shard_axis="fsdp")
-  with pytest.raises(ValueError, match="includes 'fsdp', the axis the leaves "
-                     "are cut into shards over"):
-    step(params, state, jax.device_put({"w": jnp.ones((8, 8, 6))},
-                                       NamedSharding(mesh, P(("data",
-                                                              "fsdp")))))
-
-
 def test_vote_over_a_compiler_axis_is_refused():
   mesh = make_mesh("fsdp at rest")
   params = place({"w": jnp.ones((8, 6))}, mesh, {"w": P("fsdp")})
@@ -348,21 +334,23 @@ def test_shard_params_picks_the_largest_divisible_dimension():
   assert got["a"] is not tree["a"]
 
 
-def test_state_of_the_hand_made_layout_names_shard_axis():
-  """A state built with shard_axis (a row per device) given to the step
-  that leaves the fast axis to the compiler: the error says which
-  argument built it and what to write instead."""
+def test_state_built_with_shard_axis_is_a_zero2_state():
+  """init_worker_states' shard_axis shards each momentum as shard_params
+  would: the state of ZeRO-2, which the step without shard_axis takes
+  too (the gradient cut to the momentum's blocks)."""
   mesh = parallel.hybrid_mesh(2)
-  params = parallel.replicate({"w": jnp.ones((8, 6))}, mesh)
+  params = parallel.replicate({"w": jnp.ones((8, 6)), "b": jnp.ones(3)},
+                              mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
-  step = parallel.make_train_step(node_loss(4), tx, mesh)
-  with pytest.raises(ValueError, match=r"has shape \(8,\).* a row per "
-                     r"device: it was built with init_worker_states\(\.\.\., "
-                     r"shard_axis=\.\.\.\).*, no shard_axis\."):
-    step(params, state, jax.device_put({"w": jnp.ones((8, 8, 6))},
-                                       NamedSharding(mesh, P(("data",
-                                                              "fsdp")))))
+  assert state[0].mu["w"].sharding.spec == P("data", "fsdp")
+  assert state[0].mu["b"].sharding.spec == P("data")
+  step = parallel.make_train_step(node_loss(4), tx, mesh, donate=False)
+  p, state, _ = step(params, state, jax.device_put(
+      {"w": jnp.ones((8, 8, 6)), "b": jnp.ones((8, 3))},
+      NamedSharding(mesh, P(("data", "fsdp")))))
+  assert state[0].mu["w"].sharding.spec == P("data", "fsdp")
+  assert np.all(np.asarray(p["w"]) < 1)
 
 
 # A fresh-eyed review's cases (each failed before its fix).

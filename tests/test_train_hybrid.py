@@ -103,9 +103,11 @@ def _run(tx, mesh, shard_axis, params, batches):
 
 @pytest.mark.parametrize("name", ["lion", "adamw", "sgd"])
 def test_global_optimizers_on_shards_equal_them_whole(name):
-  """pmean_gradients over "data" on node means of shards is the global
-  mean: on small integers (exact means) the same params, bit for bit, and
-  the same state, cut into shards."""
+  """pmean_gradients over "data" on node means is the global mean: on
+  small integers (exact means) the same gradients, so the same params and
+  the same state in each node's row, up to the rounding where XLA fuses
+  optax's own update unlike the flat step's (a multiply-add contracted in
+  one and not the other: AdamW's second moment, SGD's trace)."""
   cfg = load_config(cli.resolve_config(None), [
       f"optimizer.name={name}", "optimizer.learning_rate=0.1",
       "optimizer.weight_decay=0.1", "optimizer.warmup_steps=0"]).optimizer
@@ -118,16 +120,18 @@ def test_global_optimizers_on_shards_equal_them_whole(name):
   flat, flat_state = _run(tx, parallel.data_mesh(8), None, params, batches)
   hybrid, state = _run(tx, parallel.hybrid_mesh(2, devices=jax.devices()[:8]),
                        "fsdp", params, batches)
-  chex.assert_trees_all_equal(flat, hybrid)
-  for whole, shards in zip(jax.tree.leaves(flat_state),
-                           jax.tree.leaves(state)):
-    whole, shards = np.asarray(whole), np.asarray(shards)
-    if whole.ndim == 1:            # counts: one per worker
-      np.testing.assert_array_equal(whole, shards)
-      continue
-    for node in range(2):          # each node's 4 shards make a whole row
-      row = shards[4 * node:4 * node + 4].reshape(-1)[:whole[0].size]
-      np.testing.assert_array_equal(row, whole[0].reshape(-1))
+  for k in params:
+    np.testing.assert_allclose(np.asarray(hybrid[k]), np.asarray(flat[k]),
+                               rtol=1e-6, atol=1e-7)
+  for whole, nodes in zip(jax.tree.leaves(flat_state),
+                          jax.tree.leaves(state)):
+    whole, nodes = np.asarray(whole), np.asarray(nodes)
+    assert nodes.shape == (2,) + whole.shape[1:]   # a row per node
+    for node in nodes:             # the global state, on every worker
+      if node.dtype.kind == "f":
+        np.testing.assert_allclose(node, whole[0], rtol=1e-6, atol=1e-7)
+      else:
+        np.testing.assert_array_equal(node, whole[0])
 
 
 @pytest.fixture(scope="module")
@@ -150,11 +154,10 @@ def test_resume_equals_uninterrupted(hybrid_run, tmp_path):
   chex.assert_trees_all_equal(full["params"], resumed["params"])
   chex.assert_trees_all_equal(full["opt_state"], resumed["opt_state"])
   mu = jax.tree.leaves(full["opt_state"][0].mu)
-  size = {x.size for x in jax.tree.leaves(full["params"])}
-  assert all(m.shape[0] == 8 and m.ndim == 2 for m in mu)
-  assert {m.shape[1] for m in mu} == {-(-n // 4) for n in size}
+  assert [m.shape for m in mu] == [
+      (2,) + x.shape for x in jax.tree.leaves(full["params"])]
   first = np.asarray(mu[0])
-  assert not np.array_equal(first[0], first[4])    # each node's momentum
+  assert not np.array_equal(first[0], first[1])    # each node's momentum
 
 
 @pytest.mark.integration
@@ -183,18 +186,23 @@ def test_wire_report_counts_both_axes(hybrid_run):
   assert summary["analytic_bits_per_param_across_nodes"] == 0.25
   assert summary["analytic_bits_per_param_inside_nodes"] == 48
   assert summary["analytic_bits_per_param"] == 48.25
-  # Read off the HLO: those plus the metrics' all-reduce and shard padding.
-  assert 48.25 <= summary["sent_bits_per_param"] < 48.75
+  # Read off the HLO: those, plus the means of the loss and accuracy over
+  # both axes, and the bias of 10 that 4 devices cannot divide: its
+  # gradient all-reduced and its vote's 3-entry chunks gathered, a tiny
+  # model's overhead.
+  assert 48.25 <= summary["sent_bits_per_param"] < 49.25
   assert "dlion on 8 workers as 2 nodes of 4 (cpu)" in text
   # Measured per axis (dl.collective_bytes_by_axis): the vote across the
-  # nodes (plus padding to words: a tiny model), fp32 inside a node, the
-  # scalar metrics over both; together the total.
+  # nodes (plus padding to words: a tiny model) and the metrics' mean; fp32
+  # inside a node (the 610 params: 600 reduce-scattered and gathered, the
+  # bias of 10 as above, the metrics); together the total.
   across = summary["sent_bits_per_param_over_data"]
   inside = summary["sent_bits_per_param_over_fsdp"]
-  both = summary["sent_bits_per_param_over_data+fsdp"]
-  assert 0.25 <= across < 0.3 and 48 <= inside < 48.5 and 0 < both < 0.25
-  assert across + inside + both == pytest.approx(
-      summary["sent_bits_per_param"])
+  assert 0.25 <= across < 0.4
+  assert inside == pytest.approx(
+      (2 * 3 / 4 * 4 * 600 + 2 * 3 / 4 * 4 * 10 + 3 * 3 * 4 + 2 * 6) * 8 / 610)
+  assert "sent_bits_per_param_over_data+fsdp" not in summary
+  assert across + inside == pytest.approx(summary["sent_bits_per_param"])
   assert (f"of which {across:.3f} bits/param/step across the 2 nodes "
           "(analytic 0.250), ") in text
   assert (f"across the nodes, what the slow links carry: {across:.3f} "
@@ -208,9 +216,10 @@ def test_global_optimizer_trains_on_the_layout(tmp_path):
   summary = trainer.train(cfg, progress=False, log=lambda *_: None)["summary"]
   assert np.isfinite(summary["test_loss"])
   # Reduce-scatter and all-gather in a node, an fp32 all-reduce of 1/4 of
-  # the params across 2 nodes: what a flat fp32 all-reduce over 8 sends.
+  # the params across 2 nodes: what a flat fp32 all-reduce over 8 sends
+  # (plus, on this tiny model, the metrics and the bias of 10 above).
   assert summary["analytic_bits_per_param"] == 56
-  assert 56 <= summary["sent_bits_per_param"] < 56.5
+  assert 56 <= summary["sent_bits_per_param"] < 57
 
 
 @pytest.mark.integration
@@ -243,8 +252,8 @@ def test_shard_params_needs_nodes():
 def test_fsdp_run_shards_params_votes_across_nodes_and_resumes(hybrid_run,
                                                                tmp_path):
   """mesh.shard_params: params and momenta sharded over each node's
-  devices at rest, 1/4 of the vote across the nodes, --resume bit for bit
-  with the sharded state."""
+  devices at rest, 1/4 of the vote across the nodes, the same bytes as
+  replicated params, --resume bit for bit with the sharded state."""
   fsdp = ["mesh.shard_params=true"]
   full = trainer.train(_config(tmp_path / "run", *fsdp), progress=False,
                        log=lambda *_: None)
@@ -253,13 +262,14 @@ def test_fsdp_run_shards_params_votes_across_nodes_and_resumes(hybrid_run,
   mu = jax.tree.leaves(full["opt_state"][0].mu)
   assert {m.shape[1:] for m in mu} == {
       x.shape for x in jax.tree.leaves(full["params"])}   # whole leaves
-  # The vote of a quarter of each leaf, as the hand-made layout sends it,
-  # and the metrics' mean over the nodes (loss and accuracy, f32: 8 bytes;
-  # the hand-made layout's runs over both axes).
-  count = sum(x.size for x in jax.tree.leaves(full["params"]))
-  hand = hybrid_run[1]["summary"]["sent_bits_per_param_over_data"]
-  over_data = full["summary"]["sent_bits_per_param_over_data"]
-  assert over_data == pytest.approx(hand + 8 * 8 / count, abs=0.002)
+  # The vote of a quarter of each leaf and the metrics' mean over the
+  # nodes, as with replicated params; inside a node the params' all-gather
+  # takes the place of the updates'.
+  hand = hybrid_run[1]["summary"]
+  assert full["summary"]["sent_bits_per_param_over_data"] == (
+      hand["sent_bits_per_param_over_data"])
+  assert full["summary"]["sent_bits_per_param_over_fsdp"] == pytest.approx(
+      hand["sent_bits_per_param_over_fsdp"])
   shutil.copytree(tmp_path / "run", tmp_path / "again")
   shutil.rmtree(tmp_path / "again" / "checkpoints" / "8")
   (tmp_path / "again" / "summary.json").unlink()

@@ -24,11 +24,13 @@ chips, then ``optax.lion``/``optax.adamw``), flat D-Lion with each ``comm``
 (``dlion-alltoall``, ``-allgather``, ``-psum``, ``-psum_int8``, ``-auto``: one
 ``data`` axis over every chip), and on a ``(data, fsdp)`` mesh of slices x
 chips a slice, votes or fp32 all-reduce over DCN on ``1/k`` of the params:
-the hand-made hybrid layout (``hybrid-dlion``, ``hybrid-adamw``:
-``shard_axis="fsdp"``), and the step manual over ``data`` only, the
-compiler owning ``fsdp``, with params and state replicated
-(``sharded-*``), the state sharded (``zero2-*``) or both (``zero3-*``, as
-:func:`dlion_jax.parallel.shard_params` places them). Models:
+``shard_axis="fsdp"`` (each slice's gradients reduce-scattered by the
+library, the state sharded) with params replicated (``hybrid-dlion``,
+``hybrid-adamw``: ZeRO-2) or sharded at rest (``hybrid3-*``: ZeRO-3), and
+the step that leaves ``fsdp`` wholly to the compiler, with params and
+state replicated (``sharded-*``), the state sharded (``zero2-*``) or both
+(``zero3-*``), as :func:`dlion_jax.parallel.shard_params` places them.
+Models:
 :mod:`dlion_jax.bench.aot_models`.
 
 Usage::
@@ -65,10 +67,13 @@ from dlion_jax.bench import reporting
 
 LEARNING_RATE = 1e-4
 COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
-# Layouts of a (data, fsdp) mesh: the hand-made hybrid (shard_axis), and the
+# Layouts of a (data, fsdp) mesh: shard_axis="fsdp" (the gradients reduced
+# inside a slice by the library) with params replicated (ZeRO-2) or sharded
+# at rest (ZeRO-3), and the
 # step manual over data only with params and state replicated, ZeRO-2 or
 # ZeRO-3 (parallel.shard_params).
-LAYOUTS = ("hybrid", "sharded", "zero2", "zero3")
+LAYOUTS = ("hybrid", "hybrid3", "sharded", "zero2", "zero3")
+SHARD_AXIS_LAYOUTS = ("hybrid", "hybrid3")
 VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
             + tuple(f"{layout}-{opt}" for layout in LAYOUTS
                     for opt in ("dlion", "adamw")))
@@ -340,23 +345,21 @@ def _fsdp(tree: Any, mesh: Mesh) -> Any:
 
 def abstract_args(problem: aot_models.Problem, v: Variant, mesh: Mesh):
   """(params, states, batch) as sharded ``ShapeDtypeStruct`` trees."""
-  shard_axis = "fsdp" if v.layout == "hybrid" else None
   params = _with_sharding(problem.params, mesh, P())
   batch = _with_sharding(problem.batch(mesh.devices.size), mesh,
                          P(("data", "fsdp") if v.hybrid else "data"))
-  if v.layout in ("flat", "hybrid"):
-    workers = ("data", "fsdp") if v.hybrid else "data"
+  if v.layout == "flat":
     states = jax.eval_shape(
-        lambda p: parallel.init_worker_states(v.tx, p, mesh,
-                                              shard_axis=shard_axis), params)
-    return params, _with_sharding(states, mesh, P(workers)), batch
+        lambda p: parallel.init_worker_states(v.tx, p, mesh), params)
+    return params, _with_sharding(states, mesh, P("data")), batch
   placed = params if v.layout == "sharded" else _fsdp(problem.params, mesh)
   shapes = jax.eval_shape(
       lambda p: parallel.init_worker_states(v.tx, p, mesh), placed)
   shardings = parallel.state_shardings(v.tx, shapes, placed, mesh)
   states = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=s), shapes, shardings)
-  return (placed if v.layout == "zero3" else params), states, batch
+  sharded_at_rest = v.layout in ("zero3", "hybrid3")
+  return (placed if sharded_at_rest else params), states, batch
 
 
 def _read_bytes(row: Row, compiled) -> None:
@@ -379,7 +382,7 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
             analytic_bits=analytic_bits(v, slices, len(devices)))
   step = parallel.make_train_step(
       problem.loss_fn, v.tx, mesh,
-      shard_axis="fsdp" if v.layout == "hybrid" else None)
+      shard_axis="fsdp" if v.layout in SHARD_AXIS_LAYOUTS else None)
   gc.collect()
   try:
     tic = time.perf_counter()

@@ -2,18 +2,18 @@
 
 A job of ``nodes`` machines with ``k`` devices each. Flat, every device is a
 voter on one ``data`` axis that spans the slow links between the machines.
-Hybrid (:func:`dlion_jax.parallel.make_train_step` with ``shard_axis``),
-each node's gradients are reduced exactly over its fast ``fsdp`` axis and
-only the ``nodes`` devices that hold the same shard vote over ``data``, on
-``1/k`` of the params. Sharded (the same step on a ``("data", "fsdp")``
-mesh without ``shard_axis``: manual over ``data`` only, the compiler owns
-``fsdp``), params and state replicated, ZeRO-2 or ZeRO-3
-(:func:`dlion_jax.parallel.shard_params`), each device voting on its own
-part of every leaf; with the step's memory per device
-(``memory_analysis()``). This compiles the train CLI's GPT training step
-(forward, backward, optimizer) on 8 simulated CPU devices for each layout
-and reads off the compiled HLO what each device sends over each axis
-(:func:`dlion_jax.collective_bytes_by_axis`), for Distributed Lion (MaVo,
+Hybrid, only the ``nodes`` devices that hold the same block of a leaf vote
+over ``data``, on ``1/k`` of the params; inside a node, either
+:func:`dlion_jax.parallel.make_train_step`'s ``shard_axis="fsdp"`` reduces
+the gradients (each device differentiates its rows, one reduce-scatter a
+leaf; params replicated, ZeRO-2, or sharded at rest, ZeRO-3), or the step
+leaves ``fsdp`` to the compiler (no ``shard_axis``) with params and state
+replicated, ZeRO-2 or ZeRO-3 (:func:`dlion_jax.parallel.shard_params`).
+This compiles the train CLI's GPT training step (forward, backward,
+optimizer) on 8 simulated CPU devices for each layout and reads off the
+compiled HLO what each device sends over each axis
+(:func:`dlion_jax.collective_bytes_by_axis`), with the step's memory per
+device (``memory_analysis()``), for Distributed Lion (MaVo,
 ``comm='auto'``) and for global Lion (fp32 gradients averaged, the
 baseline). Nothing is run: the figures are exact bytes, not timings.
 
@@ -50,11 +50,13 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
 
 
 # How a layout places the params and the optimizer state, and the step it
-# runs: "flat" (one data axis), "hand" (shard_axis="fsdp", the hand-made
-# shards), or the step manual over "data" only on an ("data", "fsdp")
-# mesh: params and state replicated, ZeRO-2 (state sharded) or ZeRO-3
-# (both sharded), placed by parallel.shard_params.
-PLACEMENTS = ("flat", "hand", "replicated", "zero2", "zero3")
+# runs: "flat" (one data axis); shard_axis="fsdp" with params replicated
+# ("shard_axis", ZeRO-2) or sharded at rest ("shard_axis zero3"); or the
+# step that leaves "fsdp" to the compiler, params and state replicated,
+# ZeRO-2 (state sharded) or ZeRO-3 (both sharded), placed by
+# parallel.shard_params.
+PLACEMENTS = ("flat", "shard_axis", "shard_axis zero3", "replicated",
+              "zero2", "zero3")
 
 
 def measure(tx, mesh, placement) -> tuple[dict, dict, int]:
@@ -62,17 +64,17 @@ def measure(tx, mesh, placement) -> tuple[dict, dict, int]:
   step's memory per device (MB); the param count."""
   loss_fn, params, make_batch = compile_bench.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
-  shard_axis = "fsdp" if placement == "hand" else None
+  shard_axis = "fsdp" if placement.startswith("shard_axis") else None
   whole = parallel.replicate(params, mesh)
   sharded = (parallel.shard_params(params, mesh)
-             if placement in ("zero2", "zero3") else whole)
-  states = parallel.init_worker_states(tx, sharded, mesh,
-                                       shard_axis=shard_axis)
+             if placement != "flat" and placement != "replicated" else whole)
+  states = parallel.init_worker_states(tx, sharded, mesh)
   axes = "data" if placement == "flat" else ("data", "fsdp")
   batch = jax.device_put(make_batch(mesh.devices.size),
                          NamedSharding(mesh, P(axes)))
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
-  compiled = step.lower(sharded if placement == "zero3" else whole, states,
+  at_rest = placement.endswith("zero3")
+  compiled = step.lower(sharded if at_rest else whole, states,
                         batch).compile()
   sent = dl.collective_bytes_by_axis(compiled, mesh)
   memory = compiled.memory_analysis()
@@ -88,8 +90,7 @@ def layouts(workers: int) -> list[tuple[str, int | None, str]]:
   for nodes in (2, 4):
     if workers % nodes == 0 and nodes < workers:
       k = workers // nodes
-      out.append((f"{nodes} nodes x {k}, shard_axis", nodes, "hand"))
-      for placement in PLACEMENTS[2:]:
+      for placement in PLACEMENTS[1:]:
         out.append((f"{nodes} nodes x {k}, {placement}", nodes, placement))
   return out
 

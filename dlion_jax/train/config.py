@@ -105,18 +105,16 @@ class MeshConfig:
 
   ``nodes`` unset (null, the default): one data-parallel axis, every worker
   a voter. ``nodes: n``: a hybrid mesh of ``n`` nodes of ``workers / n``
-  devices (:func:`dlion_jax.parallel.hybrid_mesh`). A node's devices average
-  their gradients exactly and each keeps ``1/k`` of the optimizer state
-  (ZeRO-2); the optimizer works across the nodes only: dlion and signum
-  vote between nodes, lion, adamw and sgd all-reduce the gradient shards
-  (the updates of a run without ``nodes`` up to the rounding of the sums,
-  the state sharded).
+  devices (:func:`dlion_jax.parallel.hybrid_mesh`). A node's devices each
+  differentiate their own rows, average their gradients exactly (one
+  reduce-scatter) and each keeps its block of every leaf of the optimizer
+  state (ZeRO-2); the optimizer works across the nodes only: dlion and
+  signum vote between nodes, lion, adamw and sgd all-reduce the gradients
+  (the updates of a run without ``nodes`` up to the rounding of the sums).
 
-  ``shard_params: true`` (with ``nodes``): FSDP instead. The params and the
-  optimizer state are sharded over a node's devices at rest
-  (:func:`dlion_jax.parallel.shard_params`, ZeRO-3); the step is manual
-  over the nodes only and the compiler owns the node's devices (gathering
-  params for the forward pass); each device votes on its own shard.
+  ``shard_params: true`` (with ``nodes``): the params are sharded over a
+  node's devices at rest too (:func:`dlion_jax.parallel.shard_params`,
+  ZeRO-3) and gathered for each step.
   """
   nodes: Optional[int] = None
   shard_params: bool = False

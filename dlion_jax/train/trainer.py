@@ -8,9 +8,10 @@ directory. It ends by reporting what went over the wire, read off the
 compiled step's HLO, next to what an fp32 gradient all-reduce would send.
 
 With ``mesh.nodes`` the mesh is hybrid (:func:`make_mesh`): the batch is
-split over both of its axes, the optimizer state is sharded over
-:data:`SHARD_AXIS` inside each node, and the optimizer works across the
-nodes (:data:`AXIS`) only.
+split over both of its axes, each node's gradients are reduce-scattered
+over :data:`SHARD_AXIS`, the optimizer state (and with
+``mesh.shard_params`` the params) is sharded over it, and the optimizer
+votes across the nodes (:data:`AXIS`) only.
 """
 
 from __future__ import annotations
@@ -120,13 +121,10 @@ def make_mesh(cfg: Config):
                               devices=list(mesh.devices.flat))
 
 
-def shard_axis(mesh, cfg: Config | None = None) -> str | None:
-  """The axis the hand-made hybrid layout shards the optimizer state over
-  (``make_train_step``'s ``shard_axis``), else None: a flat mesh, or FSDP
-  params (``mesh.shard_params``), whose step leaves the axis to the
-  compiler."""
-  if cfg is not None and cfg.mesh.shard_params:
-    return None
+def shard_axis(mesh) -> str | None:
+  """``make_train_step``'s ``shard_axis`` on a hybrid mesh (each node's
+  gradients reduce-scattered over its devices, params replicated or, with
+  ``mesh.shard_params``, sharded at rest), else None."""
   return SHARD_AXIS if SHARD_AXIS in mesh.axis_names else None
 
 
@@ -233,7 +231,7 @@ def sent_bytes_per_step(cfg: Config, compiled, steps: int) -> float:
 
 def sent_bytes_by_axis(cfg: Config, compiled, mesh, steps: int) -> dict:
   """:func:`sent_bytes_per_step` split by the mesh axes each collective
-  crosses (``"data+fsdp"``: both, e.g. the loss mean)."""
+  crosses (``"data+fsdp"`` for one that crosses both)."""
   always = dl.collective_bytes_by_axis(compiled, mesh, conditional=False)
   every = dl.collective_bytes_by_axis(compiled, mesh)
   rate = _sync_rate(cfg, steps)
@@ -396,7 +394,7 @@ def _setup(cfg: Config, mesh) -> _Run:
                                   total_steps=cfg.train.steps, axis_name=AXIS)
   params = place_params(params, cfg, mesh)
   opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS,
-                                          shard_axis=shard_axis(mesh, cfg))
+                                          shard_axis=shard_axis(mesh))
   batches = data_lib.Batches(dataset.train, global_batch=cfg.data.global_batch,
                              seed=cfg.seed, kind=dataset.kind,
                              seq_len=(cfg.data.seq_len if dataset.kind == "lm"
@@ -442,7 +440,7 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   per_worker = NamedSharding(run.mesh, P(worker_axes(run.mesh)))
   step_fn = parallel.make_train_step(make_loss_fn(run.graphdef), run.tx,
                                      run.mesh, axis_name=AXIS,
-                                     shard_axis=shard_axis(run.mesh, cfg),
+                                     shard_axis=shard_axis(run.mesh),
                                      has_aux=True)
   position = run.batches.state()
   example = parallel.global_array(next(run.batches), per_worker)
@@ -633,17 +631,16 @@ def _summary_text(s: dict, cfg: Config) -> str:
       f"{_fmt_bytes(s['sent_bytes_per_step'])}/step, "
       f"{_fmt_bytes(s['sent_bytes_total'])} over {cfg.train.steps} steps")
   if cfg.mesh.nodes is not None:
-    inside = ("fp32 params all-gather and gradient reduce-scatter, the "
-              "compiler's" if cfg.mesh.shard_params else
-              "fp32 gradient reduce-scatter and params all-gather")
+    inside = ("fp32 params all-gather and gradient reduce-scatter"
+              if cfg.mesh.shard_params else
+              "fp32 gradient reduce-scatter and updates all-gather")
     lines.append(
         f"of which {s['sent_bits_per_param_over_data']:.3f} bits/param/step "
         f"across the {cfg.mesh.nodes} nodes (analytic "
         f"{s['analytic_bits_per_param_across_nodes']:.3f}), "
         f"{s['sent_bits_per_param_over_fsdp']:.1f} inside a node (analytic "
-        f"{s['analytic_bits_per_param_inside_nodes']:.0f}: {inside}), "
-        f"{s.get('sent_bits_per_param_over_data+fsdp', 0.0):.4f} over both "
-        "(the loss)")
+        f"{s['analytic_bits_per_param_inside_nodes']:.0f}: {inside}); "
+        "each also carries the loss and metrics' means")
   lines.append(
       f"an fp32 gradient all-reduce would send "
       f"{dl.allreduce_bits(cfg.workers):.0f} bits/param/step = "

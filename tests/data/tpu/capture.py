@@ -5,7 +5,10 @@ Compiles the small MLP's training step for 2 slices of v5e 2x2 with libtpu
 module's text, gzipped, beside this file:
 
 * ``flat_<comm>.hlo.gz``: the flat step over the 8 chips, each ``comm``;
-* ``hybrid.hlo.gz``: the hybrid step, ``data`` = 2 slices x ``fsdp`` = 4.
+* ``hybrid.hlo.gz``: the hybrid step, ``data`` = 2 slices x ``fsdp`` = 4;
+* ``reduce_scatter.hlo.gz``: a ``psum_scatter`` of a ``[4, 1648, 128]``
+  buffer inside each slice, which XLA:TPU prints as a fusion calling
+  ``all-reduce-scatter`` (:func:`scatter_buffer`).
 
 Run: ``JAX_PLATFORMS=cpu python tests/data/tpu/capture.py``.
 """
@@ -47,11 +50,25 @@ def compile_step(mesh, tx, shard_axis=None):
   state = jax.eval_shape(
       lambda p: parallel.init_worker_states(tx, p, mesh,
                                             shard_axis=shard_axis), params)
-  state = jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=split), state)
+  shardings = parallel.state_shardings(tx, state, params, mesh,
+                                       shard_axis=shard_axis)
+  state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=s), state, shardings)
   batch = jax.ShapeDtypeStruct((64, 512), jnp.float32, sharding=split)
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
   return step.lower(params, state, batch).compile()
+
+
+def scatter_buffer(mesh):
+  """A reduce-scatter of a tiled ``[k, rows, 128]`` f32 buffer over
+  ``fsdp``, compiled."""
+  scatter = jax.shard_map(
+      lambda x: jax.lax.psum_scatter(x, "fsdp", scatter_dimension=0,
+                                     tiled=True),
+      mesh=mesh, in_specs=P("data"), out_specs=P("data", "fsdp"))
+  buffer = jax.ShapeDtypeStruct((8, 1648, 128), jnp.float32,
+                                sharding=NamedSharding(mesh, P("data")))
+  return jax.jit(scatter).lower(buffer).compile()
 
 
 def devices(slices=2):
@@ -68,6 +85,7 @@ def main():
   hybrid = jax.sharding.Mesh(np.array(chips).reshape(2, 4), ("data", "fsdp"))
   tx = dl.distributed_lion(1e-3, axis_name="data")
   write("hybrid", compile_step(hybrid, tx, "fsdp"))
+  write("reduce_scatter", scatter_buffer(hybrid))
 
 
 def write(name, compiled):
