@@ -98,9 +98,12 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
   axes stay the compiler's): each device gathers whole params over
   ``shard_axis`` (those sharded over it at rest), runs
   ``grad_fn(params, its batch rows)`` and takes its block of the node's
-  mean gradient in one reduce-scatter per leaf, the sum over
-  ``shard_axis`` times ``1/k`` (one rounding a reference can reproduce).
-  JAX's FSDP recipe with ``shard_map``, written out so that the fast
+  mean gradient in one reduce-scatter per leaf: the sum over
+  ``shard_axis`` of each device's gradient times ``1/k``. (Scaled after
+  the sum, XLA folds ``1/k`` into the constants of the update that
+  follows, e.g. Lion's ``1 - b2``, and the momentum rounds otherwise than
+  the mean's definition says.) JAX's FSDP recipe with ``shard_map``,
+  written out so that the fast
   links carry one all-gather and one reduce-scatter whatever the model:
   left to the compiler, an unannotated model may run the node's whole
   batch on every device or gather each weight once per use.
@@ -155,13 +158,12 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
 
   def run(params, batch):
     treedef = jax.tree.structure(params)
-    stacked = lambda dims: treedef.unflatten(
-        [P(axis_name, *spec(d)) for d in dims])
     return jax.shard_map(
         local, mesh=mesh,
         in_specs=(treedef.unflatten([spec(d) for d in param_dims]),
                   P((axis_name, shard_axis))),
-        out_specs=(P(axis_name), stacked(grad_dims)),
+        out_specs=(P(axis_name), treedef.unflatten(
+            [P(axis_name, *spec(d)) for d in grad_dims])),
         axis_names={axis_name, shard_axis}, check_vma=False)(params, batch)
   return run
 

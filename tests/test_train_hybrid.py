@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from messages import assert_names
 
 pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 
@@ -175,6 +176,27 @@ def test_resume_refuses_another_layout(hybrid_run, tmp_path, capsys):
         f"written with another config: mesh.nodes=2 there, {here} here. "
         "Resume with the checkpoint's values, or start a new run instead of "
         "--resume (--overwrite, or --set run_dir=...)."]
+
+
+@pytest.mark.integration
+def test_resume_refuses_a_state_of_a_row_per_device(hybrid_run, tmp_path):
+  """A checkpoint of the earlier hybrid layout, its state a row per device
+  (its metadata without "state_rows"), is refused with the fix, not
+  restored into the wrong shapes."""
+  run_dir, _, _ = hybrid_run
+  shutil.copytree(run_dir, tmp_path / "run")
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "8")
+  metas = [f for f in (tmp_path / "run" / "checkpoints" / "4").rglob("*")
+           if f.is_file() and b'"state_rows"' in f.read_bytes()]
+  assert len(metas) == 1
+  meta = json.loads(metas[0].read_text())
+  assert meta.pop("state_rows") == 2
+  metas[0].write_text(json.dumps(meta))
+  with pytest.raises(ValueError) as e:
+    trainer.train(_config(tmp_path / "run"), resume=True, progress=False,
+                  log=lambda *_: None)
+  assert_names(e, "step 4", "8 rows, one per device", "has 2",
+               "--overwrite", "--set run_dir=...")
 
 
 @pytest.mark.integration

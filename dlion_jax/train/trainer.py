@@ -576,10 +576,17 @@ def _load_data(cfg: Config):
   return data_lib.load_dataset(cfg.data.name, **kwargs)
 
 
+def _state_rows(cfg: Config) -> int:
+  """Rows of the stacked optimizer state: one per voter (a node of a
+  hybrid mesh, else a worker)."""
+  return cfg.mesh.nodes or cfg.workers
+
+
 def _save(ckpt, step, params, opt_state, batches, cfg):
   ckpt.save(step, {"params": params, "opt_state": opt_state},
             {"step": step, "data": batches.state(), "workers": cfg.workers,
-             "seed": cfg.seed, "config": rundir.comparable(cfg)})
+             "state_rows": _state_rows(cfg), "seed": cfg.seed,
+             "config": rundir.comparable(cfg)})
 
 
 def _resume(ckpt, cfg, like, batches):
@@ -599,6 +606,15 @@ def _resume(ckpt, cfg, like, batches):
         f"The checkpoint at step {latest} was written with "
         f"workers={meta['workers']}, this run has workers={cfg.workers}: "
         "each worker's momentum is saved, so resume with the same count.")
+  # Before the hybrid state kept a row per node it kept one per device.
+  rows = meta.get("state_rows", cfg.workers)
+  if rows != _state_rows(cfg):
+    raise ValueError(
+        f"The checkpoint at step {latest} holds the optimizer state in "
+        f"{rows} rows, one per device of each node, as dlion_jax wrote it "
+        "before the hybrid layout kept one row per node; this run's state "
+        f"has {_state_rows(cfg)}. Start the run afresh (--overwrite, or "
+        "--set run_dir=...).")
   state, meta = ckpt.restore({"params": like[0], "opt_state": like[1]},
                              latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
@@ -608,8 +624,8 @@ def _resume(ckpt, cfg, like, batches):
 
 def _saved_config(meta: dict) -> dict | None:
   """A checkpoint's flat config; one written before ``mesh.nodes`` or
-  ``mesh.shard_params`` existed had no hybrid layout, or the hand-made
-  one."""
+  ``mesh.shard_params`` existed had no hybrid layout, or one with params
+  replicated."""
   saved = meta.get("config")
   return None if saved is None else {"mesh.nodes": None,
                                      "mesh.shard_params": False, **saved}
