@@ -137,7 +137,7 @@ def test_dcn_bytes_flat_and_hybrid(compiled_rows):
 def test_zero3_votes_over_dcn_what_the_hybrid_layout_does(compiled_rows):
   """Manual over data only, params and state sharded over the chips of a
   slice: each chip sends across slices the votes of its own shard, the
-  hand-made layout's DCN bytes, and holds less."""
+  shard_axis step's DCN bytes, and holds less."""
   hybrid, _ = compiled_rows["hybrid-dlion"]
   zero3, _ = compiled_rows["zero3-dlion"]
   assert zero3.error is None and zero3.bytes_error is None, zero3.error
