@@ -101,8 +101,8 @@ def check_against_reference(nodes, per_node, dtype, *, mesh=None,
   tx = dl.distributed_lion(1e-2, axis_name="data", **options)
   sync = options.get("momentum_sync")
   same = {k: v for k, v in options.items()
-          if k in ("aggregation", "quantizer", "bits", "min_compress_size",
-                   "error_feedback")}
+          if k in ("aggregation", "vote", "quantizer", "bits",
+                   "min_compress_size", "error_feedback")}
   ref = DistributedLionReference(
       params, nodes, sync_steps=range(sync, STEPS + 1, sync) if sync else (),
       **same)
@@ -147,15 +147,16 @@ def test_a_model_axis_beside_shard_axis_stays_the_compilers(kind):
 
 
 @pytest.mark.parametrize("option", [
+    {"vote": "ternary"}, {"vote": "ternary", "aggregation": "avg"},
     {"quantizer": "ternary_l1"}, {"quantizer": "pbit_l1", "bits": 3},
     {"quantizer": "ternary_l1", "aggregation": "avg", "comm": "psum"},
     {"min_compress_size": 30}, {"error_feedback": True},
     {"quantizer": "pbit_l1", "bits": 4, "error_feedback": True}],
     ids=str)
 def test_whole_leaf_options_see_whole_leaves(option):
-  """Lion Cub's L1 scales (votes, error feedback) are taken over the whole
-  leaf and min_compress_size tests the whole leaf's size, padding never
-  votes: the same as flat D-Lion on node means."""
+  """Ternary votes; Lion Cub's L1 scales (votes, error feedback) taken
+  over the whole leaf, min_compress_size testing the whole leaf's size,
+  padding never voting: the same as flat D-Lion on node means."""
   check_against_reference(3, 2, np.float32, **option)
   check_against_reference(2, 4, np.float32, **option)
 
