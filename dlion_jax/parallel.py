@@ -91,6 +91,12 @@ def _check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
   axis_size(mesh, axis_name)
   if shard_axis is None:
     return
+  if isinstance(axis_name, tuple):
+    raise ValueError(
+        f"shard_axis={shard_axis!r} with axis_name={axis_name!r}, a tuple of "
+        "axes: the step with shard_axis votes over one mesh axis of nodes. "
+        "Make the nodes one axis of the mesh (reshape the device array), or "
+        "drop shard_axis.")
   if shard_axis == axis_name:
     raise ValueError(
         f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
@@ -378,9 +384,11 @@ class _OutputsPlacedLikeInputs:
   (:func:`_placement`).
   """
 
-  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx):
+  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx, *,
+               check_placement: bool = True):
     functools.update_wrapper(self, jitted)
     self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
+    self._check = check_placement
     self._by_placement = {}
 
   def _for(self, params, state) -> Callable:
@@ -405,7 +413,8 @@ class _OutputsPlacedLikeInputs:
     if key not in self._by_placement:
       placed = jax.tree.unflatten(treedef, shardings)
       specs = jax.tree.map(lambda s: s.spec, placed)
-      _check_placement(self._tx, specs, self._mesh)
+      if self._check:
+        _check_placement(self._tx, specs, self._mesh)
       rows = jax.tree.map(lambda spec: P(*spec[1:]), specs[1],
                           is_leaf=lambda x: isinstance(x, P))
       self._by_placement[key] = self._build(
@@ -754,8 +763,12 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   block of the leaf (:func:`dlion_jax.shards.node_mean_grads`). The fast
   links then carry that reduce-scatter and one all-gather (of the params,
   or of the updates where params are replicated), however the compiler
-  would have partitioned an unannotated model. The optimizer runs as
-  above, on whole logical leaves, each device voting on its block. Params
+  would have partitioned an unannotated model. ``loss_fn`` then sees one
+  device's rows: the node's gradient is the mean of its devices' (the
+  gradient of the node's loss where ``loss_fn`` is a mean over equal
+  rows), and the loss and ``aux`` are the means over all devices. The
+  optimizer runs as above, on whole logical leaves, each device voting on
+  its block. Params
   may be replicated (ZeRO-2 with :func:`init_worker_states`'
   ``shard_axis``) or placed by :func:`shard_params` (ZeRO-3); the batch is
   split over both axes (:func:`shard_batch` with
@@ -827,8 +840,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   def build(specs=None, out_shardings=None):
     if shard_axis is not None:
       step = _hybrid_step(loss_fn, tx, mesh, axis_name, shard_axis, specs,
-                          auto=auto, has_aux=has_aux,
-                          micro_batches=micro_batches, check_vma=check_vma)
+                          has_aux=has_aux, micro_batches=micro_batches,
+                          check_vma=check_vma)
     else:
       learn = _learn(loss_fn, tx, has_aux, micro_batches,
                      _placement(tx, *specs) if specs and auto else None)
@@ -853,44 +866,76 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   jitted = build()
   if len(mesh.axis_names) > 1:
-    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, tx)
+    # A shard_axis step updates on Auto axes, where optax adds leaves
+    # placed differently without a sharding type error.
+    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, tx,
+                                      check_placement=shard_axis is None)
   return limit_in_flight(_ExchangeCheck(jitted, axis_name, n),
                          devices=mesh.devices.flat)
 
 
 def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
-                 specs, *, auto: bool, has_aux: bool, micro_batches: int,
+                 specs, *, has_aux: bool, micro_batches: int,
                  check_vma: bool) -> Callable:
   """:func:`make_train_step`'s step with a ``shard_axis``: each node's mean
   gradient by :func:`dlion_jax.shards.node_mean_grads` (manual over both
   axes), then the update manual over ``axis_name`` alone, each leaf's
-  gradient and vote in the blocks :func:`_blocks` gives it."""
-  def device_grads(params, batch):
-    value, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
-                                   micro_batches)
-    return _mean_of_workers(value, shard_axis), grads
+  gradient and vote in the blocks :func:`_blocks` gives it.
+
+  The update runs with the mesh's Explicit axes made Auto
+  (``jax.sharding.auto_axes``): a region manual over some axes of an
+  Explicit mesh all-gathers its inputs and outputs over the others (jax
+  0.10), which would gather every gradient and momentum; the update is
+  told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
+  """
+  explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+                   if a != axis_name and t == jax.sharding.AxisType.Explicit)
 
   def step(params, state, batch):
-    paths = [jax.tree_util.keystr(p)
-             for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
+                          jax.tree_util.tree_leaves_with_path(params)])
+    # Integer leaves get constant zero gradients, as in the flat step: from
+    # the gradient region they would read as differing by node.
+    floats = [i for i, x in enumerate(leaves) if _differentiable(x)]
     param_specs, blocks = _blocks(tx, specs, params, mesh, shard_axis)
+
+    def device_grads(params, batch):
+      value, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
+                                     micro_batches)
+      grads = jax.tree.leaves(grads)
+      return _mean_of_workers(value, shard_axis), [grads[i] for i in floats]
     value, grads = shards.node_mean_grads(
         device_grads, mesh, axis_name=axis_name, shard_axis=shard_axis,
         param_dims=[shards.axis_dim(s, shard_axis, f"params leaf {p}")
                     for s, p in zip(param_specs, paths)],
-        grad_dims=[shards.axis_dim(blocks[p], shard_axis) for p in paths],
-    )(params, batch)
-    update = _update(tx, blocks if auto else None)
+        grad_dims=[shards.axis_dim(blocks[paths[i]], shard_axis)
+                   for i in floats])(params, batch)
+    update = _update(tx, blocks)
 
-    def local_update(params, state, value, grads):
-      params, state = update(grads, state, params)
+    def local_update(params, state, value, float_grads):
+      whole = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
+      for i, g in zip(floats, float_grads):
+        whole[i] = g
+      params, state = update(jax.tree.unflatten(jax.tree.structure(params),
+                                                whole), state, params)
       return params, state, _mean_of_workers(value, axis_name)
-    # The gradients come last: the exchange check reads them as varying.
-    return per_worker(local_update, mesh, axis_name=axis_name,
-                      ins=("replicated", "stacked", "stacked", "stacked"),
-                      outs=("replicated", "stacked", "replicated"),
-                      check_vma=check_vma, check_replicated=False)(
-                          params, state, value, grads)
+    def region(*args):
+      # The gradients come last: the exchange check reads them as varying.
+      return per_worker(
+          local_update, jax.sharding.get_abstract_mesh() if explicit else mesh,
+          axis_name=axis_name,
+          ins=("replicated", "stacked", "stacked", "stacked"),
+          outs=("replicated", "stacked", "replicated"), check_vma=check_vma,
+          check_replicated=False)(*args)
+    if not explicit:
+      return region(params, state, value, grads)
+    typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
+                                      tree)
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      return jax.sharding.auto_axes(
+          region, axes=explicit,
+          out_sharding=(typed(params), typed(state), P()))(
+              params, state, value, grads)
   return step
 
 
@@ -1012,8 +1057,8 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
     rows = x.shape[0]
     if rows % micro_batches:
       raise ValueError(
-          f"micro_batches={micro_batches} must divide each worker's batch, "
-          f"which has {rows} rows.")
+          f"micro_batches={micro_batches} must divide the batch each call "
+          f"of loss_fn sees, which has {rows} rows.")
     spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
     if not spec or spec[0] is None:
       return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])

@@ -103,21 +103,22 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
   the sum, XLA folds ``1/k`` into the constants of the update that
   follows, e.g. Lion's ``1 - b2``, and the momentum rounds otherwise than
   the mean's definition says.) JAX's FSDP recipe with ``shard_map``,
-  written out so that the fast
-  links carry one all-gather and one reduce-scatter whatever the model:
-  left to the compiler, an unannotated model may run the node's whole
-  batch on every device or gather each weight once per use.
+  written out so that the fast links carry one all-gather and one
+  reduce-scatter whatever the model: left to the compiler, an unannotated
+  model may run the node's whole batch on every device or gather each
+  weight once per use.
 
   Args:
-    grad_fn: ``(params, batch) -> (value, grads)`` on one device's rows;
-      it may reduce ``value`` over ``shard_axis`` (bound inside).
+    grad_fn: ``(params, batch) -> (value, grads)`` on one device's rows,
+      ``grads`` a list of floating-point arrays; it may reduce ``value``
+      over ``shard_axis`` (bound inside).
     mesh: the mesh.
     axis_name: the nodes' axis (the vote's).
     shard_axis: the fast axis whose devices split a node's batch.
     param_dims: for each params leaf (``jax.tree.leaves`` order), the
       dimension it is sharded on over ``shard_axis`` at rest, or None.
-    grad_dims: for each leaf, the dimension its mean gradient is cut on
-      over ``shard_axis``, or None (each device gets the whole mean: an
+    grad_dims: for each gradient, the dimension its mean is cut on over
+      ``shard_axis``, or None (each device gets the whole mean: an
       all-reduce, for leaves no dimension of which ``k`` divides).
 
   Returns:
@@ -128,23 +129,30 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
   """
   k = mesh.shape[shard_axis]
   spec = lambda d: P() if d is None else P(*[None] * d, shard_axis)
+  # XLA:CPU (jaxlib 0.10) aborts compiling a bfloat16 all-reduce or
+  # reduce-scatter in a region manual over some of the mesh's axes only
+  # ("Invalid binary instruction opcode copy"): there narrower floats are
+  # reduced in float32.
+  widen = (len(mesh.axis_names) > 2
+           and getattr(mesh.devices.flat[0], "platform", None) == "cpu")
 
   def mean(g, d):
-    if not jnp.issubdtype(g.dtype, jnp.inexact):  # zeros (parallel's grads)
-      return g if d is None else jnp.zeros(
-          g.shape[:d] + (g.shape[d] // k,) + g.shape[d + 1:], g.dtype)
-    g = g * np.dtype(g.dtype).type(1 / k)
+    narrow = g.dtype
+    g = g * np.dtype(narrow).type(1 / k)
+    if widen:
+      g = g.astype(jnp.promote_types(narrow, jnp.float32))
     if d is None:
-      return lax.psum(g, shard_axis)
+      return lax.psum(g, shard_axis).astype(narrow)
     scatter = lambda g: lax.psum_scatter(g, shard_axis, scatter_dimension=d,
                                          tiled=True)
     typed = getattr(jax.typeof(g).sharding, "spec", None)
-    if typed is None or not spec_axes(typed):
-      return scatter(g)
-    # JAX 0.10 cannot lower a reduce-scatter of an array typed on Explicit
-    # axes in a partly manual region; under auto_axes it is untyped.
-    return jax.sharding.auto_axes(scatter, axes=tuple(spec_axes(typed)),
-                                  out_sharding=typed)(g)
+    if typed is not None and spec_axes(typed):
+      # JAX 0.10 cannot lower a reduce-scatter of an array typed on
+      # Explicit axes in a partly manual region; under auto_axes it is
+      # untyped.
+      scatter = jax.sharding.auto_axes(scatter, axes=tuple(spec_axes(typed)),
+                                       out_sharding=typed)
+    return scatter(g).astype(narrow)
 
   def local(params, batch):
     leaves, treedef = jax.tree.flatten(params)
@@ -152,8 +160,7 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
         x if d is None else lax.all_gather(x, shard_axis, axis=d, tiled=True)
         for x, d in zip(leaves, param_dims)])
     value, grads = grad_fn(whole, batch)
-    grads = treedef.unflatten([
-        mean(g, d) for g, d in zip(treedef.flatten_up_to(grads), grad_dims)])
+    grads = [mean(g, d) for g, d in zip(grads, grad_dims)]
     return jax.tree.map(lambda x: x[None], (value, grads))
 
   def run(params, batch):
@@ -162,8 +169,7 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
         local, mesh=mesh,
         in_specs=(treedef.unflatten([spec(d) for d in param_dims]),
                   P((axis_name, shard_axis))),
-        out_specs=(P(axis_name), treedef.unflatten(
-            [P(axis_name, *spec(d)) for d in grad_dims])),
+        out_specs=(P(axis_name), [P(axis_name, *spec(d)) for d in grad_dims]),
         axis_names={axis_name, shard_axis}, check_vma=False)(params, batch)
   return run
 
