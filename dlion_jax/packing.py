@@ -111,6 +111,13 @@ def pad_to_multiple(x: jax.Array, multiple: int) -> jax.Array:
   return jnp.pad(x, widths)
 
 
+def _pad_to(x: jax.Array, length: int) -> jax.Array:
+  """Zero-pads the last axis of ``x`` to ``length``."""
+  extra = length - x.shape[-1]
+  return x if extra == 0 else jnp.pad(x, [(0, 0)] * (x.ndim - 1)
+                                       + [(0, extra)])
+
+
 def pack_digits(digits: jax.Array, radix: int, *,
                 planar: bool = False) -> jax.Array:
   """Packs digits in ``[0, radix)`` along the last axis into words.
@@ -137,11 +144,15 @@ def pack_digits(digits: jax.Array, radix: int, *,
   """
   dtype = word_dtype(radix)
   m = digits_per_word(radix)
-  x = pad_to_multiple(digits, m).astype(dtype)
   if planar:
-    x = x.reshape(x.shape[:-1] + (m, -1))
-    places = [x[..., j, :] for j in range(m)]
+    # Plane by plane, only the short last ones zero-padded: XLA:CPU fuses
+    # a pad of the whole input with its producer (the vote's encoding) into
+    # a loop that checks bounds per digit and is not vectorised.
+    w = -(-digits.shape[-1] // m)
+    places = [_pad_to(digits[..., j * w:(j + 1) * w].astype(dtype), w)
+              for j in range(m)]
   else:
+    x = pad_to_multiple(digits, m).astype(dtype)
     x = x.reshape(x.shape[:-1] + (-1, m))
     places = [x[..., j] for j in range(m)]
   # Unrolled over the m places with scalar constants, so XLA emits shifts
@@ -178,7 +189,10 @@ def digit_planes(words: jax.Array, radix: int) -> jax.Array:
     planes = [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
   else:
     planes = [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
-  return jnp.stack(planes, axis=-2).astype(digit_dtype(radix))
+  # Narrowed before the stack, which XLA may write out: in the word dtype
+  # that is 4 bytes a digit of uint32 words, not 1.
+  digit = digit_dtype(radix)
+  return jnp.stack([p.astype(digit) for p in planes], axis=-2)
 
 
 def unpack_digits(words: jax.Array, radix: int, length: int | None = None,
