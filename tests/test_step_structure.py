@@ -1,0 +1,98 @@
+"""The compiled step's packing and unpacking stay straight passes (XLA:CPU).
+
+A timing assertion would be noise on a shared 2-core machine, so these read
+the compiled optimizer step's HLO and fail when a known slow form comes
+back (``python -m dlion_jax.bench.step`` measures what they cost):
+
+* a ``pad`` longer than a plane of a run's words. XLA:CPU fuses a pad with
+  its producer, the vote's encoding, into one loop that checks bounds per
+  element and is not vectorised: the first write of the message into zeros
+  rewritten as a pad of the whole message (``psum_int8`` took 4.6x the
+  step without exchange), or the codes of a whole run padded to a multiple
+  of the digits a word holds (``psum`` 2.7x);
+* digit planes stacked in the word dtype, written out at 4 bytes a digit of
+  ``uint32`` words instead of 1.
+"""
+
+import math
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import message
+from dlion_jax import packing
+from dlion_jax import parallel
+from dlion_jax import quantize
+from dlion_jax.bench import step as step_bench
+
+N = 8
+# Leaf sizes no word's digits divide (8 binary votes, 10 digits of the
+# psum's radix 9, 5 trits a byte), big enough to be packed on their own.
+SHAPES = {"w": (181, 401), "v": (70_001,), "b": (37,)}
+CASES = [("mavo", c, "binary") for c in message.COMMS] + [
+    ("avg", "alltoall", "binary"), ("mavo", "alltoall", "ternary"),
+    ("mavo", "psum", "ternary")]
+
+
+def compiled_text(aggregation, comm, vote):
+  mesh = parallel.data_mesh(N)
+  rng = np.random.default_rng(0)
+  params = {k: rng.standard_normal(s).astype(np.float32)
+            for k, s in SHAPES.items()}
+  grads = jax.device_put(
+      {k: rng.standard_normal((N,) + s).astype(np.float32)
+       for k, s in SHAPES.items()}, NamedSharding(mesh, P("data")))
+  tx = dl.distributed_lion(1e-3, axis_name="data", aggregation=aggregation,
+                           comm=comm, vote=vote)
+  step = step_bench.make_step(tx, mesh)
+  params = parallel.replicate(params, mesh)
+  states = parallel.init_worker_states(tx, params, mesh)
+  return step.lower(params, states, grads).compile().as_text()
+
+
+def plane_words(comm, aggregation, vote) -> int:
+  """Words of one plane of the largest run: what a pad may fill."""
+  spec = quantize.vote_spec(vote=vote)
+  radix = message.message_radix(comm, N, spec)
+  per_word = 1 if radix is None else packing.digits_per_word(radix)
+  biggest = max(math.prod(s) for s in SHAPES.values())
+  return -(-biggest // per_word)
+
+
+_PAD = re.compile(r"= \w+\[(?P<dims>[\d,]*)\]\S* pad\(")
+
+
+@pytest.mark.parametrize("aggregation,comm,vote", CASES, ids=str)
+def test_no_pad_longer_than_a_plane(aggregation, comm, vote):
+  text = compiled_text(aggregation, comm, vote)
+  limit = plane_words(comm, aggregation, vote)
+  pads = [math.prod(int(d) for d in m["dims"].split(",") if d)
+          for m in _PAD.finditer(text)]
+  assert all(size <= limit for size in pads), (pads, limit)
+
+
+@pytest.mark.parametrize("aggregation,comm,vote", CASES, ids=str)
+def test_digit_planes_are_stacked_narrow(aggregation, comm, vote):
+  spec = quantize.vote_spec(vote=vote)
+  radix = message.message_radix(comm, N, spec)
+  if radix is None or packing.word_dtype(radix) == packing.digit_dtype(radix):
+    pytest.skip("digits and words share a dtype")
+  m = packing.digits_per_word(radix)
+  word = "u32" if packing.word_dtype(radix) == np.uint32 else "u8"
+  text = compiled_text(aggregation, comm, vote)
+  wide_planes = re.findall(rf"= {word}\[(?:\d+,)*{m},\d+\]", text)
+  assert not wide_planes, wide_planes
+
+
+def test_the_checks_catch_the_slow_forms():
+  """The patterns match what the slow forms compile to (so a pass above
+  is not a pattern that matches nothing)."""
+  assert _PAD.search("%bitcast_pad_fusion = s8[4194304]{0} pad(%x, %c), "
+                     "padding=0_3145728")
+  assert re.findall(r"= u32\[(?:\d+,)*10,\d+\]",
+                    "%stack.87 = u32[10,314573]{1,0} concatenate(%a)")
