@@ -1,7 +1,9 @@
 """Wall time of one optimizer step: Distributed Lion against ``optax.lion``.
 
-On ``N`` simulated CPU devices (8 by default), with a ~4M-parameter MLP-shaped
-pytree, times a jitted ``shard_map`` step that takes per-worker gradients
+On ``N`` simulated CPU devices (8 by default), with a ~4M-parameter pytree
+(``--tree``: an MLP's 8 leaves, a 1024x3072 matrix and a 1M vector, or 100
+leaves of 40,960), times a jitted ``shard_map`` step that takes per-worker
+gradients
 (fixed random arrays, sharded over the workers), per-worker optimizer states
 and replicated parameters, and returns the new parameters and states. Only the
 optimizer runs: no model forward or backward pass.
@@ -29,8 +31,8 @@ instructions that take the most thread time.
 
 Usage::
 
-  python -m dlion_jax.bench.step [--workers 8] [--reps 15] [--profile]
-      [--out FILE.md]
+  python -m dlion_jax.bench.step [--workers 8] [--reps 15]
+      [--tree mlp|two|many] [--profile] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -62,27 +64,33 @@ from dlion_jax.bench import reporting
 
 AXIS = "data"
 LEARNING_RATE = 1e-4
-# An MLP 784-2048-1024-256-10: about 3.97M parameters.
-SHAPES = {
-    "dense_0": {"kernel": (784, 2048), "bias": (2048,)},
-    "dense_1": {"kernel": (2048, 1024), "bias": (1024,)},
-    "dense_2": {"kernel": (1024, 256), "bias": (256,)},
-    "head": {"kernel": (256, 10), "bias": (10,)},
+TREES = {
+    # An MLP 784-2048-1024-256-10: about 3.97M parameters in 8 leaves.
+    "mlp": {
+        "dense_0": {"kernel": (784, 2048), "bias": (2048,)},
+        "dense_1": {"kernel": (2048, 1024), "bias": (1024,)},
+        "dense_2": {"kernel": (1024, 256), "bias": (256,)},
+        "head": {"kernel": (256, 10), "bias": (10,)},
+    },
+    # 4.19M parameters in a 1024x3072 matrix and a 1M vector.
+    "two": {"w": (1024, 3072), "v": (1 << 20,)},
+    # 4.10M parameters in 100 leaves of 40,960.
+    "many": {f"leaf_{i:03d}": (40_960,) for i in range(100)},
 }
 BASELINE = "global lion"
 FLOOR = "local lion"
 
 
-def num_params() -> int:
+def num_params(shapes: dict) -> int:
   return sum(math.prod(s) for s in jax.tree.leaves(
-      SHAPES, is_leaf=lambda x: isinstance(x, tuple)))
+      shapes, is_leaf=lambda x: isinstance(x, tuple)))
 
 
-def random_tree(seed: int, lead: tuple[int, ...] = ()) -> dict:
-  """float32 normal arrays of :data:`SHAPES` with a leading ``lead`` shape."""
+def random_tree(seed: int, shapes: dict, lead: tuple[int, ...] = ()) -> dict:
+  """float32 normal arrays of ``shapes`` with a leading ``lead`` shape."""
   rng = np.random.default_rng(seed)
   return jax.tree.map(
-      lambda s: rng.standard_normal(lead + s, dtype=np.float32), SHAPES,
+      lambda s: rng.standard_normal(lead + s, dtype=np.float32), shapes,
       is_leaf=lambda x: isinstance(x, tuple))
 
 
@@ -164,11 +172,11 @@ class Runner:
     return time.perf_counter() - start
 
 
-def build(num_workers: int) -> dict[str, Runner]:
+def build(num_workers: int, shapes: dict) -> dict[str, Runner]:
   """A compiled, warmed-up :class:`Runner` per variant."""
   mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
-  params = random_tree(0)
-  grads = jax.device_put(random_tree(1, (num_workers,)),
+  params = random_tree(0, shapes)
+  grads = jax.device_put(random_tree(1, shapes, (num_workers,)),
                          NamedSharding(mesh, P(AXIS)))
   runners = {}
   for name, (tx, pmean_grads) in variants().items():
@@ -303,6 +311,10 @@ def main(argv=None) -> str:
                                    description=__doc__.splitlines()[0])
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--reps", type=int, default=15)
+  parser.add_argument("--tree", choices=sorted(TREES), default="mlp",
+                      help="the params: an MLP's 8 leaves (3.97M), a "
+                      "1024x3072 matrix and a 1M vector (4.19M), or 100 "
+                      "leaves of 40,960 (4.10M)")
   parser.add_argument("--profile", action="store_true",
                       help="also trace D-Lion and optax.lion steps")
   parser.add_argument("--out", default=None, help="also write markdown here")
@@ -310,13 +322,15 @@ def main(argv=None) -> str:
   bench.use_cpu_devices(args.workers)
   load = os.getloadavg()[0]
   start = time.perf_counter()
-  runners = build(args.workers)
+  shapes = TREES[args.tree]
+  runners = build(args.workers, shapes)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
   timed = time.perf_counter()
   lines = [
       f"Machine: {bench.machine_line()}; {args.workers} workers. "
-      f"Parameters: {num_params():,} in {len(jax.tree.leaves(random_tree(0)))}"
+      f"Parameters ({args.tree}): {num_params(shapes):,} in "
+      f"{len(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))}"
       f" leaves. {args.reps} interleaved repetitions after 2 warm-up steps.",
       "",
       table(runners, args.workers),
