@@ -139,16 +139,28 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
     down = signed_sum(code_sum, n, spec) > 0      # odd N, binary: no ties
   else:
     down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
-  # The shard's [m, S] results, planar in words of the result's radix.
-  words = packing.pack_digits(
-      down.reshape(-1).astype(packing.digit_dtype(down_radix)), down_radix,
-      planar=True)
-  words = _gather_words(words, axis_name, n).reshape(n, -1)
-  result = packing.unpack_digits(words, down_radix, code_sum.size,
-                                 planar=True)
-  # [worker, place, word of its shard] -> [place, word of the message]
-  result = result.reshape(n, *code_sum.shape).swapaxes(0, 1).reshape(
-      code_sum.shape[0], -1)
+  down = down.astype(packing.digit_dtype(down_radix))
+  places, shard = code_sum.shape
+  per_word = packing.digits_per_word(down_radix)
+  if shard % per_word == 0:
+    # Each place's S results planar in its own S / m' words, the same
+    # words as packing them all together: gathered, every worker's words
+    # of one place are transposed (a fifth of the digits' bytes for radix
+    # 3), not the digits, and unpack straight into the message's order.
+    words = packing.pack_digits(down, down_radix, planar=True)
+    words = _gather_words(words.reshape(-1), axis_name, n).reshape(
+        n, places, -1).swapaxes(0, 1)
+    result = packing.unpack_digits(words, down_radix,
+                                   planar=True).reshape(places, -1)
+  else:
+    # The shard's [m, S] results, planar in words of the result's radix.
+    words = packing.pack_digits(down.reshape(-1), down_radix, planar=True)
+    words = _gather_words(words, axis_name, n).reshape(n, -1)
+    result = packing.unpack_digits(words, down_radix, code_sum.size,
+                                   planar=True)
+    # [worker, place, word of its shard] -> [place, word of the message]
+    result = result.reshape(n, places, shard).swapaxes(0, 1).reshape(
+        places, -1)
 
   def decode(digits):
     digits = digits.astype(jnp.int32)

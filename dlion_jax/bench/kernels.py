@@ -111,9 +111,8 @@ def stage_functions(num_workers: int, size: int, aggregation: str,
     first, count = layout.run_words[0]
     return planes(first, count)
 
-  def decode(planes):
-    _, decoder = strategy(jnp.zeros(layout.words, layout.word_dtype),
-                          **options)
+  def decode(planes, words):
+    _, decoder = strategy(words, **options)   # its collectives unused
     outcome = decoder(planes.reshape(-1))[:size]
     if aggregation == "mavo" and comm != "alltoall":
       outcome = jnp.sign(outcome)
@@ -133,8 +132,8 @@ def stage_functions(num_workers: int, size: int, aggregation: str,
   out["pack"] = (vmapped(pack), (codes,))
   planes = vmapped(exchanged)(words)
   out["exchange"] = (vmapped(exchanged), (words,))
-  d = vmapped(decode)(planes)
-  out["decode"] = (vmapped(decode), (planes,))
+  d = vmapped(decode)(planes, words)
+  out["decode"] = (vmapped(decode), (planes, words))
   out["apply"] = (vmapped(apply), (d, g, m, p))
   return out
 
