@@ -80,9 +80,11 @@ def resume_with_another_model(tmp_path, capsys):
   return _cli(capsys, tmp_path, "--resume", "--set", "model.hidden=[9]")
 
 
-def resume_with_another_worker_count(tmp_path, capsys):
+def resume_on_workers_that_cannot_share_the_batch(tmp_path, capsys):
+  """Another worker count resumes (tests/test_train_elastic.py); one that
+  does not divide the global batch cannot."""
   _train(tmp_path)
-  return _cli(capsys, tmp_path, "--resume", "--set", "workers=4")
+  return _cli(capsys, tmp_path, "--resume", "--set", "workers=3")
 
 
 def resume_with_another_optimizer(tmp_path, capsys):
@@ -189,8 +191,8 @@ EXPECTED = {
     "deleted_checkpoint_arrays": (1, UNREADABLE),
     "resume_with_another_model": (
         1, OTHER_CONFIG + ("model.hidden=[8] there, [9] here",)),
-    "resume_with_another_worker_count": (
-        1, OTHER_CONFIG + ("workers=8 there, 4 here",)),
+    "resume_on_workers_that_cannot_share_the_batch": (
+        2, ("data.global_batch=", "workers=3", "divisible")),
     "resume_with_another_optimizer": (
         1, OTHER_CONFIG + ("optimizer.name='dlion' there, 'adamw' here",)),
     "resume_without_checkpoint": (
@@ -224,7 +226,8 @@ EXPECTED = {
 
 CASES = [corrupt_checkpoint, truncated_checkpoint, damaged_checkpoint_metadata,
          deleted_checkpoint_arrays, resume_with_another_model,
-         resume_with_another_worker_count, resume_with_another_optimizer,
+         resume_on_workers_that_cannot_share_the_batch,
+         resume_with_another_optimizer,
          resume_without_checkpoint, loss_becomes_nan, missing_text_file,
          text_without_path, processes_do_not_divide_workers,
          bad_heartbeat_timeout, bad_coordinator_address, micro_batches_zero,

@@ -103,7 +103,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                       metavar="KEY=VALUE",
                       help="override a config key, e.g. train.steps=100")
   parser.add_argument("--resume", action="store_true",
-                      help="continue from the run directory's last checkpoint")
+                      help="continue from the run directory's last "
+                      "checkpoint (workers, mesh.nodes and the number of "
+                      "processes may differ from the run's)")
+  parser.add_argument("--resize-policy", choices=("mean", "all", "keep"),
+                      default="mean",
+                      help="with --resume on another number of workers: "
+                      "each new worker's momentum is the mean of those it "
+                      "replaces (mean, the default), the mean of all (all), "
+                      "or one old worker's (keep)")
   parser.add_argument("--overwrite", action="store_true",
                       help="delete an earlier run in the run directory "
                       "(its checkpoints, metrics, summary) before starting")
@@ -190,7 +198,8 @@ def _train(cfg, args, argv=()) -> int:
   try:
     from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
     trainer.train(cfg, resume=args.resume, overwrite=args.overwrite,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress,
+                  resize_policy=args.resize_policy)
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except

@@ -8,7 +8,9 @@ run's files first.
 
 ``--resume`` refuses a checkpoint written with another config, except in
 the keys of :data:`NEUTRAL`, which change when things are logged, evaluated
-or saved but not what is computed. ``train.steps`` sets the cosine
+or saved but not what is computed, and of :data:`ELASTIC`, the layout of
+the workers, which a resumed run may change (the trainer resizes the
+workers' states, :mod:`dlion_jax.elastic`). ``train.steps`` sets the cosine
 schedule's length, hence the learning rate of every step, so it may change
 only under ``optimizer.schedule=constant`` (to train a run further).
 
@@ -32,6 +34,9 @@ OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "curves.png")
 NEUTRAL = ("name", "run_dir", "train.log_every", "train.eval_every",
            "train.checkpoint_every", "train.keep_checkpoints",
            "data.eval_batch")
+# The layout: a run resumes on another (dlion_jax.elastic resizes the
+# workers' states), which its checkpoint's metadata records apart.
+ELASTIC = ("workers", "mesh.nodes", "mesh.shard_params")
 _UNFINISHED = ".orbax-checkpoint-tmp"
 
 
@@ -101,7 +106,7 @@ def differences(saved: dict, cfg: Config) -> list[tuple[str, Any, Any]]:
   """``(key, value there, value here)`` for every key of ``saved`` (a flat
   config from a checkpoint) and ``cfg`` that changes the result."""
   here = comparable(cfg)
-  ignore = set(NEUTRAL)   # a checkpoint may still hold them
+  ignore = set(NEUTRAL) | set(ELASTIC)   # a checkpoint may hold NEUTRAL
   if saved.get("optimizer.schedule") == "constant" == cfg.optimizer.schedule:
     ignore.add("train.steps")
   missing = "(not set)"

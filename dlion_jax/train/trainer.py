@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import elastic
 from dlion_jax import parallel
 from dlion_jax.train import checkpoint
 from dlion_jax.train import data as data_lib
@@ -301,7 +302,8 @@ def hybrid_bits_per_param(cfg: Config, steps: int) -> tuple[float, float]:
 
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
-          progress: bool = True, log: Callable[[str], None] = print) -> dict:
+          progress: bool = True, log: Callable[[str], None] = print,
+          resize_policy: str = "mean") -> dict:
   """Runs ``cfg``; returns the final metrics (test metrics, wire bytes).
 
   Args:
@@ -311,6 +313,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
       it, a fresh run refuses such a directory).
     progress: show a progress bar.
     log: where the run's report lines go (process 0 only).
+    resize_policy: how a resumed run on another number of workers (or
+      nodes) makes its workers' momenta of the checkpoint's
+      (:data:`dlion_jax.elastic.RESIZE_POLICIES`).
 
   Raises:
     rundir.RunDirError: the run directory holds another run (fresh run),
@@ -331,9 +336,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
   run = _setup(cfg, mesh)
   start = 0
   if resume:
-    (run.params, run.opt_state), start = _resume(
-        run.ckpt, cfg, (run.params, run.opt_state), run.batches)
-    say(f"resumed from step {start}")
+    (run.params, run.opt_state), start, resized = _resume(
+        run.ckpt, cfg, run, policy=resize_policy)
+    say(f"resumed from step {start}" + (f" on {resized}" if resized else ""))
   if main_process:
     _start_files(cfg, start)
     if schedule_warning(cfg):
@@ -589,7 +594,10 @@ def _save(ckpt, step, params, opt_state, batches, cfg):
              "config": rundir.comparable(cfg)})
 
 
-def _resume(ckpt, cfg, like, batches):
+def _resume(ckpt, cfg, run, *, policy: str):
+  """The last checkpoint's params and state (its state resized to this
+  run's workers, :mod:`dlion_jax.elastic`, where their count differs),
+  its step, and what resizing did (or None)."""
   latest = ckpt.latest_step()
   if latest is None:
     started = (cfg.run_path / "metrics.jsonl").is_file()
@@ -600,26 +608,47 @@ def _resume(ckpt, cfg, like, batches):
             "run without --resume first") + " (checkpoints are written "
         "every train.checkpoint_every steps and at the end).")
   meta = ckpt.metadata(latest)
-  rundir.check_resume(_saved_config(meta), cfg, latest, ckpt.directory)
-  if meta["workers"] != cfg.workers:
-    raise ValueError(
-        f"The checkpoint at step {latest} was written with "
-        f"workers={meta['workers']}, this run has workers={cfg.workers}: "
-        "each worker's momentum is saved, so resume with the same count.")
+  saved = _saved_config(meta)
+  rundir.check_resume(saved, cfg, latest, ckpt.directory)
   # Before the hybrid state kept a row per node it kept one per device.
-  rows = meta.get("state_rows", cfg.workers)
-  if rows != _state_rows(cfg):
+  rows = meta.get("state_rows")
+  if rows is None and saved and saved.get("mesh.nodes"):
     raise ValueError(
         f"The checkpoint at step {latest} holds the optimizer state in "
-        f"{rows} rows, one per device of each node, as dlion_jax wrote it "
-        "before the hybrid layout kept one row per node; this run's state "
-        f"has {_state_rows(cfg)}. Start the run afresh (--overwrite, or "
-        "--set run_dir=...).")
-  state, meta = ckpt.restore({"params": like[0], "opt_state": like[1]},
+        f"{meta['workers']} rows, one per device of each node, as dlion_jax "
+        "wrote it before the hybrid layout kept one row per node; it "
+        "cannot be resumed. Start the run afresh (--overwrite, or --set "
+        "run_dir=...).")
+  rows = meta["workers"] if rows is None else rows
+  axes = dict(axis_name=AXIS, shard_axis=shard_axis(run.mesh))
+  state_like = run.opt_state if rows == _state_rows(cfg) else (
+      elastic.restore_target(run.tx, run.params, run.mesh, rows, **axes))
+  state, meta = ckpt.restore({"params": run.params, "opt_state": state_like},
                              latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
-  batches.restore(meta["data"])
-  return (state["params"], state["opt_state"]), int(meta["step"])
+  run.batches.restore(meta["data"])
+  resized = None
+  if rows != _state_rows(cfg):
+    state["opt_state"] = elastic.resize_worker_states(
+        run.tx, state["opt_state"], state["params"], run.mesh,
+        policy=policy, **axes)
+    resized = (f"{_voters(cfg)} from {_voters_of(meta['workers'], saved)}: "
+               f"{elastic.describe(rows, _state_rows(cfg), policy)}; the "
+               f"global batch of {cfg.data.global_batch} kept, "
+               f"{cfg.data.global_batch // cfg.workers} examples a worker "
+               f"(was {cfg.data.global_batch // meta['workers']})")
+  return (state["params"], state["opt_state"]), int(meta["step"]), resized
+
+
+def _voters(cfg: Config) -> str:
+  return _voters_of(cfg.workers, {"mesh.nodes": cfg.mesh.nodes})
+
+
+def _voters_of(workers: int, saved: dict | None) -> str:
+  """"8 workers", or "2 nodes of 4" for a hybrid layout."""
+  nodes = (saved or {}).get("mesh.nodes")
+  return (f"{nodes} nodes of {workers // nodes}" if nodes
+          else f"{workers} worker{'s' if workers > 1 else ''}")
 
 
 def _saved_config(meta: dict) -> dict | None:
