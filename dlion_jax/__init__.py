@@ -7,6 +7,7 @@ all-reducing fp32 gradients (Liu et al., NeurIPS 2024; Ishikawa et al., ICML
 
 from dlion_jax import accounting
 from dlion_jax import devices
+from dlion_jax import elastic
 from dlion_jax import exchange
 from dlion_jax import hlo
 from dlion_jax import message
@@ -39,6 +40,7 @@ __all__ = (
     "collective_bytes_by_link",
     "devices",
     "distributed_lion",
+    "elastic",
     "exchange",
     "hlo",
     "message",

@@ -34,6 +34,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import parallel
 from dlion_jax._checks import check_choice
 
 RESIZE_POLICIES = ("mean", "all", "keep")
@@ -170,7 +171,6 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
     >>> state[0].mu["w"].shape
     (1, 3)
   """
-  from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
   check_choice("policy", policy, RESIZE_POLICIES)
   check_choice("error", error, ERROR_POLICIES)
   leaves = jax.tree.leaves(state)
@@ -231,7 +231,6 @@ def restore_target(tx: optax.GradientTransformation, params: Any,
   into before :func:`resize_worker_states` maps it to the mesh's. Rows go
   over ``axis_name`` where its devices divide them, else every device
   holds all of them."""
-  from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
   shape = jax.eval_shape(
       lambda p: parallel.init_worker_states(tx, p, mesh, axis_name=axis_name,
                                             shard_axis=shard_axis), params)

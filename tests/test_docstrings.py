@@ -6,6 +6,7 @@ import pytest
 
 from dlion_jax import accounting
 from dlion_jax import devices
+from dlion_jax import elastic
 from dlion_jax import lion
 from dlion_jax import message
 from dlion_jax import packing
@@ -15,9 +16,9 @@ from dlion_jax import sync
 from dlion_jax import transforms
 
 
-@pytest.mark.parametrize("module", [accounting, devices, lion, message,
-                                    packing, parallel, quantize, sync,
-                                    transforms],
+@pytest.mark.parametrize("module", [accounting, devices, elastic, lion,
+                                    message, packing, parallel, quantize,
+                                    sync, transforms],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
