@@ -124,3 +124,22 @@ def test_two_processes_resume_on_one(tmp_path):
   assert lines[0].startswith("resumed from step 3 on 1 worker from 2 "
                              "workers: momenta averaged in pairs;")
   assert np.isfinite(summary["test_loss"])
+
+
+def test_a_new_layout_of_as_many_voters_says_so(tmp_path):
+  """2 workers -> 2 nodes of 4: as many rows, each node's momentum its old
+  worker's, and the line says the layout changed."""
+  tiny = ["train.steps=4", "train.checkpoint_every=2", "train.eval_every=0",
+          "train.log_every=2", "model.hidden=[8]", "train.keep_checkpoints=5",
+          f"run_dir={tmp_path / 'run'}"]
+  base = load_config(cli.resolve_config("quickstart"), tiny + ["workers=2"])
+  trainer.train(base, progress=False, log=lambda *_: None)
+  (tmp_path / "run" / "summary.json").unlink()
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
+  lines = []
+  trainer.train(load_config(cli.resolve_config("quickstart"),
+                            tiny + ["mesh.nodes=2"]),
+                resume=True, progress=False, log=lines.append)
+  assert lines[0] == (
+      "resumed from step 2 on 2 nodes of 4 from 2 workers: momenta kept; "
+      "the global batch of 256 kept, 32 examples a worker (was 128)")

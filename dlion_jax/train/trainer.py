@@ -627,11 +627,11 @@ def _resume(ckpt, cfg, run, *, policy: str):
                              latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
   run.batches.restore(meta["data"])
+  state["opt_state"] = elastic.resize_worker_states(
+      run.tx, state["opt_state"], state["params"], run.mesh, policy=policy,
+      **axes)
   resized = None
-  if rows != _state_rows(cfg):
-    state["opt_state"] = elastic.resize_worker_states(
-        run.tx, state["opt_state"], state["params"], run.mesh,
-        policy=policy, **axes)
+  if _voters(cfg) != _voters_of(meta["workers"], saved):
     resized = (f"{_voters(cfg)} from {_voters_of(meta['workers'], saved)}: "
                f"{elastic.describe(rows, _state_rows(cfg), policy)}; the "
                f"global batch of {cfg.data.global_batch} kept, "
