@@ -11,6 +11,7 @@ import pytest
 import dlion_jax as dl
 from dlion_jax import elastic
 from dlion_jax import parallel
+from jax.sharding import PartitionSpec as P
 from messages import assert_names
 
 SHAPES = {"w": (5, 7), "b": (3,)}
@@ -69,25 +70,81 @@ def test_rows_are_the_policys_means(old, new, policy):
     assert got.shape == want.shape and got.sharding == want.sharding
 
 
-def test_same_count_is_the_state_itself():
+def test_same_count_keeps_every_value_and_places_it_on_the_mesh():
+  """N' = N: the same values, bit for bit, on the mesh's devices. Was: the
+  state itself, still on the old devices (the next step refused it)."""
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  params, state = stepped_state(tx, parallel.data_mesh(4))
-  assert elastic.resize_worker_states(
-      tx, state, params, parallel.data_mesh(4)) is state
+  _, state = stepped_state(tx, jax.sharding.Mesh(
+      np.array(jax.devices()[4:]), ("data",)))
+  mesh = parallel.data_mesh(4)
+  params = parallel.replicate({k: np.zeros(s, np.float32)
+                               for k, s in SHAPES.items()}, mesh)
+  out = elastic.resize_worker_states(tx, state, params, mesh)
+  for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert got.sharding.device_set == set(mesh.devices.flat)
+
+
+def test_rows_a_global_optimizer_keeps_alike_stay_alike():
+  """AdamW behind pmean_gradients keeps one state on every worker: a group
+  of 3 (8 -> 3) keeps it bit for bit. Was: (x + x + x) / 3, an ulp off on
+  a third of the entries, and the workers' states then differed."""
+  tx = optax.chain(parallel.pmean_gradients("data"), optax.adamw(1e-2))
+  _, state = stepped_state(tx, parallel.data_mesh(8))
+  mesh = parallel.data_mesh(3)
+  params = parallel.replicate({k: np.zeros(s, np.float32)
+                               for k, s in SHAPES.items()}, mesh)
+  out = elastic.resize_worker_states(tx, state, params, mesh)
+  for got, old in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
+    got, old = np.asarray(got), np.asarray(old)
+    for row in got:
+      np.testing.assert_array_equal(row, old[0])
+
+
+def test_masked_and_multi_transform_states_resize():
+  """Was: a pytree structure error (optax.MaskedNode against a bool)."""
+  tx = optax.multi_transform(
+      {"vote": dl.distributed_lion(1e-2, axis_name="data"),
+       "frozen": optax.set_to_zero()},
+      {"w": "vote", "b": "frozen"})
+  _, state = stepped_state(tx, parallel.data_mesh(8))
+  mesh = parallel.data_mesh(4)
+  params = parallel.replicate({k: np.zeros(s, np.float32)
+                               for k, s in SHAPES.items()}, mesh)
+  out = elastic.resize_worker_states(tx, state, params, mesh)
+  old_mu = optax.tree_utils.tree_get(state, "mu")
+  mu = optax.tree_utils.tree_get(out, "mu")
+  np.testing.assert_array_equal(
+      np.asarray(mu["w"]), expected(np.asarray(old_mu["w"]),
+                                    elastic.old_rows(8, 4)))
 
 
 def test_error_feedback_cleared_on_request():
+  """error="clear" zeroes the residuals, at N' = N too, and only they: a
+  param named "error" keeps its momentum."""
   tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
   _, state = stepped_state(tx, parallel.data_mesh(4))
   assert np.any(np.asarray(state[0].error["w"]))
-  mesh = parallel.data_mesh(2)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
-  out = elastic.resize_worker_states(tx, state, params, mesh, error="clear")
-  assert not np.any(np.asarray(out[0].error["w"]))
-  np.testing.assert_array_equal(
-      np.asarray(out[0].mu["w"]),
-      expected(np.asarray(state[0].mu["w"]), [[0, 1], [2, 3]]))
+  for n in (2, 4):
+    mesh = parallel.data_mesh(n)
+    params = parallel.replicate({k: np.zeros(s, np.float32)
+                                 for k, s in SHAPES.items()}, mesh)
+    out = elastic.resize_worker_states(tx, state, params, mesh,
+                                       error="clear")
+    assert not np.any(np.asarray(out[0].error["w"]))
+    np.testing.assert_array_equal(
+        np.asarray(out[0].mu["w"]),
+        expected(np.asarray(state[0].mu["w"]), elastic.old_rows(4, n)))
+  plain = dl.distributed_lion(1e-2, axis_name="data")
+  mesh = parallel.data_mesh(4)
+  params = parallel.replicate({"error": np.ones(3, np.float32)}, mesh)
+  named = parallel.init_worker_states(plain, params, mesh)
+  named = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x,
+                       named)
+  out = elastic.resize_worker_states(plain, named, parallel.replicate(
+      {"error": np.ones(3, np.float32)}, parallel.data_mesh(2)),
+      parallel.data_mesh(2), error="clear")
+  assert np.all(np.asarray(out[0].mu["error"]) == 1)
 
 
 def test_readme_chain_and_bf16_momenta():
@@ -140,6 +197,18 @@ def test_describe_says_what_it_did():
       "momenta averaged in pairs, error feedback cleared")
 
 
+def test_restore_target_places_rows_like_the_run():
+  """A checkpoint's rows restore sharded as the new run shards its own (a
+  hybrid momentum over fsdp), over the workers where they divide."""
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  mesh = parallel.hybrid_mesh(2)
+  params = parallel.replicate({"w": np.zeros((8, 6), np.float32)}, mesh)
+  target = elastic.restore_target(tx, params, mesh, 4, shard_axis="fsdp")
+  assert target[0].mu["w"].sharding.spec == P("data", "fsdp")
+  target = elastic.restore_target(tx, params, mesh, 1, shard_axis="fsdp")
+  assert target[0].mu["w"].sharding.spec == P(None, "fsdp")
+
+
 def test_bad_arguments_name_the_fix():
   tx = dl.distributed_lion(1e-2, axis_name="data")
   mesh = parallel.data_mesh(2)
@@ -155,6 +224,18 @@ def test_bad_arguments_name_the_fix():
     elastic.resize_worker_states(tx, tx.init({"w": jnp.zeros(3)}), params,
                                  mesh)
   assert_names(e, "stacked", "init_worker_states")
+  with pytest.raises(ValueError) as e:   # was: a device_put prefix error
+    elastic.resize_worker_states(
+        dl.distributed_lion(1e-2, axis_name="data", error_feedback=True),
+        state, params, mesh)
+  assert_names(e, "not the state tx makes for params", "the optimizer")
+  with pytest.raises(ValueError) as e:   # was: silently accepted
+    elastic.resize_worker_states(tx, state, parallel.replicate(
+        {"w": np.zeros(4, np.float32)}, mesh), mesh)
+  assert_names(e, "not the state tx makes for params", "(3,)", "(4,)")
+  with pytest.raises(ValueError) as e:   # was: KeyError: 'batch'
+    elastic.resize_worker_states(tx, state, params, mesh, axis_name="batch")
+  assert_names(e, "axis_name='batch'")
   with pytest.raises(ValueError) as e:
     elastic.old_rows(0, 4)
   assert_names(e, "num_old=0", "positive int")

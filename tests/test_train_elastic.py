@@ -133,13 +133,41 @@ def test_a_new_layout_of_as_many_voters_says_so(tmp_path):
           "train.log_every=2", "model.hidden=[8]", "train.keep_checkpoints=5",
           f"run_dir={tmp_path / 'run'}"]
   base = load_config(cli.resolve_config("quickstart"), tiny + ["workers=2"])
-  trainer.train(base, progress=False, log=lambda *_: None)
+  old = trainer.train(base, progress=False, log=lambda *_: None)["summary"]
   (tmp_path / "run" / "summary.json").unlink()
   shutil.rmtree(tmp_path / "run" / "checkpoints" / "4")
   lines = []
-  trainer.train(load_config(cli.resolve_config("quickstart"),
-                            tiny + ["mesh.nodes=2"]),
-                resume=True, progress=False, log=lines.append)
+  new = trainer.train(load_config(cli.resolve_config("quickstart"),
+                                  tiny + ["mesh.nodes=2"]),
+                      resume=True, progress=False, log=lines.append)["summary"]
   assert lines[0] == (
       "resumed from step 2 on 2 nodes of 4 from 2 workers: momenta kept; "
       "the global batch of 256 kept, 32 examples a worker (was 128)")
+  # The totals add each layout's steps at its own rate.
+  for key in ("sent_bytes", "fp32_allreduce_bytes"):
+    rates = old[f"{key}_per_step"], new[f"{key}_per_step"]
+    assert rates[0] != rates[1]
+    assert new[f"{key}_total"] == pytest.approx(2 * rates[0] + 2 * rates[1])
+
+
+@pytest.mark.parametrize("before,after,what", [
+    (["optimizer.name=lion", "workers=2"], ["optimizer.name=lion"],
+     "on 8 workers from 2 workers: the optimizer state, alike on every "
+     "worker, kept;"),
+    (["mesh.nodes=2"], ["mesh.nodes=2", "mesh.shard_params=true"],
+     "on 2 nodes of 4, params sharded from 2 nodes of 4: momenta kept;"),
+    (["mesh.nodes=2"], ["mesh.nodes=1"],
+     "on 1 node of 8 from 2 nodes of 4: momenta averaged in pairs;"),
+], ids=["global_optimizer", "shard_params", "one_node"])
+def test_the_resume_line_names_the_change(tmp_path, before, after, what):
+  tiny = ["train.steps=2", "train.checkpoint_every=1", "train.eval_every=0",
+          "train.log_every=1", "model.hidden=[8]", "train.keep_checkpoints=5",
+          f"run_dir={tmp_path / 'run'}"]
+  trainer.train(load_config(cli.resolve_config("quickstart"), tiny + before),
+                progress=False, log=lambda *_: None)
+  (tmp_path / "run" / "summary.json").unlink()
+  shutil.rmtree(tmp_path / "run" / "checkpoints" / "2")
+  lines = []
+  trainer.train(load_config(cli.resolve_config("quickstart"), tiny + after),
+                resume=True, progress=False, log=lines.append)
+  assert lines[0].startswith(f"resumed from step 1 {what}")

@@ -171,7 +171,7 @@ def test_resume_on_another_layout_resizes(hybrid_run, tmp_path, capsys):
   argv = ["--no-progress", "--resume"] + [
       a for s in TINY + [f"run_dir={tmp_path / 'run'}"] for a in ("--set", s)]
   for nodes, what in (("4", "on 4 nodes of 2 from 2 nodes of 4: each "
-                       "momentum copied to 2 workers"),
+                       "momentum copied to 2 nodes"),
                       ("null", "on 8 workers from 2 nodes of 4: each "
                        "momentum copied to 4 workers")):
     shutil.rmtree(tmp_path / "run", ignore_errors=True)

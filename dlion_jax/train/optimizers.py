@@ -17,6 +17,9 @@ import dlion_jax as dl
 from dlion_jax.parallel import pmean_gradients
 from dlion_jax.train.config import OptimizerConfig
 
+# Optimizers whose state is alike on every worker (fed all-reduced grads).
+GLOBAL_OPTIMIZERS = ("lion", "adamw", "sgd")
+
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
   """Linear warmup from 0 to ``learning_rate``, then cosine (or flat)."""

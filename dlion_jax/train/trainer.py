@@ -249,18 +249,27 @@ def _sync_rate(cfg: Config, steps: int) -> float:
   return schedule.count(steps) / steps
 
 
+def fp32_allreduce_bytes(cfg: Config, num_params: int) -> float:
+  """Bytes a worker's fp32 gradient all-reduce would send a step."""
+  return dl.allreduce_bits(cfg.workers) * num_params / 8
+
+
 def wire_report(cfg: Config, sent_bytes: float, num_params: int,
-                steps: int, by_axis: dict | None = None) -> dict:
+                steps: int, by_axis: dict | None = None, *,
+                totals: tuple[float, float] | None = None) -> dict:
   """Bits sent per step and in total, against an fp32 all-reduce;
-  ``by_axis`` (:func:`sent_bytes_by_axis`) adds the measured split."""
+  ``by_axis`` (:func:`sent_bytes_by_axis`) adds the measured split.
+  ``totals`` (sent, fp32) replaces the per-step figures times ``steps``
+  where earlier steps ran on another layout."""
   n = cfg.workers
-  fp32 = dl.allreduce_bits(n) * num_params / 8
+  fp32 = fp32_allreduce_bytes(cfg, num_params)
+  sent_total, fp32_total = totals or (sent_bytes * steps, fp32 * steps)
   report = {
       "sent_bytes_per_step": sent_bytes,
       "sent_bits_per_param": 8 * sent_bytes / num_params,
-      "sent_bytes_total": sent_bytes * steps,
+      "sent_bytes_total": sent_total,
       "fp32_allreduce_bytes_per_step": fp32,
-      "fp32_allreduce_bytes_total": fp32 * steps,
+      "fp32_allreduce_bytes_total": fp32_total,
   }
   if cfg.mesh.nodes is None:
     report["analytic_bits_per_param"] = optimizers.analytic_bits_per_param(
@@ -336,7 +345,7 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
   run = _setup(cfg, mesh)
   start = 0
   if resume:
-    (run.params, run.opt_state), start, resized = _resume(
+    (run.params, run.opt_state), start, resized, run.wire_before = _resume(
         run.ckpt, cfg, run, policy=resize_policy)
     say(f"resumed from step {start}" + (f" on {resized}" if resized else ""))
   if main_process:
@@ -389,6 +398,16 @@ class _Run:
   batches: Any
   ckpt: Any
   step: int = 0                     # the last step done
+  # Bytes sent (and an fp32 all-reduce's) up to step ``since``, which may
+  # have run on another layout (an elastic resume), and a step's now.
+  wire_before: tuple[float, float] | None = (0.0, 0.0)
+  since: int = 0
+  wire_per_step: tuple[float, float] = (0.0, 0.0)
+
+  def wire_done(self, step: int) -> tuple[float, float]:
+    """Bytes sent, and an fp32 all-reduce's, over steps 1..``step``."""
+    return tuple(before + rate * (step - self.since) for before, rate in
+                 zip(self.wire_before, self.wire_per_step))
 
 
 def _setup(cfg: Config, mesh) -> _Run:
@@ -454,6 +473,10 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   sent = sent_bytes_per_step(cfg, compiled, cfg.train.steps)
   by_axis = (sent_bytes_by_axis(cfg, compiled, run.mesh, cfg.train.steps)
              if cfg.mesh.nodes is not None else None)
+  run.wire_per_step = (sent, fp32_allreduce_bytes(cfg, run.num_params))
+  if run.wire_before is None:     # a checkpoint that did not count them
+    run.wire_before = tuple(rate * run.step for rate in run.wire_per_step)
+  run.since = run.step
   kind = run.dataset.kind
   run_eval = functools.partial(
       evaluate, make_eval_step(run.graphdef, run.mesh),
@@ -471,10 +494,10 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
       bar.close()
   final = {"step": cfg.train.steps, **run_eval(run.params)}
   writer.write(final)
-  _save(run.ckpt, cfg.train.steps, run.params, run.opt_state, run.batches,
-        cfg)
+  _save(run, cfg.train.steps, cfg)
   run.ckpt.close()
-  wire = wire_report(cfg, sent, run.num_params, cfg.train.steps, by_axis)
+  wire = wire_report(cfg, sent, run.num_params, cfg.train.steps, by_axis,
+                     totals=run.wire_done(cfg.train.steps))
   summary = {**final, **wire, "num_params": run.num_params, "kind": kind}
   if main_process:
     (cfg.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -523,7 +546,7 @@ def _terminate(cfg: Config, run: _Run, terminated: list[int]) -> None:
       and multihost_utils.reached_preemption_sync_point(run.step)):
     return
   if run.step < cfg.train.steps:
-    _save(run.ckpt, run.step, run.params, run.opt_state, run.batches, cfg)
+    _save(run, run.step, cfg)
   raise signals.Terminated
 
 
@@ -562,7 +585,7 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
       writer.write({"step": done, **run_eval(run.params)})
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
         and done < cfg.train.steps):
-      _save(run.ckpt, done, run.params, run.opt_state, run.batches, cfg)
+      _save(run, done, cfg)
 
 
 def _load_data(cfg: Config):
@@ -587,17 +610,20 @@ def _state_rows(cfg: Config) -> int:
   return cfg.mesh.nodes or cfg.workers
 
 
-def _save(ckpt, step, params, opt_state, batches, cfg):
-  ckpt.save(step, {"params": params, "opt_state": opt_state},
-            {"step": step, "data": batches.state(), "workers": cfg.workers,
-             "state_rows": _state_rows(cfg), "seed": cfg.seed,
-             "config": rundir.comparable(cfg)})
+def _save(run: _Run, step: int, cfg: Config) -> None:
+  sent, fp32 = run.wire_done(step)
+  run.ckpt.save(step, {"params": run.params, "opt_state": run.opt_state},
+                {"step": step, "data": run.batches.state(),
+                 "workers": cfg.workers, "state_rows": _state_rows(cfg),
+                 "seed": cfg.seed, "config": rundir.comparable(cfg),
+                 "sent_bytes": sent, "fp32_allreduce_bytes": fp32})
 
 
 def _resume(ckpt, cfg, run, *, policy: str):
   """The last checkpoint's params and state (its state resized to this
   run's workers, :mod:`dlion_jax.elastic`, where their count differs),
-  its step, and what resizing did (or None)."""
+  its step, what resizing did (or None) and the bytes sent (and an fp32
+  all-reduce's) up to it (None where the checkpoint did not count them)."""
   latest = ckpt.latest_step()
   if latest is None:
     started = (cfg.run_path / "metrics.jsonl").is_file()
@@ -632,23 +658,36 @@ def _resume(ckpt, cfg, run, *, policy: str):
       **axes)
   resized = None
   if _voters(cfg) != _voters_of(meta["workers"], saved):
+    if cfg.optimizer.name in optimizers.GLOBAL_OPTIMIZERS:
+      what = "the optimizer state, alike on every worker, kept"
+    else:
+      what = elastic.describe(rows, _state_rows(cfg), policy,
+                              unit="node" if cfg.mesh.nodes else "worker")
     resized = (f"{_voters(cfg)} from {_voters_of(meta['workers'], saved)}: "
-               f"{elastic.describe(rows, _state_rows(cfg), policy)}; the "
-               f"global batch of {cfg.data.global_batch} kept, "
+               f"{what}; the global batch of {cfg.data.global_batch} kept, "
                f"{cfg.data.global_batch // cfg.workers} examples a worker "
                f"(was {cfg.data.global_batch // meta['workers']})")
-  return (state["params"], state["opt_state"]), int(meta["step"]), resized
+  wire = (None if "sent_bytes" not in meta else
+          (meta["sent_bytes"], meta["fp32_allreduce_bytes"]))
+  return ((state["params"], state["opt_state"]), int(meta["step"]), resized,
+          wire)
 
 
 def _voters(cfg: Config) -> str:
-  return _voters_of(cfg.workers, {"mesh.nodes": cfg.mesh.nodes})
+  return _voters_of(cfg.workers, {"mesh.nodes": cfg.mesh.nodes,
+                                  "mesh.shard_params": cfg.mesh.shard_params})
 
 
 def _voters_of(workers: int, saved: dict | None) -> str:
-  """"8 workers", or "2 nodes of 4" for a hybrid layout."""
-  nodes = (saved or {}).get("mesh.nodes")
-  return (f"{nodes} nodes of {workers // nodes}" if nodes
-          else f"{workers} worker{'s' if workers > 1 else ''}")
+  """"8 workers", or "2 nodes of 4" for a hybrid layout (", params
+  sharded" where they are)."""
+  saved = saved or {}
+  nodes = saved.get("mesh.nodes")
+  plural = lambda n, word: f"{n} {word}{'s' if n != 1 else ''}"
+  if not nodes:
+    return plural(workers, "worker")
+  return (f"{plural(nodes, 'node')} of {workers // nodes}"
+          + (", params sharded" if saved.get("mesh.shard_params") else ""))
 
 
 def _saved_config(meta: dict) -> dict | None:
