@@ -2,6 +2,7 @@
 
 import types
 
+import jax
 import numpy as np
 
 from dlion_jax.bench import step
@@ -26,3 +27,31 @@ def test_per_round_ratios_pair_each_round_with_the_floors():
   assert cells["dlion mavo psum"][-2:] == ["5.00x", "2.00x (1.55-3.50)"]
   assert cells["global lion"][-1] == "1.50x (1.50-1.50)"
   assert cells["local lion"][-1] == "1.00x (1.00-1.00)"
+
+
+SHAPES = {"w": (37, 11), "v": (1001,)}
+
+
+def test_vmapped_workers_step_as_the_mesh_does_and_agree():
+  """``--vmap`` (all workers on one device, as on a GPU) gives the mesh
+  step's parameters bit for bit, and its agreement line reads both the
+  strategies' and the workers' copies."""
+  vmapped = step.build(8, SHAPES, vmap=True)
+  meshed = step.build(8, SHAPES)
+  for name in ("dlion mavo auto", "dlion avg auto"):
+    for leaf_v, leaf_m in zip(jax.tree.leaves(vmapped[name].params),
+                              jax.tree.leaves(meshed[name].params)):
+      assert leaf_v.shape == (8,) + leaf_m.shape
+      np.testing.assert_array_equal(leaf_v[3], leaf_m)
+  line = step.agreement(vmapped)
+  assert "bit for bit alike" in line and "same parameters" in line
+  assert "same parameters" not in step.agreement(meshed)
+
+
+def test_agreement_names_a_strategy_and_workers_that_differ():
+  runners = step.build(8, SHAPES, vmap=True)
+  psum = runners["dlion mavo psum"]
+  psum.params = jax.tree.map(lambda x: x.at[5].add(1.0), psum.params)
+  line = step.agreement(runners)
+  assert "NOT alike: dlion mavo psum differ" in line
+  assert "drifted apart in ['dlion mavo psum']" in line

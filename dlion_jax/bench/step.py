@@ -2,9 +2,9 @@
 
 On ``N`` simulated CPU devices (8 by default), with a ~4M-parameter pytree
 (``--tree``: an MLP's 8 leaves, a 1024x3072 matrix and a 1M vector, or 100
-leaves of 40,960), times a jitted ``shard_map`` step that takes per-worker
-gradients
-(fixed random arrays, sharded over the workers), per-worker optimizer states
+leaves of 40,960; ``large``, 50.3M parameters, for an accelerator), times a
+jitted ``shard_map`` step that takes per-worker gradients (fixed random
+arrays, sharded over the workers), per-worker optimizer states
 and replicated parameters, and returns the new parameters and states. Only the
 optimizer runs: no model forward or backward pass.
 
@@ -16,6 +16,12 @@ Variants:
   data-parallel Lion needs (the baseline).
 * ``local lion``: :func:`optax.lion` on each worker's own gradient, no
   exchange at all (the floor; workers drift apart, so not a usable optimizer).
+
+``--vmap`` runs the same step with the N workers under ``jax.vmap(...,
+axis_name='data')`` on the default device instead (one GPU, say): every
+worker keeps its own copy of the parameters, as on N devices, and the
+collectives become on-device transposes and sums, so the time is the
+compute of N workers' steps with no network in it.
 
 Repetitions are interleaved (every variant once per round) and every step is
 blocked on before the next starts, so that each time is one step's and no
@@ -32,7 +38,7 @@ instructions that take the most thread time.
 Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
-      [--tree mlp|two|many] [--profile] [--out FILE.md]
+      [--tree mlp|two|many|large] [--vmap] [--profile] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -76,6 +82,9 @@ TREES = {
     "two": {"w": (1024, 3072), "v": (1 << 20,)},
     # 4.10M parameters in 100 leaves of 40,960.
     "many": {f"leaf_{i:03d}": (40_960,) for i in range(100)},
+    # "two" x 12: 50.3M parameters, so that a GPU's step is well past its
+    # launch and timer overhead (about 10 GB a variant with 8 workers).
+    "large": {"w": (4096, 8192), "v": (1 << 24,)},
 }
 BASELINE = "global lion"
 FLOOR = "local lion"
@@ -129,14 +138,8 @@ def make_step(tx: optax.GradientTransformation, mesh, *,
       step count from which each draws its gradients).
   """
   if pmean_grads:
-    grads_fn = lambda grads: lax.pmean(grads, AXIS)
-
-  def local(params, state, grads):
-    if grads_fn is not None:
-      grads = grads_fn(grads)
-    updates, state = tx.update(grads, state, params)
-    return optax.apply_updates(params, updates), state
-
+    grads_fn = _pmean
+  local = _worker_step(tx, grads_fn)
   # The floor's parameters differ per worker, so replication is not checked
   # (for any variant, to compile them all alike); a replicated output keeps
   # worker 0's copy.
@@ -147,14 +150,51 @@ def make_step(tx: optax.GradientTransformation, mesh, *,
   return jax.jit(step, donate_argnums=(0, 1))
 
 
+def make_vmapped_step(tx: optax.GradientTransformation, *,
+                      pmean_grads: bool = False) -> Callable:
+  """Like :func:`make_step` with the workers under ``jax.vmap`` on one
+  device: every argument, ``params`` too, carries the leading worker axis."""
+
+  local = _worker_step(tx, _pmean if pmean_grads else None)
+  return jax.jit(jax.vmap(local, axis_name=AXIS), donate_argnums=(0, 1))
+
+
+def _pmean(grads):
+  return lax.pmean(grads, AXIS)
+
+
+def _worker_step(tx, grads_fn: Callable | None) -> Callable:
+  """One worker's ``(params, state, grads) -> (params, state)``."""
+
+  def local(params, state, grads):
+    if grads_fn is not None:
+      grads = grads_fn(grads)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state
+
+  return local
+
+
 class Runner:
-  """One variant's compiled step and its current params and states."""
+  """One variant's compiled step and its current params and states.
+
+  ``mesh=None`` vmaps the workers on the default device
+  (:func:`make_vmapped_step`); ``grads`` then carry the worker axis unsharded.
+  """
 
   def __init__(self, tx, mesh, *, pmean_grads: bool, params, grads):
-    self.step = make_step(tx, mesh, pmean_grads=pmean_grads)
-    self.params = parallel.replicate(params, mesh)
-    self.states = parallel.init_worker_states(tx, self.params, mesh,
-                                              axis_name=AXIS)
+    self.vmapped = mesh is None
+    if self.vmapped:
+      num_workers = jax.tree.leaves(grads)[0].shape[0]
+      self.step = make_vmapped_step(tx, pmean_grads=pmean_grads)
+      self.params = jax.tree.map(lambda x: jax.device_put(
+          np.broadcast_to(x, (num_workers,) + x.shape)), params)
+      self.states = jax.jit(jax.vmap(tx.init))(self.params)
+    else:
+      self.step = make_step(tx, mesh, pmean_grads=pmean_grads)
+      self.params = parallel.replicate(params, mesh)
+      self.states = parallel.init_worker_states(tx, self.params, mesh,
+                                                axis_name=AXIS)
     self.grads = grads
     self.times = []
 
@@ -172,12 +212,18 @@ class Runner:
     return time.perf_counter() - start
 
 
-def build(num_workers: int, shapes: dict) -> dict[str, Runner]:
-  """A compiled, warmed-up :class:`Runner` per variant."""
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+def build(num_workers: int, shapes: dict, *,
+          vmap: bool = False) -> dict[str, Runner]:
+  """A compiled, warmed-up :class:`Runner` per variant, on a mesh of
+  ``num_workers`` devices or (``vmap``) vmapped on the default device."""
   params = random_tree(0, shapes)
-  grads = jax.device_put(random_tree(1, shapes, (num_workers,)),
-                         NamedSharding(mesh, P(AXIS)))
+  grads = random_tree(1, shapes, (num_workers,))
+  if vmap:
+    mesh = None
+    grads = jax.device_put(grads)
+  else:
+    mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+    grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
   runners = {}
   for name, (tx, pmean_grads) in variants().items():
     runners[name] = Runner(tx, mesh, pmean_grads=pmean_grads, params=params,
@@ -222,6 +268,28 @@ def table(runners: dict[str, Runner], num_workers: int) -> str:
       ["variant", "wire bits/param", "median ms", "IQR ms",
        "vs global lion", "vs local lion (floor)",
        "per-round vs floor, median (IQR)"], rows)
+
+
+def agreement(runners: dict[str, Runner]) -> str:
+  """One line: whether every MaVo strategy's parameters are bit for bit
+  those of the first (all ran the same steps on the same gradients), and,
+  vmapped, whether each variant's worker copies are alike."""
+  mavo = [k for k in runners if k.startswith("dlion mavo")]
+  first = jax.tree.leaves(runners[mavo[0]].params)
+  differ = [k for k in mavo[1:] if not all(
+      np.array_equal(a, b)
+      for a, b in zip(first, jax.tree.leaves(runners[k].params)))]
+  line = (f"- After {len(runners[mavo[0]].times) + 2} steps the parameters "
+          f"of {', '.join(m.split()[-1] for m in mavo)} are "
+          + ("bit for bit alike." if not differ
+             else f"NOT alike: {', '.join(differ)} differ from {mavo[0]}."))
+  if runners[mavo[0]].vmapped:
+    drifted = [k for k in runners if k.startswith("dlion") and not all(
+        np.array_equal(x[0], x[i]) for x in jax.tree.leaves(runners[k].params)
+        for i in range(1, x.shape[0]))]
+    line += (" Every D-Lion variant's workers hold the same parameters."
+             if not drifted else f" Workers drifted apart in {drifted}.")
+  return line
 
 
 def _comm_bits(name: str, n: int) -> str:
@@ -313,28 +381,38 @@ def main(argv=None) -> str:
   parser.add_argument("--reps", type=int, default=15)
   parser.add_argument("--tree", choices=sorted(TREES), default="mlp",
                       help="the params: an MLP's 8 leaves (3.97M), a "
-                      "1024x3072 matrix and a 1M vector (4.19M), or 100 "
-                      "leaves of 40,960 (4.10M)")
+                      "1024x3072 matrix and a 1M vector (4.19M), 100 "
+                      "leaves of 40,960 (4.10M), or a 4096x8192 matrix and "
+                      "a 16M vector (50.3M, for an accelerator)")
+  parser.add_argument("--vmap", action="store_true",
+                      help="vmap the workers on the default device (one GPU) "
+                      "instead of one simulated CPU device each")
   parser.add_argument("--profile", action="store_true",
                       help="also trace D-Lion and optax.lion steps")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
-  bench.use_cpu_devices(args.workers)
+  if args.vmap and args.profile:
+    parser.error("--profile reads CPU device threads; leave it out with "
+                 "--vmap")
+  if not args.vmap:
+    bench.use_cpu_devices(args.workers)
   load = os.getloadavg()[0]
   start = time.perf_counter()
   shapes = TREES[args.tree]
-  runners = build(args.workers, shapes)
+  runners = build(args.workers, shapes, vmap=args.vmap)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
   timed = time.perf_counter()
   lines = [
-      f"Machine: {bench.machine_line()}; {args.workers} workers. "
+      f"Machine: {bench.machine_line()}; {args.workers} workers"
+      f"{' vmapped on one device' if args.vmap else ''}. "
       f"Parameters ({args.tree}): {num_params(shapes):,} in "
       f"{len(jax.tree.leaves(shapes, is_leaf=lambda x: isinstance(x, tuple)))}"
       f" leaves. {args.reps} interleaved repetitions after 2 warm-up steps.",
       "",
       table(runners, args.workers),
       "",
+      agreement(runners),
       f"- Load average (1 min) {load:.2f} before, {os.getloadavg()[0]:.2f} "
       f"after timing, on {os.cpu_count()} cores.",
       f"- Compile + warm-up {compiled - start:.1f} s, timing "
