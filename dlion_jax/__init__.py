@@ -27,7 +27,7 @@ from dlion_jax.lion import distributed_lion
 from dlion_jax.lion import scale_by_distributed_lion
 from dlion_jax.transforms import apply_if_finite
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = (
     "DistributedLionState",

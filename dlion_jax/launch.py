@@ -7,11 +7,11 @@ and ``python -m dlion_jax.train`` read::
   JAX_NUM_PROCESSES=n
   JAX_PROCESS_ID=i                         # 0 .. n-1
 
-Each line a process prints is prefixed with ``[i] `` (stdout to stdout,
-stderr to stderr). If any process exits with a non-zero code, the launcher
-stops the others at once (their collectives would otherwise wait for the
-missing process until jax's own timeouts) and exits with that code, naming
-the process. Ctrl-C and SIGTERM are forwarded to every process (the train
+Each line a process prints is prefixed with ``[i]`` and a space (stdout to
+stdout, stderr to stderr). If any process exits with a non-zero code, the
+launcher stops the others at once (their collectives would otherwise wait
+for the missing process until jax's own timeouts) and exits with that code,
+naming the process. Ctrl-C and SIGTERM are forwarded to every process (the train
 CLI then checkpoints the step its processes agree on and says how to
 resume).
 

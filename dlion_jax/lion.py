@@ -345,10 +345,9 @@ def distributed_lion(
       schedule.
     momentum_sync_mask: which momentum leaves a sync averages.
     min_compress_size: leaves with fewer elements are exchanged exactly.
-    error_feedback: keep each worker's residual and add it next step.
-
-    The last six are Lion Cub's options; see
-    :func:`scale_by_distributed_lion`.
+    error_feedback: keep each worker's residual and add it next step
+      (this and the five above are Lion Cub's options; see
+      :func:`scale_by_distributed_lion`).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.

@@ -1,4 +1,5 @@
-"""The examples in the core modules' docstrings run and print what they say."""
+"""The examples in the docstrings of every module with examples (those of
+the API reference) run and print what they say."""
 
 import doctest
 
@@ -7,6 +8,7 @@ import pytest
 from dlion_jax import accounting
 from dlion_jax import devices
 from dlion_jax import elastic
+from dlion_jax import hlo
 from dlion_jax import lion
 from dlion_jax import message
 from dlion_jax import packing
@@ -16,7 +18,7 @@ from dlion_jax import sync
 from dlion_jax import transforms
 
 
-@pytest.mark.parametrize("module", [accounting, devices, elastic, lion,
+@pytest.mark.parametrize("module", [accounting, devices, elastic, hlo, lion,
                                     message, packing, parallel, quantize,
                                     sync, transforms],
                          ids=lambda m: m.__name__)
