@@ -46,11 +46,18 @@ def check_same_structure(updates: Any, mu: Any) -> None:
   for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates),
                           jax.tree.leaves(mu)):
     if jnp.shape(g) != jnp.shape(m):
+      stacked = jnp.shape(m)[1:] == jnp.shape(g)
       raise ValueError(
           f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
-          f"{jnp.shape(g)} but its momentum has shape {jnp.shape(m)}. Call "
-          "`init` on the same parameters whose gradients you pass to "
-          "`update`.")
+          f"{jnp.shape(g)} but its momentum has shape {jnp.shape(m)}. "
+          + ("The momentum has an extra leading axis: the state was built "
+             "from params already stacked per worker (e.g. init_pmap_states "
+             "given replicate_for_pmap's output). Build it from one "
+             "worker's params: init_pmap_states(tx, params) or "
+             "init_worker_states(tx, params, mesh) with the unstacked "
+             "params." if stacked else
+             "Call `init` on the same parameters whose gradients you pass "
+             "to `update`."))
 
 
 def static_int(name: str, value: Any) -> Any:

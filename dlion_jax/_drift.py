@@ -61,6 +61,21 @@ def varying_outputs(jaxpr, varying_inputs: Sequence[Axes]) -> list[Axes]:
   return [read(v) for v in jaxpr.outvars]
 
 
+def exchanges_over(jaxpr, axes: Axes) -> bool:
+  """Whether any collective of ``jaxpr`` (nested ones too) runs over one of
+  ``axes``."""
+  for eqn in open_jaxpr(jaxpr).eqns:
+    if ("axes" in eqn.params or "axis_name" in eqn.params) and (
+        _axes(eqn) & axes):
+      return True
+    for value in eqn.params.values():
+      for inner in value if isinstance(value, (tuple, list)) else (value,):
+        if isinstance(inner, (jex.Jaxpr, jex.ClosedJaxpr)) and (
+            exchanges_over(inner, axes)):
+          return True
+  return False
+
+
 def _union(axes: Sequence[Axes]) -> Axes:
   return frozenset().union(*axes)
 
@@ -83,6 +98,10 @@ def _equation(eqn, ins: list[Axes]) -> list[Axes]:
                  eqn.params["num_carry"])
   if name == "while":
     return _while(eqn, ins)
+  if name == "shard_map":
+    # A nested region's outputs are global arrays over the axes it maps.
+    manual = frozenset(eqn.params.get("newly_manual_axes", ()))
+    return [a - manual for a in varying_outputs(eqn.params["jaxpr"], ins)]
   for key in ("jaxpr", "call_jaxpr", "fun_jaxpr"):
     inner = eqn.params.get(key)
     if (inner is not None and len(open_jaxpr(inner).invars) == len(ins)

@@ -254,6 +254,11 @@ def shard_batch(batch: Any, mesh: Mesh, *,
   (one mesh axis, or a tuple of them, the first major: e.g.
   ``("data", "fsdp")`` for a step with ``shard_axis``).
 
+  With several processes (``jax.distributed``) every process passes the
+  whole global batch, alike, and each keeps the rows of its own devices;
+  where each process loads only its own rows, build the array with
+  ``jax.make_array_from_process_local_data`` instead.
+
   Example:
     >>> import numpy as np
     >>> from dlion_jax import devices

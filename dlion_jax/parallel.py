@@ -717,17 +717,25 @@ def _replication_checked(fn, ins, outs, single, axis_name) -> Callable:
     for i, (out, k) in enumerate(zip(shapes, outs)):
       for (path, _), layout in zip(jax.tree_util.tree_leaves_with_path(out),
                                    _leaf_layouts(k, out)):
-        if next(flags) and layout == "replicated":
+        if next(flags) & axes and layout == "replicated":
+          where = (f"per_worker: output {i} is laid out \"replicated\" but "
+                   f"its leaf {jax.tree_util.keystr(path) or '<root>'} "
+                   "differs from worker to worker")
+          fixes = (f"reduce it in fn (e.g. jax.lax.pmean(x, {axis_name!r})),"
+                   " lay it out \"stacked\" to get every worker's, or pass "
+                   "check_replicated=False if it is equal on every worker by "
+                   "construction.")
+          if not _drift.exchanges_over(closed, axes):
+            raise ValueError(
+                f"{where}: fn exchanges nothing over {axis_name!r}, so each "
+                "worker's result is its own. If fn runs an optimizer, build "
+                f"it with axis_name={axis_name!r} (e.g. "
+                f"dl.distributed_lion(lr, axis_name={axis_name!r})) so that "
+                f"the workers vote. Otherwise {fixes}")
           raise ValueError(
-              f"per_worker: output {i} is laid out \"replicated\" but its "
-              f"leaf {jax.tree_util.keystr(path) or '<root>'} differs from "
-              "worker to worker (it comes from a \"split\" or "
-              "\"stacked\" argument without a reduction over "
-              f"{axis_name!r}): shard_map would return worker 0's. Reduce it "
-              f"in fn (e.g. jax.lax.pmean(x, {axis_name!r})), lay it out "
-              "\"stacked\" to get every worker's, or pass "
-              "check_replicated=False if it is equal on every worker by "
-              "construction.")
+              f"{where} (it comes from a \"split\" or \"stacked\" "
+              f"argument without a reduction over {axis_name!r}): shard_map "
+              f"would return worker 0's. {fixes[0].upper()}{fixes[1:]}")
     flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), flat)
   return checked
@@ -1089,7 +1097,27 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
 
 def init_pmap_states(tx: optax.GradientTransformation, params: Any,
                      num_devices: int | None = None) -> Any:
-  """Per-device optimizer states for :func:`make_pmap_train_step`."""
+  """Per-device optimizer states for :func:`make_pmap_train_step`.
+
+  Args:
+    tx: the optimizer.
+    params: one device's parameters, before :func:`replicate_for_pmap`
+      (given the stacked ones, the state would carry the device axis twice).
+    num_devices: how many devices (default: all local devices).
+
+  Returns:
+    ``tx.init(params)`` stacked ``num_devices`` times: each device's own
+    state (its momentum, which the devices do not share).
+
+  Example:
+    >>> import jax.numpy as jnp, dlion_jax as dl
+    >>> params = {"w": jnp.zeros(3)}
+    >>> tx = dl.distributed_lion(1e-3, axis_name="data")
+    >>> state = dl.parallel.init_pmap_states(tx, params, 2)
+    >>> params = dl.parallel.replicate_for_pmap(params, 2)   # after the state
+    >>> state[0].mu["w"].shape, params["w"].shape
+    ((2, 3), (2, 3))
+  """
   return replicate_for_pmap(tx.init(params), num_devices)
 
 

@@ -9,6 +9,7 @@ import pathlib
 import re
 import shutil
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -178,6 +179,31 @@ def replicated_state_not_per_worker(tmp_path, capsys):
   return _raised(lambda: step(params, tx.init(params), batch))
 
 
+def pmap_state_from_stacked_params(tmp_path, capsys):
+  del tmp_path, capsys
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  params = parallel.replicate_for_pmap({"w": jnp.ones(4)}, 2)
+  state = parallel.init_pmap_states(tx, params, 2)    # stacked twice
+  step = parallel.make_pmap_train_step(
+      lambda p, b: jnp.sum(p["w"] * b), tx, devices=jax.devices()[:2])
+  return _raised(lambda: step(params, state, jnp.ones((2, 4))))
+
+
+def optimizer_without_axis_in_per_worker(tmp_path, capsys):
+  del tmp_path, capsys
+  mesh = parallel.data_mesh(2)
+  tx = dl.distributed_lion(1e-2)                      # no axis_name
+  params = parallel.replicate({"w": jnp.ones(3)}, mesh)
+
+  def step(p, s, x):
+    u, s = tx.update(jax.grad(lambda p: jnp.sum(p["w"] * x))(p), s, p)
+    return optax.apply_updates(p, u), s
+  fn = parallel.per_worker(step, mesh, ins=("replicated", "stacked", "split"),
+                           outs=("replicated", "stacked"))
+  state = parallel.init_worker_states(tx, params, mesh)
+  return _raised(lambda: jax.jit(fn)(params, state, jnp.ones((2, 3))))
+
+
 # case -> (exit code or exception type, what the message must name: the
 # argument and its value, and the fix).
 UNREADABLE = ("<tmp>/checkpoints/4", "corrupt or truncated",
@@ -218,6 +244,12 @@ EXPECTED = {
     "grads_for_other_params": (
         "ValueError", ("PyTreeDef({'w': *})", "PyTreeDef({'b': *, 'w': *})",
                        "Call `init` on the same parameters")),
+    "pmap_state_from_stacked_params": (
+        "ValueError", ("leaf ['w']", "shape (4,)", "shape (2, 4)",
+                       "init_pmap_states(tx, params)", "replicate_for_pmap")),
+    "optimizer_without_axis_in_per_worker": (
+        "ValueError", ("leaf ['w']", "exchanges nothing over 'data'",
+                       "axis_name='data'")),
     "replicated_state_not_per_worker": (
         "ValueError", ("leaf [0].count", "shape ()", "size 2",
                        "parallel.init_worker_states(tx, params, mesh)")),
@@ -233,7 +265,8 @@ CASES = [corrupt_checkpoint, truncated_checkpoint, damaged_checkpoint_metadata,
          bad_heartbeat_timeout, bad_coordinator_address, micro_batches_zero,
          negative_min_compress_size, params_not_a_float_array,
          state_of_another_options, grads_for_other_params,
-         replicated_state_not_per_worker]
+         replicated_state_not_per_worker, pmap_state_from_stacked_params,
+         optimizer_without_axis_in_per_worker]
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.__name__ for c in CASES])

@@ -385,6 +385,34 @@ def test_inject_hyperparams_empty_leaf_and_bf16_pmean(kind):
   np.testing.assert_array_equal(np.asarray(p["w"], np.float32), 0.5)
 
 
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto], ids=str)
+def test_hand_written_per_worker_step_equals_make_train_step(kind):
+  """A step written by hand through per_worker (the guides' NNX and Linen
+  pattern) with a 1-element leaf beside a larger one. Was, on Auto axes:
+  "leaf ['b'] differs from worker to worker", the nested region's blocks
+  (varying over fsdp) taken for worker drift."""
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind,) * 2)
+  params = parallel.replicate({"a": jnp.ones(1), "b": jnp.ones(256)}, mesh)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  loss = lambda p, x: jnp.mean((x @ p["b"] + p["a"][0]) ** 2)
+
+  def step(params, state, x):
+    updates, state = tx.update(jax.grad(loss)(params, x), state, params)
+    return optax.apply_updates(params, updates), state
+
+  rows = np.arange(8 * 256, dtype=np.float32).reshape(8, 256) % 7 - 3
+  x = jax.device_put(rows, NamedSharding(mesh, P("data")))
+  by_hand = jax.jit(parallel.per_worker(
+      step, mesh, ins=("replicated", "stacked", "split"),
+      outs=("replicated", "stacked")))
+  helper = parallel.make_train_step(loss, tx, mesh, donate=False)
+  state = parallel.init_worker_states(tx, params, mesh)
+  want, _, _ = helper(params, state, x)
+  got, _ = by_hand(params, state, x)
+  for k in params:
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
+
+
 def test_step_under_set_mesh():
   """Was: "incompatible devices" from the in-flight limit's marker, after
   the step had consumed its donated params."""
