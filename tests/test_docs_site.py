@@ -65,3 +65,43 @@ def test_the_readme_links_every_guide_and_only_files_that_exist():
   assert not [link for link in links if not (root / link).exists()]
   guides = {f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md")}
   assert len(guides) == 8 and guides <= set(links)
+
+
+PUBLIC_MODULES = ["dlion_jax", "dlion_jax.parallel", "dlion_jax.devices",
+                  "dlion_jax.sync", "dlion_jax.quantize", "dlion_jax.hlo",
+                  "dlion_jax.accounting", "dlion_jax.elastic",
+                  "dlion_jax.transforms"]
+
+
+def _public(module_name):
+  import importlib   # pylint: disable=g-import-not-at-top
+  import inspect     # pylint: disable=g-import-not-at-top
+  module = importlib.import_module(module_name)
+  names = getattr(module, "__all__", None) or [
+      n for n, v in vars(module).items() if not n.startswith("_")
+      and (inspect.isfunction(v) or inspect.isclass(v))
+      and v.__module__ == module_name]
+  return {n: getattr(module, n) for n in names
+          if not inspect.ismodule(getattr(module, n))}
+
+
+def _resolve(dotted):
+  import importlib   # pylint: disable=g-import-not-at-top
+  module, _, name = dotted.rpartition(".")
+  try:
+    return getattr(importlib.import_module(module), name)
+  except (ImportError, AttributeError):
+    return None
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_every_public_name_has_an_entry(site, module):
+  """Each public function or class, under some path it is importable by
+  (``dl.parallel.shard_batch`` documents ``dl.devices.shard_batch``)."""
+  ids = set(re.findall(r'id="(dlion_jax\.[\w.]+)"', "".join(
+      p.read_text() for p in site.rglob("*.html"))))
+  documented = {id(_resolve(i)) for i in ids}
+  missing = [n for n, obj in _public(module).items()
+             if f"{module}.{n}" not in ids and id(obj) not in documented]
+  assert not missing, missing
