@@ -348,7 +348,8 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               num_workers: int, spec: VoteSpec, aggregation: str, comm: str,
-              min_compress_size: int = 0, constants: tuple = ()):
+              min_compress_size: int = 0, constants: tuple = (),
+              bucket_bytes: int | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``).
@@ -368,10 +369,16 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   ``combine`` gets
   ``constants`` after the leaves (traced hyperparameters: see
   :func:`dlion_jax.shards.on_own_shards`).
+
+  ``bucket_bytes`` splits the voted leaves into buckets (:func:`buckets`),
+  each packed into a message of its own and exchanged on its own, so that
+  a bucket's collectives depend on its leaves' gradients only and XLA may
+  schedule them while the rest of the backward pass runs.
   """
   options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
                  aggregation=aggregation, comm=comm,
-                 min_compress_size=min_compress_size)
+                 min_compress_size=min_compress_size,
+                 bucket_bytes=bucket_bytes)
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
   def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
@@ -382,7 +389,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
 
 
 def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
-               comm, min_compress_size, leaf_shards):
+               comm, min_compress_size, bucket_bytes, leaf_shards):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names)."""
   leaves, treedef = jax.tree.flatten(trees[0])
@@ -400,33 +407,59 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
     values = [combine(*rows[i]) for i in exact]
     for i, d in zip(exact, sign_of_mean(values, axis_name=axis_name)):
       out[i] = d
-  if not voted:
-    return jax.tree.unflatten(treedef, out)
-  # Big leaves first, each packed alone; then the small ones of sign votes,
-  # grouped by dtypes so that each group concatenates (see _message).
-  alone = [i for i in voted
-           if spec.scaled or leaves[i].size >= OWN_PACKING]
-  grouped = sorted(set(voted) - set(alone), key=lambda i: (str(_dtypes(
-      rows[i])), i))
-  voted = alone + grouped
-  layout, result = _exchange(
-      [rows[i] for i in voted], combine, [leaf_shards[i] for i in alone],
-      axis_name=axis_name, num_workers=num_workers, spec=spec,
-      aggregation=aggregation, comm=comm)
-  # D once per run and dtype (that of c), then each leaf's stretch of it.
-  dtypes, updates = {}, {}
-  for k, i in enumerate(voted):
-    x, key = leaves[i], _dtypes(rows[i])
-    if key not in dtypes:
-      dtypes[key] = jax.eval_shape(
-          combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
-    run = (layout.run_of(k), dtypes[key])
-    if run not in updates:
-      updates[run] = _finalize(result[run[0]], num_workers, aggregation,
-                               spec, run[1])
-    part = layout.leaf_values(updates[run], k)
-    out[i] = part.reshape(x.shape)
+  nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
+  for bucket in buckets(voted, nbytes, bucket_bytes):
+    # Big leaves first, each packed alone; then the small ones of sign
+    # votes, grouped by dtypes so that each group concatenates (_message).
+    alone = [i for i in bucket
+             if spec.scaled or leaves[i].size >= OWN_PACKING]
+    grouped = sorted(set(bucket) - set(alone), key=lambda i: (str(_dtypes(
+        rows[i])), i))
+    bucket = alone + grouped
+    layout, result = _exchange(
+        [rows[i] for i in bucket], combine, [leaf_shards[i] for i in alone],
+        axis_name=axis_name, num_workers=num_workers, spec=spec,
+        aggregation=aggregation, comm=comm)
+    # D once per run and dtype (that of c), then each leaf's stretch of it.
+    dtypes, updates = {}, {}
+    for k, i in enumerate(bucket):
+      key = _dtypes(rows[i])
+      if key not in dtypes:
+        dtypes[key] = jax.eval_shape(
+            combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
+      run = (layout.run_of(k), dtypes[key])
+      if run not in updates:
+        updates[run] = _finalize(result[run[0]], num_workers, aggregation,
+                                 spec, run[1])
+      out[i] = layout.leaf_values(updates[run], k).reshape(leaves[i].shape)
   return jax.tree.unflatten(treedef, out)
+
+
+def buckets(indices: list[int], nbytes: list[int],
+            bucket_bytes: int | None) -> list[list[int]]:
+  """The leaves ``indices`` split into buckets of at most ``bucket_bytes``
+  of gradient (``nbytes[i]`` a leaf's; a bigger leaf is a bucket alone).
+
+  Taken from the last leaf back, greedily: a backward pass produces the
+  gradients of the last layers first, and a pytree of layers (a Flax
+  model's) lists them from the input on. ``None`` is one bucket, in order.
+
+  Example:
+    >>> from dlion_jax import exchange
+    >>> exchange.buckets([0, 1, 2, 3], [40, 30, 30, 50], 60)
+    [[3], [1, 2], [0]]
+  """
+  if bucket_bytes is None:
+    return [list(indices)]
+  out, total = [], 0
+  for i in reversed(indices):
+    if out and total + nbytes[i] <= bucket_bytes:
+      out[-1].append(i)
+      total += nbytes[i]
+    else:
+      out.append([i])
+      total = nbytes[i]
+  return [sorted(bucket) for bucket in out]
 
 
 def _runs(rows, num_alone: int) -> tuple[int, ...]:

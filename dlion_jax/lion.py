@@ -16,6 +16,7 @@ from dlion_jax import sync
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
 from dlion_jax._checks import check_same_structure
+from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
 # Leaves smaller than this skip the vote (min_compress_size=None).
@@ -107,6 +108,7 @@ def scale_by_distributed_lion(
     momentum_sync_mask: Any = None,
     min_compress_size: int | None = None,
     error_feedback: bool = False,
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformation:
   r"""Lion's sign update, voted across the workers of a data-parallel axis.
 
@@ -189,6 +191,13 @@ def scale_by_distributed_lion(
     min_compress_size: leaves with fewer elements are exchanged exactly;
       ``None`` takes ``DEFAULT_MIN_COMPRESS_SIZE``.
     error_feedback: keep each worker's residual and add it next step.
+    bucket_bytes: ``None`` (one message) or a budget in bytes of gradient:
+      the voted leaves are split into buckets of at most that many
+      gradient bytes (as PyTorch DDP's ``bucket_cap_mb``), from the last
+      leaf back (the order a backward pass produces them), each packed and
+      exchanged on its own, so that XLA's scheduler may run a bucket's
+      collectives while earlier layers still differentiate. The update is
+      the same bit for bit; each bucket pads its own message.
 
   Options that shape the message (``bits``, ``min_compress_size``, an int
   ``momentum_sync``) must be Python ints: under
@@ -223,6 +232,9 @@ def scale_by_distributed_lion(
   spec = quantize.vote_spec(quantizer, vote=vote, bits=bits)
   schedule = sync.as_schedule(momentum_sync)
   min_compress_size = _min_compress_size(min_compress_size)
+  if bucket_bytes is not None:
+    bucket_bytes = positive_int("bucket_bytes", bucket_bytes,
+                                "a budget of gradient bytes, or None")
   state_type = ErrorFeedbackState if error_feedback else DistributedLionState
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)
@@ -258,7 +270,8 @@ def scale_by_distributed_lion(
     return exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
-        min_compress_size=min_compress_size, constants=constants)
+        min_compress_size=min_compress_size, constants=constants,
+        bucket_bytes=bucket_bytes)
 
   def update_fn(updates, state, params=None):
     del params
@@ -311,6 +324,7 @@ def distributed_lion(
     momentum_sync_mask: Any = None,
     min_compress_size: int | None = None,
     error_feedback: bool = False,
+    bucket_bytes: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Distributed Lion: a drop-in for :func:`optax.lion` in data parallel.
 
@@ -348,6 +362,9 @@ def distributed_lion(
     error_feedback: keep each worker's residual and add it next step
       (this and the five above are Lion Cub's options; see
       :func:`scale_by_distributed_lion`).
+    bucket_bytes: exchange the votes in buckets of at most this many
+      gradient bytes, to overlap them with the backward pass (see
+      :func:`scale_by_distributed_lion`).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -374,7 +391,8 @@ def distributed_lion(
           aggregation=aggregation, vote=vote, comm=comm, quantizer=quantizer,
           bits=bits, momentum_sync=momentum_sync,
           momentum_sync_mask=momentum_sync_mask,
-          min_compress_size=min_compress_size, error_feedback=error_feedback),
+          min_compress_size=min_compress_size, error_feedback=error_feedback,
+          bucket_bytes=bucket_bytes),
       optax.add_decayed_weights(_replicated_schedule(weight_decay), mask),
       optax.scale_by_learning_rate(_replicated_schedule(learning_rate)),
   )
