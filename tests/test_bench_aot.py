@@ -172,3 +172,22 @@ def test_cli_prints_the_table_and_writes_json(tmp_path):
   assert [r["variant"] for r in rows] == ["hybrid-dlion"]
   assert rows[0]["dcn_bytes"] > 0 and rows[0]["pairs"]
   assert "| v5e:2x2 x2 (8 chips) | hybrid-dlion |" in text
+
+
+@pytest.mark.tpu_aot
+def test_buckets_put_the_backward_pass_between_a_votes_start_and_done():
+  """One message: no DCN transfer of the step has a matmul between its
+  start and its done. In buckets (the MLP's 3 matrices apart), some do,
+  with the bytes of the buckets' own messages."""
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra (libtpu)")
+  if aot.libtpu_available():
+    pytest.skip("libtpu cannot compile for TPU topologies here")
+  problem = aot_models.mlp_problem()
+  one, _ = aot.compile_step(problem, "v5e:2x2", 2, "dlion-auto")
+  buckets, _ = aot.compile_step(problem, "v5e:2x2", 2, "dlion-auto", 20_000)
+  dcn = lambda row: [p for p in row.pairs if p.link == "dcn"]
+  assert not any(p.overlapped for p in dcn(one))
+  assert any(p.overlapped for p in dcn(buckets))
+  assert len(dcn(buckets)) > len(dcn(one))
+  assert one.dcn_bytes <= buckets.dcn_bytes < 1.1 * one.dcn_bytes
+  assert "dlion-auto, buckets of 20,000 B" in aot.table_row(buckets)

@@ -361,3 +361,31 @@ def test_bad_aot_rows_are_named(tmp_path, capsys, rows, names):
   assert e.value.code == 2
   err = capsys.readouterr().err
   assert f"--aot {path}" in err and all(n in err for n in names), err
+
+
+def _overlap_runs(procs, rate, times):
+  runs = [{"budget": b, "median_s": t, "sent": 1.0, "collectives": 2,
+           "ratios": [1.0]} for b, t in zip((None, 8_000_000, 2_000_000),
+                                           times)]
+  return {"procs": procs, "rate": rate, "num_params": 10, "runs": runs}
+
+
+def test_the_hidden_share_is_what_the_best_buckets_saved_of_the_exchange(
+    tmp_path, capsys):
+  """(T1 - Tb) / (T1 - T0): 625 ms one message, 520 the best buckets,
+  475 unshaped: 70% of the 150 ms exchange hidden; the step then is
+  compute + 30% of the exchange, never below max(compute, exchange)."""
+  overlap = {"configs": [_overlap_runs(2, "100mbit", (0.625, 0.548, 0.520)),
+                         _overlap_runs(2, "none", (0.475, 0.471, 0.494))]}
+  share, where = project.hidden_share(overlap)
+  assert share == pytest.approx(0.7)
+  assert "buckets of 2,000,000 B" in where and "625 -> 520 ms" in where
+  assert project.overlapped_step_s(0.2, 0.1, 0.7) == pytest.approx(0.23)
+  assert project.overlapped_step_s(0.1, 0.3, 0.7) == pytest.approx(0.3)
+  path = tmp_path / "overlap.json"
+  path.write_text(json.dumps(overlap))
+  project.main(["--overlap", str(path)])
+  out = capsys.readouterr().out
+  assert out.count("flat, buckets (70% of the exchange hidden") == 2
+  with pytest.raises(ValueError, match="no 2-process rows at 100mbit"):
+    project.hidden_share({"configs": overlap["configs"][1:]})

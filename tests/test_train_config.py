@@ -58,6 +58,8 @@ def test_default_is_quickstart_and_overrides_apply():
     (["optimizer.momentum_sync=-2"], r"optimizer\.momentum_sync=-2 must be"),
     (["optimizer.sync_leaves=(embed"], r"not a regular expression"),
     (["optimizer.min_compress_size=-1"], r"min_compress_size=-1 must be"),
+    (["optimizer.bucket_bytes=0"], r"optimizer\.bucket_bytes=0 must be a "
+     r"positive number of gradient bytes, or null"),
 ])
 def test_bad_configs_are_named(override, message):
   with pytest.raises(ConfigError, match=message):

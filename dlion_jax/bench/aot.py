@@ -17,7 +17,10 @@ machine. For each variant this reads off the TPU executable:
   ENTRY computation (:func:`async_pairs`): for every megascale (DCN)
   ``send``/``recv`` and its ``-done``, and every ``*-start``/``*-done``
   collective, the instructions between them and the fusions holding a dot
-  or convolution (the matmuls that could hide it).
+  or convolution (the matmuls that could hide it). ``--bucket-bytes``
+  compiles the D-Lion variants also with their votes in buckets
+  (``bucket_bytes=``), each exchanged on its own: how much of the backward
+  pass each bucket's exchange spans.
 
 Variants: ``lion`` and ``adamw`` (fp32 gradients ``pmean``-ed over all
 chips, then ``optax.lion``/``optax.adamw``), flat D-Lion with each ``comm``
@@ -36,7 +39,8 @@ Models:
 Usage::
 
   JAX_PLATFORMS=cpu python -m dlion_jax.bench.aot [--model gpt]
-      [--topology v5e:2x2] [--slices 2] [--variants ...] [--overlap]
+      [--topology v5e:2x2] [--slices 2] [--variants ...]
+      [--bucket-bytes 0 1000000] [--overlap]
       [--json PATH] [--out FILE.md]
 """
 
@@ -132,8 +136,9 @@ class Variant:
     return self.layout != "flat"
 
 
-def variant(name: str) -> Variant:
-  """The :data:`VARIANTS` entry ``name``."""
+def variant(name: str, bucket_bytes: int | None = None) -> Variant:
+  """The :data:`VARIANTS` entry ``name`` (D-Lion's votes in buckets of
+  ``bucket_bytes``, when given)."""
   layout, _, base = name.rpartition("-") if name.split("-")[0] in LAYOUTS \
       else ("flat", "", name)
   if base in ("lion", "adamw"):
@@ -141,8 +146,9 @@ def variant(name: str) -> Variant:
     tx = optax.chain(parallel.pmean_gradients("data"), opt(LEARNING_RATE))
     return Variant(name, tx, layout, None)
   comm = "auto" if base == "dlion" else base.removeprefix("dlion-")
-  return Variant(name, dl.distributed_lion(LEARNING_RATE, axis_name="data",
-                                           comm=comm), layout, comm)
+  return Variant(name, dl.distributed_lion(
+      LEARNING_RATE, axis_name="data", comm=comm, bucket_bytes=bucket_bytes),
+                 layout, comm)
 
 
 def analytic_bits(v: Variant, slices: int, chips: int) -> float:
@@ -303,6 +309,7 @@ class Row:
   chips: int
   variant: str
   params: int
+  bucket_bytes: int | None = None
   lower_s: float = 0.0
   compile_s: float = 0.0
   argument_bytes: int = 0
@@ -372,13 +379,15 @@ def _read_bytes(row: Row, compiled) -> None:
 
 
 def compile_step(problem: aot_models.Problem, topology: str, slices: int,
-                 name: str) -> tuple[Row, str]:
+                 name: str, bucket_bytes: int | None = None
+                 ) -> tuple[Row, str]:
   """Compiles one variant's training step and reads its executable: the
   row and the scheduled HLO text (empty when the compile failed)."""
   devices = tpu_devices(topology, slices)
-  v = variant(name)
+  v = variant(name, bucket_bytes)
   mesh = mesh_for(devices, slices, v.hybrid)
   row = Row(problem.name, topology, slices, len(devices), name, problem.count,
+            bucket_bytes=bucket_bytes,
             analytic_bits=analytic_bits(v, slices, len(devices)))
   step = parallel.make_train_step(
       problem.loss_fn, v.tx, mesh,
@@ -402,9 +411,9 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
 
 
 def compile_row(problem: aot_models.Problem, topology: str, slices: int,
-                name: str) -> Row:
+                name: str, bucket_bytes: int | None = None) -> Row:
   """:func:`compile_step`'s row alone."""
-  return compile_step(problem, topology, slices, name)[0]
+  return compile_step(problem, topology, slices, name, bucket_bytes)[0]
 
 
 def warm_up(topology: str, slices: int) -> None:
@@ -439,11 +448,16 @@ def _ratio(row: Row) -> str:
          f"{measured / row.analytic_bits:.2f}"
 
 
+def _name(row: Row) -> str:
+  return row.variant + (f", buckets of {row.bucket_bytes:,} B"
+                        if row.bucket_bytes else "")
+
+
 def table_row(row: Row) -> list:
   where = f"{row.topology} x{row.slices} ({row.chips} chips)"
   if row.error:
-    return [where, row.variant] + ["-"] * 8 + [row.error]
-  return [where, row.variant, _bytes(row.ici_bytes), _bytes(row.dcn_bytes),
+    return [where, _name(row)] + ["-"] * 8 + [row.error]
+  return [where, _name(row), _bytes(row.ici_bytes), _bytes(row.dcn_bytes),
           _ratio(row), f"{row.argument_bytes / MiB:,.1f}",
           f"{row.temp_bytes / MiB:,.1f}", f"{row.compile_s:.1f}",
           overlap_summary(row.pairs, "dcn"),
@@ -458,7 +472,7 @@ HEADERS = ["topology", "variant", "ICI bytes/chip", "DCN bytes/chip",
 
 def overlap_lines(row: Row) -> list[str]:
   """One line per async pair: what lies between its start and done."""
-  lines = [f"{row.model} {row.topology} x{row.slices} {row.variant}:"]
+  lines = [f"{row.model} {row.topology} x{row.slices} {_name(row)}:"]
   for p in row.pairs:
     shown = ", ".join(p.compute[:4]) + (
         f" (+{len(p.compute) - 4})" if len(p.compute) > 4 else "")
@@ -516,6 +530,9 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--slices", type=int, nargs="+", default=[2])
   parser.add_argument("--variants", nargs="+", default=list(VARIANTS),
                       choices=VARIANTS)
+  parser.add_argument("--bucket-bytes", type=int, nargs="+", default=[0],
+                      help="D-Lion variants also with bucket_bytes= each of "
+                      "these (0: one message, the default)")
   parser.add_argument("--overlap", action="store_true",
                       help="also list every async pair and what lies "
                       "between its start and done")
@@ -536,13 +553,15 @@ def main(argv=None) -> str:
   if why:
     parser.error(f"cannot compile for TPU topologies ({why}); install "
                  'libtpu: pip install "dlion_jax[tpu-aot]"')
-  jobs = [(m, t, s, v) for m in args.model for t in args.topology
-          for s in args.slices for v in args.variants]
+  budgets = [b or None for b in args.bucket_bytes]
+  jobs = [(m, t, s, v, b) for m in args.model for t in args.topology
+          for s in args.slices for v in args.variants for b in budgets
+          if b is None or variant(v).comm is not None]
   problems = {m: aot_models.PROBLEMS[m]() for m in args.model}
   warm_up(args.topology[0], args.slices[0])
   rows = []
-  for m, t, s, v in bench.progress(jobs, len(jobs), "compiling"):
-    rows.append(compile_row(problems[m], t, s, v))
+  for m, t, s, v, b in bench.progress(jobs, len(jobs), "compiling"):
+    rows.append(compile_row(problems[m], t, s, v, b))
     reporting.write_json(args.json, [row_json(r) for r in rows], indent=1)
   return reporting.emit(report(rows, args.overlap), args.out)
 

@@ -1,7 +1,9 @@
 """Step time at cluster scale: an alpha-beta model calibrated on measured rows.
 
-A training step is compute followed by the step's collectives (JAX runs the
-optimizer's exchange after the backward pass, so nothing overlaps)::
+A training step is compute followed by the step's collectives (the
+optimizer's one message leaves after the backward pass, so nothing
+overlaps; with ``--overlap``, a row with ``bucket_bytes`` hides the share
+of its exchange that ``benchmarks.overlap`` measured)::
 
   t_step = t_compute + sum_c (messages_c * latency + bits_c / bandwidth)
 
@@ -41,7 +43,7 @@ Usage::
 
   python -m dlion_jax.bench.project [--measured NETWORK.json]
       [--out docs/benchmarks.md] [--plot docs/img/projection.png]
-      [--aot AOT_ROWS.json]
+      [--aot AOT_ROWS.json] [--overlap OVERLAP.json]
 
 With ``--aot`` (the rows of ``python -m dlion_jax.bench.aot --json``) it
 adds TPU multislice exchange times computed from the bytes each link class
@@ -534,8 +536,11 @@ def validation_table(rows, constants) -> tuple[str, str]:
       f"links {spread(True)}; unshaped loopback {spread(False)}.")
 
 
-def paper_table(clusters: Sequence[Cluster], compute: float) -> str:
-  """The paper's figures beside the first cluster's rows."""
+def paper_table(clusters: Sequence[Cluster], compute: float,
+                hidden: float | None = None) -> str:
+  """The paper's figures beside the first cluster's rows; with ``hidden``
+  (:func:`hidden_share`), also the flat MaVo row with that share of its
+  exchange hidden behind the backward pass by ``bucket_bytes``."""
   rows = []
   for cluster in clusters:
     for name, plan in paper_plans(cluster).items():
@@ -543,9 +548,49 @@ def paper_table(clusters: Sequence[Cluster], compute: float) -> str:
       paper = PAPER_MS.get(name) if cluster is clusters[0] else None
       rows.append([cluster.name, name, _ms(ex), _ms(compute + ex),
                    "-" if paper is None else f"{paper:.0f}"])
+      if hidden is not None and name == "dlion_jax MaVo auto, flat":
+        rows.append([cluster.name, f"{name}, buckets ({hidden:.0%} of the "
+                     "exchange hidden, as measured)", _ms(ex),
+                     _ms(overlapped_step_s(compute, ex, hidden)), "-"])
   return reporting.markdown_table(
       ["interconnect", "optimizer", "exchange ms", "step ms, model",
        "step ms, paper"], rows)
+
+
+def overlapped_step_s(compute_s: float, exchange_s: float,
+                      hidden: float) -> float:
+  """A step whose exchange overlaps the backward pass by the share
+  ``hidden``: ``compute + (1 - hidden) exchange``, never below
+  ``max(compute, exchange)`` (what full overlap would give)."""
+  return max(compute_s + (1.0 - hidden) * exchange_s,
+             max(compute_s, exchange_s))
+
+
+def hidden_share(overlap: dict, *, procs: int = 2,
+                 rate: str = "100mbit") -> tuple[float, str]:
+  """The share of the exchange that buckets hid in a run of
+  ``python -m benchmarks.overlap --json``, and where it was measured.
+
+  With ``T1`` one message's step at ``rate``, ``T0`` the same step on the
+  unshaped loopback (compute and a fast exchange) and ``Tb`` the best
+  bucketed step at ``rate``: ``(T1 - Tb) / (T1 - T0)``.
+  """
+  configs = {(c["procs"], c["rate"]): c for c in overlap["configs"]}
+  try:
+    shaped, unshaped = configs[(procs, rate)], configs[(procs, "none")]
+  except KeyError:
+    raise ValueError(
+        f"the overlap runs have no {procs}-process rows at {rate} and "
+        "unshaped (none); run benchmarks.overlap with --procs "
+        f"{procs} --rates {rate} none") from None
+  one, compute = shaped["runs"][0], unshaped["runs"][0]
+  best = min(shaped["runs"][1:], key=lambda r: r["median_s"])
+  share = ((one["median_s"] - best["median_s"])
+           / (one["median_s"] - compute["median_s"]))
+  return share, (f"{procs} processes at {rate}, buckets of "
+                 f"{best['budget']:,} B: the step {one['median_s'] * 1e3:.0f}"
+                 f" -> {best['median_s'] * 1e3:.0f} ms, "
+                 f"{compute['median_s'] * 1e3:.0f} ms unshaped")
 
 
 def paper_gap(cluster: Cluster) -> str:
@@ -632,9 +677,11 @@ def _clamped(unconstrained_s: float) -> str:
           f"{unconstrained_s * 1e3:+.1f} ms)")
 
 
-def report(data: dict, plot_path: str | None = None) -> str:
+def report(data: dict, plot_path: str | None = None,
+           overlap: dict | None = None) -> str:
   """The section of docs/benchmarks.md: constants, validation, paper
-  projection and break-even table (and the figure at ``plot_path``)."""
+  projection and break-even table (and the figure at ``plot_path``); with
+  ``overlap`` (``benchmarks.overlap --json``) the bucketed row too."""
   rows = measured_rows(data)
   constants = fit([r for r in rows if r["procs"] == FIT_PROCS])
   table, summary = validation_table(rows, constants)
@@ -642,6 +689,8 @@ def report(data: dict, plot_path: str | None = None) -> str:
   compute = paper_compute_s(clusters[0])
   if plot_path:
     plot(rows, constants, clusters[0], compute, plot_path)
+  hidden, where = hidden_share(overlap) if overlap is not None else (
+      None, None)
   c = constants
   return "\n\n".join([
       f"Constants fitted on the {FIT_PROCS}-process rows: latency "
@@ -658,7 +707,11 @@ def report(data: dict, plot_path: str | None = None) -> str:
       "node), compute "
       f"{compute * 1e3:.0f} ms (the paper's D-Lion 207 ms less its "
       "modelled exchange on InfiniBand):",
-      paper_table(clusters, compute),
+      paper_table(clusters, compute, hidden),
+      *([f"The buckets row assumes the share of the exchange that "
+         f"bucket_bytes hid on XLA:CPU ({where}; benchmarks.overlap) hides "
+         "there too; no other row overlaps anything."]
+        if overlap is not None else []),
       paper_gap(clusters[0]),
       f"Break-even network bandwidths, {clusters[0].devices} devices, "
       f"{clusters[0].per_node} a node on NVLink, against global Lion's fp32 "
@@ -753,6 +806,10 @@ def main(argv=None) -> str:
   parser.add_argument("--out", help="write the report to this file (between "
                       f"<!-- {MARKER} --> markers when it has them)")
   parser.add_argument("--plot", help="write the figure to this PNG")
+  parser.add_argument("--overlap", help="JSON of `python -m "
+                      "benchmarks.overlap --json FILE`: adds the flat MaVo "
+                      "row with the measured share of its exchange hidden "
+                      "by bucket_bytes")
   parser.add_argument("--aot", help="rows of `python -m dlion_jax.bench.aot "
                       "--json FILE`: adds the TPU multislice exchange times "
                       "from the bytes read off the TPU executables")
@@ -772,7 +829,15 @@ def main(argv=None) -> str:
                  "`python -m benchmarks.network --json FILE` wrote.")
   except ValueError as e:
     parser.error(f"--measured {args.measured}: {e}")
-  text = report(data, args.plot)
+  overlap = None
+  if args.overlap:
+    try:
+      with open(args.overlap, encoding="utf-8") as f:
+        overlap = json.load(f)
+      hidden_share(overlap)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+      parser.error(f"--overlap {args.overlap}: {e}")
+  text = report(data, args.plot, overlap)
   if args.aot:
     try:
       with open(args.aot, encoding="utf-8") as f:

@@ -87,6 +87,9 @@ class OptimizerConfig:
   sync_leaves: Optional[str] = None  # regex on leaf paths; None: all
   min_compress_size: Optional[int] = None
   error_feedback: bool = False
+  # dlion, signum: the vote in buckets of this many gradient bytes, each
+  # exchanged on its own (overlaps the backward pass); None: one message.
+  bucket_bytes: Optional[int] = None
 
 
 @dataclasses.dataclass
@@ -289,6 +292,10 @@ def _validate_lion_cub(opt: OptimizerConfig) -> None:
   if opt.min_compress_size is not None and opt.min_compress_size < 0:
     raise ConfigError(f"optimizer.min_compress_size={opt.min_compress_size} "
                       "must be >= 0.")
+  if opt.bucket_bytes is not None and opt.bucket_bytes < 1:
+    raise ConfigError(f"optimizer.bucket_bytes={opt.bucket_bytes} must be "
+                      "a positive number of gradient bytes, or null for one "
+                      "message.")
   try:
     accounting.vote_spec(opt.quantizer, vote=opt.vote, bits=opt.bits)
   except ValueError as e:

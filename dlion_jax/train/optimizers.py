@@ -68,12 +68,13 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
     return dl.distributed_lion(
         lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99), weight_decay=wd,
         axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
-        comm=cfg.comm, **lion_cub_options(cfg))
+        comm=cfg.comm, bucket_bytes=cfg.bucket_bytes,
+        **lion_cub_options(cfg))
   if cfg.name == "signum":
     return dl.distributed_lion(
         lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=wd,
         axis_name=axis_name, aggregation="mavo", vote=cfg.vote,
-        comm=cfg.comm)
+        comm=cfg.comm, bucket_bytes=cfg.bucket_bytes)
   if cfg.name == "lion":
     inner = optax.lion(lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
                        weight_decay=wd)
