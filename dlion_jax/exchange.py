@@ -409,30 +409,41 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
       out[i] = d
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
   for bucket in buckets(voted, nbytes, bucket_bytes):
-    # Big leaves first, each packed alone; then the small ones of sign
-    # votes, grouped by dtypes so that each group concatenates (_message).
-    alone = [i for i in bucket
-             if spec.scaled or leaves[i].size >= OWN_PACKING]
-    grouped = sorted(set(bucket) - set(alone), key=lambda i: (str(_dtypes(
-        rows[i])), i))
-    bucket = alone + grouped
-    layout, result = _exchange(
-        [rows[i] for i in bucket], combine, [leaf_shards[i] for i in alone],
+    for i, d in zip(bucket, _vote(
+        [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         axis_name=axis_name, num_workers=num_workers, spec=spec,
-        aggregation=aggregation, comm=comm)
-    # D once per run and dtype (that of c), then each leaf's stretch of it.
-    dtypes, updates = {}, {}
-    for k, i in enumerate(bucket):
-      key = _dtypes(rows[i])
-      if key not in dtypes:
-        dtypes[key] = jax.eval_shape(
-            combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
-      run = (layout.run_of(k), dtypes[key])
-      if run not in updates:
-        updates[run] = _finalize(result[run[0]], num_workers, aggregation,
-                                 spec, run[1])
-      out[i] = layout.leaf_values(updates[run], k).reshape(leaves[i].shape)
+        aggregation=aggregation, comm=comm)):
+      out[i] = d
   return jax.tree.unflatten(treedef, out)
+
+
+def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
+          aggregation, comm) -> list[jax.Array]:
+  """The update of each row of leaves, voted in one message."""
+  # Big leaves first, each packed alone; then the small ones of sign votes,
+  # grouped by dtypes so that each group concatenates (see _message).
+  alone = [k for k, row in enumerate(rows)
+           if spec.scaled or row[0].size >= OWN_PACKING]
+  grouped = sorted(set(range(len(rows))) - set(alone),
+                   key=lambda k: (str(_dtypes(rows[k])), k))
+  order = alone + grouped
+  layout, result = _exchange(
+      [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
+      axis_name=axis_name, num_workers=num_workers, spec=spec,
+      aggregation=aggregation, comm=comm)
+  # D once per run and dtype (that of c), then each leaf's stretch of it.
+  dtypes, updates, out = {}, {}, [None] * len(rows)
+  for j, k in enumerate(order):
+    key = _dtypes(rows[k])
+    if key not in dtypes:
+      dtypes[key] = jax.eval_shape(
+          combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
+    run = (layout.run_of(j), dtypes[key])
+    if run not in updates:
+      updates[run] = _finalize(result[run[0]], num_workers, aggregation,
+                               spec, run[1])
+    out[k] = layout.leaf_values(updates[run], j).reshape(rows[k][0].shape)
+  return out
 
 
 def buckets(indices: list[int], nbytes: list[int],
