@@ -481,17 +481,18 @@ def merge(results: list[dict], warmup: int) -> dict:
           "skipped": first["skipped"], "num_workers": first["num_workers"]}
 
 
-def run_config(procs: int, rate: str, spec: dict, *, shaped: bool,
-               timeout: float) -> dict:
-  """Launches ``procs`` workers (in a namespace when ``shaped``); merges."""
+def launch_workers(script: str, procs: int, rate: str, spec: dict, *,
+                   shaped: bool, timeout: float) -> list[dict]:
+  """Runs ``python SCRIPT --worker SPEC`` in ``procs`` processes (in a
+  namespace shaped to ``rate`` when ``shaped``); each process's JSON."""
   from dlion_jax import launch  # pylint: disable=g-import-not-at-top
   from dlion_jax.bench import reporting  # pylint: disable=g-import-not-at-top
   with tempfile.TemporaryDirectory(prefix="dlbench-") as tmp:
     spec = dict(spec, out_dir=tmp, label=f"{procs} procs, {rate}")
     spec_path = pathlib.Path(tmp) / "spec.json"
     reporting.write_json(spec_path, spec)
-    # By path: the workers find this file wherever they are started from.
-    command = [sys.executable, str(pathlib.Path(__file__).resolve()),
+    # By path: the workers find the script wherever they are started from.
+    command = [sys.executable, str(pathlib.Path(script).resolve()),
                "--worker", str(spec_path)]
     with (namespace(rate) if shaped else contextlib.nullcontext([])) as pre:
       status = launch.launch(procs, pre + command, timeout=timeout,
@@ -499,8 +500,15 @@ def run_config(procs: int, rate: str, spec: dict, *, shaped: bool,
     if status:
       raise RuntimeError(f"{procs} processes at {rate}: workers exited with "
                          f"status {status} (their output is above)")
-    results = [json.loads((pathlib.Path(tmp) / f"process{i}.json").read_text())
-               for i in range(procs)]
+    return [json.loads((pathlib.Path(tmp) / f"process{i}.json").read_text())
+            for i in range(procs)]
+
+
+def run_config(procs: int, rate: str, spec: dict, *, shaped: bool,
+               timeout: float) -> dict:
+  """Launches ``procs`` workers (in a namespace when ``shaped``); merges."""
+  results = launch_workers(__file__, procs, rate, spec, shaped=shaped,
+                           timeout=timeout)
   merged = merge(results, spec["warmup"])
   merged.update(procs=procs, rate=rate)
   return merged

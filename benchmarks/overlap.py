@@ -28,13 +28,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import json
 import pathlib
 import statistics
 import sys
-import tempfile
 import time
 
 if __package__ in (None, ""):   # the workers, started by path
@@ -146,23 +144,8 @@ def merge(results: list[dict], warmup: int) -> list[dict]:
 def run_config(procs: int, rate: str, spec: dict, *, shaped: bool,
                timeout: float) -> dict:
   """Launches ``procs`` workers (in a shaped namespace when ``shaped``)."""
-  from dlion_jax import launch  # pylint: disable=g-import-not-at-top
-  from dlion_jax.bench import reporting  # pylint: disable=g-import-not-at-top
-  with tempfile.TemporaryDirectory(prefix="dloverlap-") as tmp:
-    spec = dict(spec, out_dir=tmp, label=f"{procs} procs, {rate}")
-    spec_path = pathlib.Path(tmp) / "spec.json"
-    reporting.write_json(spec_path, spec)
-    command = [sys.executable, str(pathlib.Path(__file__).resolve()),
-               "--worker", str(spec_path)]
-    with (network.namespace(rate) if shaped
-          else contextlib.nullcontext([])) as pre:
-      status = launch.launch(procs, pre + command, timeout=timeout,
-                             stdout=sys.stderr)
-    if status:
-      raise RuntimeError(f"{procs} processes at {rate}: workers exited with "
-                         f"status {status} (their output is above)")
-    results = [json.loads((pathlib.Path(tmp) / f"process{i}.json").read_text())
-               for i in range(procs)]
+  results = network.launch_workers(__file__, procs, rate, spec,
+                                   shaped=shaped, timeout=timeout)
   return {"procs": procs, "rate": rate, "num_params":
           results[0]["num_params"], "runs": merge(results, spec["warmup"])}
 

@@ -37,6 +37,12 @@ def stepped_state(tx, mesh, steps=3, dtype=np.float32, shard_axis=None):
   return params, state
 
 
+def zero_params(mesh):
+  """:data:`SHAPES` of zeros, replicated on ``mesh``."""
+  return parallel.replicate({k: np.zeros(s, np.float32)
+                             for k, s in SHAPES.items()}, mesh)
+
+
 def expected(rows: np.ndarray, groups) -> np.ndarray:
   """Each group's rows summed in order in float32, times 1/k, rounded."""
   def mean(group):
@@ -54,8 +60,7 @@ def test_rows_are_the_policys_means(old, new, policy):
   tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
   _, state = stepped_state(tx, parallel.data_mesh(old))
   mesh = parallel.data_mesh(new)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh, policy=policy)
   groups = elastic.old_rows(old, new, policy)
   for field in ("mu", "error"):
@@ -77,8 +82,7 @@ def test_same_count_keeps_every_value_and_places_it_on_the_mesh():
   _, state = stepped_state(tx, jax.sharding.Mesh(
       np.array(jax.devices()[4:]), ("data",)))
   mesh = parallel.data_mesh(4)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
@@ -92,8 +96,7 @@ def test_rows_a_global_optimizer_keeps_alike_stay_alike():
   tx = optax.chain(parallel.pmean_gradients("data"), optax.adamw(1e-2))
   _, state = stepped_state(tx, parallel.data_mesh(8))
   mesh = parallel.data_mesh(3)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   for got, old in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
     got, old = np.asarray(got), np.asarray(old)
@@ -109,8 +112,7 @@ def test_masked_and_multi_transform_states_resize():
       {"w": "vote", "b": "frozen"})
   _, state = stepped_state(tx, parallel.data_mesh(8))
   mesh = parallel.data_mesh(4)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   old_mu = optax.tree_utils.tree_get(state, "mu")
   mu = optax.tree_utils.tree_get(out, "mu")
@@ -127,8 +129,7 @@ def test_error_feedback_cleared_on_request():
   assert np.any(np.asarray(state[0].error["w"]))
   for n in (2, 4):
     mesh = parallel.data_mesh(n)
-    params = parallel.replicate({k: np.zeros(s, np.float32)
-                                 for k, s in SHAPES.items()}, mesh)
+    params = zero_params(mesh)
     out = elastic.resize_worker_states(tx, state, params, mesh,
                                        error="clear")
     assert not np.any(np.asarray(out[0].error["w"]))
@@ -155,8 +156,7 @@ def test_readme_chain_and_bf16_momenta():
       mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
   _, state = stepped_state(tx, parallel.data_mesh(8))
   mesh = parallel.data_mesh(2)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   mu = optax.tree_utils.tree_get(out, "mu")
   old_mu = optax.tree_utils.tree_get(state, "mu")
@@ -173,8 +173,7 @@ def test_hybrid_state_changes_nodes():
   tx = dl.distributed_lion(1e-2, axis_name="data")
   _, state = stepped_state(tx, parallel.hybrid_mesh(2), shard_axis="fsdp")
   mesh = parallel.hybrid_mesh(4)
-  params = parallel.replicate({k: np.zeros(s, np.float32)
-                               for k, s in SHAPES.items()}, mesh)
+  params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh,
                                      shard_axis="fsdp")
   np.testing.assert_array_equal(
