@@ -245,9 +245,11 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     comm: a strategy or ``'auto'``.
 
   Returns:
-    One int32 vector per input, the same on every worker and through every
-    strategy: the outcome of the vote on each parameter, ``sign(s)``
-    (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]`` (``'avg'``).
+    One signed integer vector per input (int8 for a majority vote, see
+    :func:`dlion_jax.message.int_container`), the same on every worker and
+    through every strategy: the outcome of the vote on each parameter,
+    ``sign(s)`` (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]``
+    (``'avg'``).
   """
   layout, result = _exchange([(c,) for c in codes], lambda c: c,
                              [None] * len(codes),
@@ -289,7 +291,10 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
     # alltoall's majority vote already sends back only the sign.
     if aggregation == "mavo" and comm != "alltoall":
       outcome = jnp.sign(outcome)
-    results.append(outcome)
+    # Narrow: XLA:TPU lays a leaf out in tiles, so the outcome's reshape to
+    # the leaf's shape is a copy, of 1 byte a parameter rather than 4.
+    results.append(outcome.astype(message_lib.int_container(
+        num_workers if aggregation == "avg" else 1, spec)))
   return layout, results
 
 
@@ -305,7 +310,7 @@ def _finalize(outcome: jax.Array, num_workers: int, aggregation: str,
   top = num_workers * spec.max_level
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
   quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
-  return jnp.asarray(quotients, dtype)[outcome + top]
+  return jnp.asarray(quotients, dtype)[outcome.astype(jnp.int32) + top]
 
 
 def sign_of_mean(leaves: list[jax.Array], *,
@@ -431,7 +436,9 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
       axis_name=axis_name, num_workers=num_workers, spec=spec,
       aggregation=aggregation, comm=comm)
-  # D once per run and dtype (that of c), then each leaf's stretch of it.
+  # A leaf alone in its run: D from its outcome in the leaf's shape. Small
+  # leaves: D once per run and dtype (that of c), then each leaf's stretch
+  # of it (an operation a run, not a leaf).
   dtypes, updates, out = {}, {}, [None] * len(rows)
   for j, k in enumerate(order):
     key = _dtypes(rows[k])
@@ -439,10 +446,17 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
       dtypes[key] = jax.eval_shape(
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
     run = (layout.run_of(j), dtypes[key])
+    shape = rows[k][0].shape
+    if j < len(alone):
+      outcome = layout.leaf_values(result[run[0]], j).reshape(shape)
+      if shards.on_tpu():   # else XLA:TPU converts to float before the copy
+        outcome = lax.optimization_barrier(outcome)
+      out[k] = _finalize(outcome, num_workers, aggregation, spec, run[1])
+      continue
     if run not in updates:
       updates[run] = _finalize(result[run[0]], num_workers, aggregation,
                                spec, run[1])
-    out[k] = layout.leaf_values(updates[run], j).reshape(rows[k][0].shape)
+    out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out
 
 
@@ -502,8 +516,7 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
       jnp.zeros(layout.words, layout.word_dtype))
   for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
     if first < len(alone):
-      codes = quantize.encode(combine(*rows[first]), spec,
-                              alone[first]).ravel()
+      codes = quantize.encode(combine(*rows[first]), spec, alone[first])
     else:
       inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
                                    first) for j in range(len(rows[first]))]

@@ -238,12 +238,15 @@ class MessageLayout:
     return jnp.concatenate(pieces)
 
   def pack(self, digits: jax.Array) -> jax.Array:
-    """One run's words from its digits (:meth:`concatenate`), planar."""
+    """One run's words from its digits (:meth:`concatenate`, or a leaf's in
+    its own shape), planar, flat."""
     if self.radix is None:                 # psum_int8: the levels as ints
-      return signed_sum(digits, 1, self.spec).astype(self.word_dtype)
-    return packing.pack_digits(
-        digits.astype(packing.digit_dtype(self.radix)), self.radix,
-        planar=True)
+      return signed_sum(digits, 1, self.spec).astype(
+          self.word_dtype).ravel()
+    digits = digits.astype(packing.digit_dtype(self.radix))
+    if digits.ndim > 1 and digits.shape[0] % self.digits_per_word == 0:
+      return packing.pack_leading(digits, self.radix).ravel()
+    return packing.pack_digits(digits.ravel(), self.radix, planar=True)
 
   def run_of(self, leaf: int) -> int:
     """The index of the run ``leaf`` is packed in."""

@@ -155,6 +155,38 @@ def pack_digits(digits: jax.Array, radix: int, *,
     x = pad_to_multiple(digits, m).astype(dtype)
     x = x.reshape(x.shape[:-1] + (-1, m))
     places = [x[..., j] for j in range(m)]
+  return _combine(places, radix)
+
+
+def pack_leading(digits: jax.Array, radix: int) -> jax.Array:
+  """:func:`pack_digits` ``(digits.ravel(), radix, planar=True)``, for a
+  ``digits`` whose leading axis :func:`digits_per_word` divides, shaped
+  ``[shape[0] // m, *shape[1:]]``: plane ``j`` is the ``j``-th block of
+  rows, so the array is never flattened (on TPU, whose arrays are laid out
+  in tiles, a flattening is a copy).
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import packing
+    >>> x = (jnp.arange(48, dtype=jnp.uint8) % 2).reshape(16, 3)
+    >>> bool((packing.pack_leading(x, 2).ravel()
+    ...       == packing.pack_digits(x.ravel(), 2, planar=True)).all())
+    True
+  """
+  m = digits_per_word(radix)
+  if digits.ndim < 1 or digits.shape[0] % m:
+    raise ValueError(
+        f"pack_leading needs a leading axis that {m} (the digits a word of "
+        f"radix {radix} holds) divides, got shape {digits.shape}; use "
+        "pack_digits on the flattened digits.")
+  planes = digits.astype(word_dtype(radix)).reshape(
+      (m, digits.shape[0] // m) + digits.shape[1:])
+  return _combine([planes[j] for j in range(m)], radix)
+
+
+def _combine(places: list[jax.Array], radix: int) -> jax.Array:
+  """The words whose digit ``j`` is ``places[j]`` (of the word dtype)."""
+  dtype = word_dtype(radix)
   # Unrolled over the m places with scalar constants, so XLA emits shifts
   # or multiplies it can vectorise. Fields never overlap: the sum is the
   # bitwise or, and it cannot overflow.

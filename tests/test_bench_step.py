@@ -4,6 +4,7 @@ import types
 
 import jax
 import numpy as np
+import pytest
 
 from dlion_jax.bench import step
 
@@ -55,3 +56,19 @@ def test_agreement_names_a_strategy_and_workers_that_differ():
   line = step.agreement(runners)
   assert "NOT alike: dlion mavo psum differ" in line
   assert "drifted apart in ['dlion mavo psum']" in line
+
+
+def test_tpu_bytes_read_what_a_lion_step_must_move():
+  """--tpu: XLA:TPU's bytes a parameter for optax.lion are at least the 20
+  its step must move (read g, m, p; write m, p), and D-Lion's are read
+  from the same compiled step; too few chips are named."""
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
+  import optax  # pylint: disable=g-import-not-at-top
+  from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(aot.tpu_devices("v5e:2x4", 1)),
+                           (step.AXIS,))
+  shapes = {"w": (2048, 1024)}
+  floor, fusions = step.tpu_bytes(optax.lion(1e-3), mesh, shapes)
+  assert floor / (2048 * 1024) >= 20 and fusions >= 1
+  with pytest.raises(ValueError, match="v5e:2x2 has 4 chips.*--workers 8"):
+    step.tpu_table(8, shapes, "v5e:2x2")

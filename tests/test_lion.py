@@ -55,7 +55,7 @@ def run_reference(params, grads, num_workers, **kwargs):
 def assert_matches_reference(out, ref, num_workers):
   for name, (params, state, _) in out.items():
     mu = state[0].mu
-    for k in SHAPES:
+    for k in ref.params:
       for i in range(num_workers):
         np.testing.assert_array_equal(params[k][i], ref.params[k],
                                       err_msg=f"{name} params[{k}] worker {i}")
@@ -112,6 +112,21 @@ def test_every_comm_matches_reference_everywhere(num_workers, aggregation,
                                                  vote):
   """test_every_comm_matches_reference on every N x aggregation x vote."""
   check_every_comm(num_workers, [(aggregation, vote)])
+
+
+@pytest.mark.parametrize("num_workers,configs", [
+    (8, [("mavo", "binary"), ("avg", "ternary")]), (5, [("mavo", "ternary")])])
+def test_leaves_packed_in_their_own_shape_match_reference(num_workers,
+                                                          configs):
+  """Big leaves whose leading axis the digits of a word divide (8 votes, 5
+  trits, 10 counters of radix 9) are packed without flattening
+  (packing.pack_leading): the same update, bit for bit, by every comm."""
+  rng = np.random.default_rng(7)
+  shapes = {"rows": (40, 420), "cube": (80, 15, 14), "odd": (37,)}
+  params = random_tree(rng, shapes)
+  grads = [random_tree(rng, shapes, np.float32, num_workers)
+           for _ in range(3)]
+  match_every_comm(params, grads, num_workers, configs)
 
 
 @pytest.mark.parametrize("vote,expected", [("binary", -1.0), ("ternary", 0.0)])

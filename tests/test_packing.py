@@ -136,3 +136,26 @@ def test_bad_radix_is_named(radix):
 def test_unpack_rejects_wrong_word_dtype():
   with pytest.raises(TypeError, match="uint32"):
     packing.unpack_digits(jnp.zeros(3, jnp.uint8), 9)
+
+
+@pytest.mark.parametrize("radix", RADIXES)
+@pytest.mark.parametrize("rest", [(), (3,), (7, 2)])
+def test_pack_leading_is_the_flat_planar_words(radix, rest):
+  """A leaf packed in its own shape sends the words of its flattened
+  digits (the message's planar order), against numpy's own arithmetic."""
+  m = packing.digits_per_word(radix)
+  rng = np.random.default_rng(radix)
+  digits = rng.integers(0, radix, size=(3 * m,) + rest).astype(
+      packing.digit_dtype(radix))
+  words = np.asarray(packing.pack_leading(jnp.asarray(digits), radix))
+  assert words.shape == (3,) + rest
+  flat = digits.reshape(m, -1).astype(np.uint64)
+  expected = sum(flat[j] * radix**j for j in range(m))
+  np.testing.assert_array_equal(words.ravel(), expected)
+  np.testing.assert_array_equal(words.ravel(), packing.pack_digits(
+      jnp.asarray(digits.ravel()), radix, planar=True))
+
+
+def test_pack_leading_names_a_leading_axis_it_cannot_split():
+  with pytest.raises(ValueError, match=r"shape \(9, 4\).*pack_digits"):
+    packing.pack_leading(jnp.zeros((9, 4), jnp.uint8), 2)

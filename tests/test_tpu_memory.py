@@ -6,6 +6,8 @@ interleaved order builds, takes 128 lanes a row. The message is packed
 planar, and these tests fail if a step goes back to such an array.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -68,3 +70,40 @@ def test_vote_temporaries_stay_near_optax_lions(comm, lion_temporaries):
   temporaries = update_step_memory(
       dl.distributed_lion(1e-3, axis_name="data", comm=comm))
   assert temporaries < 1.5 * lion_temporaries
+
+
+def _f32_relayouts(hlo_text: str, min_elements: int) -> set:
+  """The float32 reshapes and copies of at least ``min_elements`` in the
+  entry computation: on TPU each is a pass over that array (arrays are
+  laid out in tiles, so flattening or unflattening one is a copy). The
+  asynchronous copies between memory spaces (``copy-start``) are not
+  counted."""
+  entry = hlo_text.split("\nENTRY", 1)[1]
+  found = set()
+  for dims, kind in re.findall(
+      r"= f32\[([\d,]*)\]\S* (copy|reshape)\(%", entry):
+    if np.prod([int(d) for d in dims.split(",") if d]) >= min_elements:
+      found.add((kind, dims))
+  return found
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_update_reaches_the_leaf_narrow(aggregation):
+  """The vote's outcome is reshaped to the leaf's shape as int8 and only
+  then turned into the leaf's float: XLA:TPU had relaid out a float32 D
+  (MaVo ``auto`` 88 bytes a parameter, Avg 174, now 80 and 81:
+  ``python -m dlion_jax.bench.step --tpu v5e:2x4 --tree large``)."""
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
+  from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
+  from dlion_jax.bench import step as step_bench  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(aot.tpu_devices("v5e:2x4", 1)),
+                           (step_bench.AXIS,))
+  shapes = {"w": (4096, 8192), "v": (1 << 24,)}
+  texts = {}
+  for name, tx in [("floor", optax.lion(1e-3)), ("dlion", dl.distributed_lion(
+      1e-3, axis_name=step_bench.AXIS, aggregation=aggregation))]:
+    texts[name] = step_bench.tpu_compiled(tx, mesh, shapes).as_text()
+  leaf = 1 << 24
+  extra = _f32_relayouts(texts["dlion"], leaf) - _f32_relayouts(
+      texts["floor"], leaf)
+  assert not extra, extra

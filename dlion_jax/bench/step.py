@@ -16,6 +16,9 @@ Variants:
   data-parallel Lion needs (the baseline).
 * ``local lion``: :func:`optax.lion` on each worker's own gradient, no
   exchange at all (the floor; workers drift apart, so not a usable optimizer).
+* ``local lion + 1 psum``: the floor with one all-reduce of a scalar, the
+  least any optimizer that exchanges pays: on simulated CPU devices each
+  device thread waits there for the slowest.
 
 ``--vmap`` runs the same step with the N workers under ``jax.vmap(...,
 axis_name='data')`` on the default device instead (one GPU, say): every
@@ -35,10 +38,17 @@ loaded machine).
 ``optax.lion`` variants with :func:`jax.profiler.trace` and lists the HLO
 instructions that take the most thread time.
 
+``--tpu v5e:2x4`` times nothing: it compiles every variant for that many
+TPU chips with libtpu (no TPU needed) and reports the bytes each chip's step
+reads and writes a parameter, XLA:TPU's own cost analysis, against the
+floor's: the memory traffic a memory-bound step's time follows, with no
+noise in it.
+
 Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
-      [--tree mlp|two|many|large] [--vmap] [--profile] [--out FILE.md]
+      [--tree mlp|two|many|large] [--vmap] [--profile] [--tpu TOPOLOGY]
+      [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -58,6 +68,7 @@ import jax
 import numpy as np
 import optax
 from jax import lax
+from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -66,6 +77,7 @@ from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import exchange
 from dlion_jax import parallel
+from dlion_jax.bench import aot
 from dlion_jax.bench import reporting
 
 AXIS = "data"
@@ -88,6 +100,7 @@ TREES = {
 }
 BASELINE = "global lion"
 FLOOR = "local lion"
+RENDEZVOUS = "local lion + 1 psum"
 
 
 def num_params(shapes: dict) -> int:
@@ -115,7 +128,24 @@ def variants() -> dict[str, tuple[optax.GradientTransformation, bool]]:
       out[f"dlion {aggregation} {comm}"] = (tx, False)
   out[BASELINE] = (optax.lion(LEARNING_RATE), True)
   out[FLOOR] = (optax.lion(LEARNING_RATE), False)
+  out[RENDEZVOUS] = (optax.chain(optax.lion(LEARNING_RATE), _rendezvous()),
+                     False)
   return out
+
+
+def _rendezvous() -> optax.GradientTransformation:
+  """Adds a scalar all-reduce of 0 to the updates: the floor's step with
+  the one rendezvous every exchanging optimizer has (on simulated CPU
+  devices each device thread waits there for the slowest)."""
+
+  def update_fn(updates, state, params=None):
+    del params
+    first = jax.tree.leaves(updates)[0]
+    zero = lax.psum(first.ravel()[0] * 0, AXIS)
+    return jax.tree.map(lambda u: u + zero.astype(u.dtype), updates), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(),
+                                      update_fn)
 
 
 def make_step(tx: optax.GradientTransformation, mesh, *,
@@ -297,6 +327,8 @@ def _comm_bits(name: str, n: int) -> str:
     return f"{dl.allreduce_bits(n):.3g} (fp32 all-reduce)"
   if name == FLOOR:
     return "0"
+  if name == RENDEZVOUS:
+    return "0 (one scalar)"
   _, aggregation, comm = name.split()
   picked = exchange.resolve_comm(comm, n, aggregation=aggregation)
   bits = dl.wire_bits(n, aggregation=aggregation, comm=picked)
@@ -374,6 +406,58 @@ def profile_table(runners: dict[str, Runner], steps: int = 5,
   return "\n".join(parts)
 
 
+def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False):
+  """:func:`make_step` compiled for the TPU chips of ``mesh`` (no chip
+  needed: libtpu compiles for a topology) on params of ``shapes``."""
+  n = mesh.devices.size
+  def placed(shape, spec, dtype=np.float32):
+    return jax.ShapeDtypeStruct(shape, dtype,
+                                sharding=NamedSharding(mesh, spec))
+  is_shape = lambda x: isinstance(x, tuple)
+  params = jax.tree.map(lambda s: placed(s, P()), shapes, is_leaf=is_shape)
+  grads = jax.tree.map(lambda s: placed((n,) + s, P(AXIS)), shapes,
+                       is_leaf=is_shape)
+  states = jax.tree.map(
+      lambda s: placed(s.shape, P(AXIS) if s.ndim else P(), s.dtype),
+      jax.eval_shape(jax.vmap(tx.init), grads))
+  return make_step(tx, mesh, pmean_grads=pmean_grads).lower(
+      params, states, grads).compile()
+
+
+def tpu_bytes(tx, mesh, shapes: dict, *,
+              pmean_grads: bool = False) -> tuple[float, int]:
+  """``(bytes accessed, fusions)`` of a chip's :func:`tpu_compiled` step,
+  from XLA:TPU's own cost analysis."""
+  compiled = tpu_compiled(tx, mesh, shapes, pmean_grads=pmean_grads)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  entry = compiled.as_text().split("\nENTRY", 1)[1]
+  return cost["bytes accessed"], len(re.findall(r" fusion\(", entry))
+
+
+def tpu_table(num_workers: int, shapes: dict, topology: str) -> str:
+  """Markdown: every variant's compiled TPU step, bytes a parameter each
+  chip reads and writes, against the floor's (see :func:`tpu_bytes`)."""
+  devices = aot.tpu_devices(topology, 1)[:num_workers]
+  if len(devices) != num_workers:
+    raise ValueError(
+        f"--tpu {topology} has {len(devices)} chips, fewer than --workers "
+        f"{num_workers}; name a topology of at least that many (v5e:2x4 "
+        "has 8).")
+  mesh = Mesh(np.array(devices), (AXIS,))
+  per_param = {}
+  rows = []
+  for name, (tx, pmean_grads) in variants().items():
+    nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads)
+    per_param[name] = nbytes / num_params(shapes)
+    rows.append([name, f"{per_param[name]:.1f}", None, str(fusions)])
+  for row in rows:
+    row[2] = f"{per_param[row[0]] / per_param[FLOOR]:.2f}x"
+  return reporting.markdown_table(
+      ["variant", "bytes a parameter (a chip)", "vs local lion (floor)",
+       "fusions"], rows)
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.step",
                                    description=__doc__.splitlines()[0])
@@ -389,8 +473,15 @@ def main(argv=None) -> str:
                       "instead of one simulated CPU device each")
   parser.add_argument("--profile", action="store_true",
                       help="also trace D-Lion and optax.lion steps")
+  parser.add_argument("--tpu", metavar="TOPOLOGY", default=None,
+                      help="instead of timing, compile every variant for "
+                      "--workers chips of this TPU topology (e.g. v5e:2x4; "
+                      "libtpu, no TPU needed) and report the bytes each "
+                      "chip's step reads and writes a parameter")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
+  if args.tpu:
+    return reporting.emit(_tpu_report(parser, args), args.out)
   if args.vmap and args.profile:
     parser.error("--profile reads CPU device threads; leave it out with "
                  "--vmap")
@@ -422,6 +513,25 @@ def main(argv=None) -> str:
     lines += ["", "### Profile", "", profile_table(runners)]
   lines.append(f"- Total {time.perf_counter() - start:.1f} s.")
   return reporting.emit("\n".join(lines), args.out)
+
+
+def _tpu_report(parser, args) -> str:
+  if os.environ.get("JAX_PLATFORMS") is None:
+    jax.config.update("jax_platforms", "cpu")    # compile-only: no TPU used
+  why = aot.libtpu_available()
+  if why:
+    parser.error(f"--tpu cannot compile for TPU topologies ({why}); install "
+                 'libtpu: pip install "dlion_jax[tpu-aot]"')
+  shapes = TREES[args.tree]
+  start = time.perf_counter()
+  table_md = tpu_table(args.workers, shapes, args.tpu)
+  return "\n".join([
+      f"Compiled for {args.workers} chips of TPU {args.tpu} by libtpu "
+      f"({bench.machine_line()}). Parameters ({args.tree}): "
+      f"{num_params(shapes):,}. Bytes: XLA:TPU's cost analysis of each "
+      "chip's step (`bytes accessed`), over the parameters.", "",
+      table_md, "",
+      f"- Compiled in {time.perf_counter() - start:.1f} s."])
 
 
 if __name__ == "__main__":
