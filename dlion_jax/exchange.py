@@ -132,7 +132,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
                                               spec=spec)
   up = message.reshape(n, -1)     # MessageLayout.word_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
-  code_sum = packing.sum_planes(mine, up_radix)
+  code_sum = packing.sum_planes(mine, up_radix, by_place=True)
   if aggregation == "avg":
     down = code_sum                    # exact count, radix (levels-1)*N+1
   elif down_radix == 2:
@@ -449,7 +449,10 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
     shape = rows[k][0].shape
     if j < len(alone):
       outcome = layout.leaf_values(result[run[0]], j).reshape(shape)
-      if shards.on_tpu():   # else XLA:TPU converts to float before the copy
+      if shards.on_tpu() and layout.radix is not None:
+        # Digits decoded from words: XLA:TPU would fuse their decoding with
+        # the leaf's float update and lay out floats in the leaf's tiles
+        # (psum_int8's outcome is the summed integers themselves).
         outcome = lax.optimization_barrier(outcome)
       out[k] = _finalize(outcome, num_workers, aggregation, spec, run[1])
       continue
@@ -515,16 +518,32 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
   message = lax.optimization_barrier(
       jnp.zeros(layout.words, layout.word_dtype))
   for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
-    if first < len(alone):
-      codes = quantize.encode(combine(*rows[first]), spec, alone[first])
-    else:
-      inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
-                                   first) for j in range(len(rows[first]))]
-      codes = quantize.encode(combine(*inputs), spec)
     message = lax.dynamic_update_slice(
-        message, layout.pack(codes),
+        message, _run_words(rows, first, end, combine, alone, layout, spec),
         (layout.offsets[first] // layout.digits_per_word,))
   return message
+
+
+def _run_words(rows, first, end, combine, alone, layout, spec) -> jax.Array:
+  """The packed words of the run of rows ``first .. end - 1``."""
+  m = layout.digits_per_word
+  x = rows[first][0]
+  if (first < len(alone) and not spec.scaled and layout.radix is not None
+      and x.size % m == 0 and (x.ndim < 2 or x.shape[0] % m == 0)):
+    # Plane by plane from the inputs' own planes (never flattened nor
+    # padded): XLA:TPU writes out the codes of a whole leaf before packing
+    # them.
+    planes = [packing.leaf_planes(x, m) for x in rows[first]]
+    return packing.pack_planes(
+        [quantize.encode(combine(*[p[j] for p in planes]), spec)
+         for j in range(m)], layout.radix).ravel()
+  if first < len(alone):
+    codes = quantize.encode(combine(*rows[first]), spec, alone[first])
+  else:
+    inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
+                                 first) for j in range(len(rows[first]))]
+    codes = quantize.encode(combine(*inputs), spec)
+  return layout.pack(codes)
 
 
 def _dtypes(row) -> tuple:

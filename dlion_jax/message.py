@@ -243,10 +243,9 @@ class MessageLayout:
     if self.radix is None:                 # psum_int8: the levels as ints
       return signed_sum(digits, 1, self.spec).astype(
           self.word_dtype).ravel()
-    digits = digits.astype(packing.digit_dtype(self.radix))
-    if digits.ndim > 1 and digits.shape[0] % self.digits_per_word == 0:
-      return packing.pack_leading(digits, self.radix).ravel()
-    return packing.pack_digits(digits.ravel(), self.radix, planar=True)
+    return packing.pack_planes(packing.leaf_planes(
+        digits.astype(packing.digit_dtype(self.radix)),
+        self.digits_per_word), self.radix).ravel()
 
   def run_of(self, leaf: int) -> int:
     """The index of the run ``leaf`` is packed in."""

@@ -158,30 +158,52 @@ def pack_digits(digits: jax.Array, radix: int, *,
   return _combine(places, radix)
 
 
-def pack_leading(digits: jax.Array, radix: int) -> jax.Array:
-  """:func:`pack_digits` ``(digits.ravel(), radix, planar=True)``, for a
-  ``digits`` whose leading axis :func:`digits_per_word` divides, shaped
-  ``[shape[0] // m, *shape[1:]]``: plane ``j`` is the ``j``-th block of
-  rows, so the array is never flattened (on TPU, whose arrays are laid out
-  in tiles, a flattening is a copy).
+def leaf_planes(x: jax.Array, m: int) -> list[jax.Array]:
+  """The ``m`` planes of the planar order of ``x`` flattened: plane ``j``
+  holds its elements ``j W .. (j + 1) W - 1`` (``W = ceil(x.size / m)``).
+
+  Where ``m`` divides the leading axis of an ``x`` of two or more axes,
+  plane ``j`` is its ``j``-th block of rows, ``[shape[0] // m, *shape[1:]]``:
+  ``x`` is never flattened (on TPU, whose arrays are laid out in tiles, a
+  flattening is a copy). Otherwise the planes are flat, the last one
+  zero-padded to ``W``.
 
   Example:
     >>> import jax.numpy as jnp
     >>> from dlion_jax import packing
-    >>> x = (jnp.arange(48, dtype=jnp.uint8) % 2).reshape(16, 3)
-    >>> bool((packing.pack_leading(x, 2).ravel()
-    ...       == packing.pack_digits(x.ravel(), 2, planar=True)).all())
-    True
+    >>> [p.tolist() for p in packing.leaf_planes(jnp.arange(6), 4)]
+    [[0, 1], [2, 3], [4, 5], [0, 0]]
+    >>> packing.leaf_planes(jnp.zeros((8, 3)), 4)[0].shape
+    (2, 3)
   """
-  m = digits_per_word(radix)
-  if digits.ndim < 1 or digits.shape[0] % m:
+  if x.ndim > 1 and x.shape[0] % m == 0:
+    blocks = x.reshape((m, x.shape[0] // m) + x.shape[1:])
+    return [blocks[j] for j in range(m)]
+  flat = x.ravel()
+  w = -(-flat.size // m)
+  return [_pad_to(flat[j * w:(j + 1) * w], w) for j in range(m)]
+
+
+def pack_planes(planes: list[jax.Array], radix: int) -> jax.Array:
+  """The words whose digit ``j`` is ``planes[j]`` (digits in ``[0, radix)``,
+  all of one shape; :func:`leaf_planes` cuts them): ``pack_planes(
+  leaf_planes(x, m), radix).ravel()`` is ``pack_digits(x.ravel(), radix,
+  planar=True)``.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import packing
+    >>> x = jnp.arange(10, dtype=jnp.uint8) % 3
+    >>> packing.pack_planes(packing.leaf_planes(x, 5), 3)
+    Array([177,  46], dtype=uint8)
+  """
+  if len(planes) != digits_per_word(radix):
     raise ValueError(
-        f"pack_leading needs a leading axis that {m} (the digits a word of "
-        f"radix {radix} holds) divides, got shape {digits.shape}; use "
-        "pack_digits on the flattened digits.")
-  planes = digits.astype(word_dtype(radix)).reshape(
-      (m, digits.shape[0] // m) + digits.shape[1:])
-  return _combine([planes[j] for j in range(m)], radix)
+        f"radix {radix} packs {digits_per_word(radix)} digits a word, got "
+        f"{len(planes)} planes; cut them with leaf_planes(x, "
+        f"digits_per_word({radix})).")
+  dtype = word_dtype(radix)
+  return _combine([p.astype(dtype) for p in planes], radix)
 
 
 def _combine(places: list[jax.Array], radix: int) -> jax.Array:
@@ -208,6 +230,14 @@ def digit_planes(words: jax.Array, radix: int) -> jax.Array:
   Reshaped to ``[..., m W]`` it is the planar order's digits, transposed
   to ``[..., W, m]`` the interleaved order's.
   """
+  # Narrowed before the stack, which XLA may write out: in the word dtype
+  # that is 4 bytes a digit of uint32 words, not 1.
+  return jnp.stack([p.astype(digit_dtype(radix))
+                    for p in _digit_list(words, radix)], axis=-2)
+
+
+def _digit_list(words: jax.Array, radix: int) -> list[jax.Array]:
+  """:func:`digit_planes` unstacked, in the word dtype."""
   dtype = word_dtype(radix)
   if words.dtype != dtype:
     raise TypeError(
@@ -218,13 +248,8 @@ def digit_planes(words: jax.Array, radix: int) -> jax.Array:
   # an array of place values would leave real integer divisions.
   if _is_power_of_two(radix):
     width = radix.bit_length() - 1
-    planes = [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
-  else:
-    planes = [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
-  # Narrowed before the stack, which XLA may write out: in the word dtype
-  # that is 4 bytes a digit of uint32 words, not 1.
-  digit = digit_dtype(radix)
-  return jnp.stack([p.astype(digit) for p in planes], axis=-2)
+    return [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
+  return [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
 
 
 def unpack_digits(words: jax.Array, radix: int, length: int | None = None,
@@ -263,7 +288,8 @@ def count_dtype(max_count: int):
   return digit_dtype(max_count + 1)
 
 
-def sum_planes(words: jax.Array, radix: int) -> jax.Array:
+def sum_planes(words: jax.Array, radix: int, *,
+               by_place: bool = False) -> jax.Array:
   """Per-digit sums over the leading axis of packed words, place by place.
 
   With ``words`` of shape ``[N, W]`` holding ``N`` workers' packed votes,
@@ -271,7 +297,15 @@ def sum_planes(words: jax.Array, radix: int) -> jax.Array:
   workers' digits (for radix 2: how many workers voted ``+1``), the
   population count across workers that decides the vote, computed for all
   positions at once by unpacking the digits and summing them.
+
+  ``by_place`` sums each place's digits on its own and stacks the ``[m,
+  W]`` sums, the same integers: for the words an ``all_to_all`` returns,
+  XLA:TPU otherwise writes out the ``[N, m, W]`` stack of every worker's
+  digits before reducing it (2 bytes a parameter more).
   """
   n = words.shape[0]
   acc = count_dtype(n * (radix - 1))
+  if by_place:
+    return jnp.stack([jnp.sum(p, axis=0, dtype=acc)
+                      for p in _digit_list(words, radix)])
   return jnp.sum(digit_planes(words, radix), axis=0, dtype=acc)

@@ -139,23 +139,39 @@ def test_unpack_rejects_wrong_word_dtype():
 
 
 @pytest.mark.parametrize("radix", RADIXES)
-@pytest.mark.parametrize("rest", [(), (3,), (7, 2)])
-def test_pack_leading_is_the_flat_planar_words(radix, rest):
-  """A leaf packed in its own shape sends the words of its flattened
-  digits (the message's planar order), against numpy's own arithmetic."""
+@pytest.mark.parametrize("shape", ["rows", "flat", "odd rows"])
+def test_leaf_planes_pack_to_the_flat_planar_words(radix, shape):
+  """A leaf cut into planes in its own shape (blocks of rows where the
+  digits of a word divide its leading axis, flat and zero-padded
+  otherwise) packs to the words of its flattened digits (the message's
+  planar order), against numpy's own arithmetic."""
   m = packing.digits_per_word(radix)
+  dims = {"rows": (3 * m, 7, 2), "flat": (5 * m + 3,),
+          "odd rows": (3 * m + 1, 4)}[shape]
   rng = np.random.default_rng(radix)
-  digits = rng.integers(0, radix, size=(3 * m,) + rest).astype(
+  digits = rng.integers(0, radix, size=dims).astype(
       packing.digit_dtype(radix))
-  words = np.asarray(packing.pack_leading(jnp.asarray(digits), radix))
-  assert words.shape == (3,) + rest
-  flat = digits.reshape(m, -1).astype(np.uint64)
-  expected = sum(flat[j] * radix**j for j in range(m))
-  np.testing.assert_array_equal(words.ravel(), expected)
-  np.testing.assert_array_equal(words.ravel(), packing.pack_digits(
+  planes = packing.leaf_planes(jnp.asarray(digits), m)
+  if shape == "rows":
+    assert planes[0].shape == (3, 7, 2)
+  words = np.asarray(packing.pack_planes(planes, radix)).ravel()
+  np.testing.assert_array_equal(words, numpy_words(digits.ravel(), radix,
+                                                   planar=True))
+  np.testing.assert_array_equal(words, packing.pack_digits(
       jnp.asarray(digits.ravel()), radix, planar=True))
 
 
-def test_pack_leading_names_a_leading_axis_it_cannot_split():
-  with pytest.raises(ValueError, match=r"shape \(9, 4\).*pack_digits"):
-    packing.pack_leading(jnp.zeros((9, 4), jnp.uint8), 2)
+def test_pack_planes_names_a_wrong_number_of_planes():
+  with pytest.raises(ValueError, match=r"radix 2 packs 8 .* got 3 planes"):
+    packing.pack_planes([jnp.zeros(4, jnp.uint8)] * 3, 2)
+
+
+@pytest.mark.parametrize("radix", [2, 3, 9])
+def test_sum_planes_by_place_is_the_same_count(radix):
+  rng = np.random.default_rng(radix)
+  words = packing.pack_digits(jnp.asarray(rng.integers(
+      0, radix, size=(5, 203)), packing.digit_dtype(radix)), radix,
+      planar=True)
+  np.testing.assert_array_equal(
+      packing.sum_planes(words, radix, by_place=True),
+      packing.sum_planes(words, radix))
