@@ -245,17 +245,15 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     comm: a strategy or ``'auto'``.
 
   Returns:
-    One signed integer vector per input (int8 for a majority vote, see
-    :func:`dlion_jax.message.int_container`), the same on every worker and
-    through every strategy: the outcome of the vote on each parameter,
-    ``sign(s)`` (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]``
-    (``'avg'``).
+    One int32 vector per input, the same on every worker and through every
+    strategy: the outcome of the vote on each parameter, ``sign(s)``
+    (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]`` (``'avg'``).
   """
   layout, result = _exchange([(c,) for c in codes], lambda c: c,
                              [None] * len(codes),
                              axis_name=axis_name, num_workers=num_workers,
                              spec=spec, aggregation=aggregation, comm=comm)
-  return layout.split(result)
+  return [x.astype(jnp.int32) for x in layout.split(result)]
 
 
 def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
@@ -291,10 +289,12 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
     # alltoall's majority vote already sends back only the sign.
     if aggregation == "mavo" and comm != "alltoall":
       outcome = jnp.sign(outcome)
-    # Narrow: XLA:TPU lays a leaf out in tiles, so the outcome's reshape to
-    # the leaf's shape is a copy, of 1 byte a parameter rather than 4.
-    results.append(outcome.astype(message_lib.int_container(
-        num_workers if aggregation == "avg" else 1, spec)))
+    if shards.on_tpu():
+      # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the
+      # leaf's shape is a copy: of 1 byte a parameter rather than 4.
+      outcome = outcome.astype(message_lib.int_container(
+          num_workers if aggregation == "avg" else 1, spec))
+    results.append(outcome)
   return layout, results
 
 
@@ -436,9 +436,9 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
       axis_name=axis_name, num_workers=num_workers, spec=spec,
       aggregation=aggregation, comm=comm)
-  # A leaf alone in its run: D from its outcome in the leaf's shape. Small
-  # leaves: D once per run and dtype (that of c), then each leaf's stretch
-  # of it (an operation a run, not a leaf).
+  # On TPU a leaf alone in its run gets D from its narrow outcome reshaped
+  # to the leaf (see _exchange). Otherwise D once per run and dtype (that
+  # of c), then each leaf's stretch of it (an operation a run, not a leaf).
   dtypes, updates, out = {}, {}, [None] * len(rows)
   for j, k in enumerate(order):
     key = _dtypes(rows[k])
@@ -447,9 +447,9 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
     run = (layout.run_of(j), dtypes[key])
     shape = rows[k][0].shape
-    if j < len(alone):
+    if j < len(alone) and shards.on_tpu():
       outcome = layout.leaf_values(result[run[0]], j).reshape(shape)
-      if shards.on_tpu() and layout.radix is not None:
+      if layout.radix is not None:
         # Digits decoded from words: XLA:TPU would fuse their decoding with
         # the leaf's float update and lay out floats in the leaf's tiles
         # (psum_int8's outcome is the summed integers themselves).
