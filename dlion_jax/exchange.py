@@ -259,8 +259,9 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
 def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
               aggregation, comm):
   """The layout and the result of voting on ``combine(*row)`` for each row
-  of leaves (see :func:`aggregate`): one int32 vector per packing run, the
-  outcome for each of its digits in order (:meth:`MessageLayout.split`).
+  of leaves (see :func:`aggregate`): one integer vector per packing run
+  (int32; over a TPU mesh the narrowest that holds it), the outcome for
+  each of its digits in order (:meth:`MessageLayout.split`).
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
   by one."""
   gathers = can_gather(axis_name)
@@ -357,7 +358,8 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               bucket_bytes: int | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
-  ``c = (1 - b1) g + b1 m``).
+  ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
+  given leaves laid end to end, or cut into pieces.
 
   For sign votes the leaves under :data:`OWN_PACKING` elements of each
   dtype are laid end to end first and ``combine`` and the encoding run once
@@ -527,15 +529,15 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
 def _run_words(rows, first, end, combine, alone, layout, spec) -> jax.Array:
   """The packed words of the run of rows ``first .. end - 1``."""
   m = layout.digits_per_word
-  x = rows[first][0]
   if (first < len(alone) and not spec.scaled and layout.radix is not None
-      and x.size % m == 0 and (x.ndim < 2 or x.shape[0] % m == 0)):
-    # Plane by plane from the inputs' own planes (never flattened nor
-    # padded): XLA:TPU writes out the codes of a whole leaf before packing
-    # them.
-    planes = [packing.leaf_planes(x, m) for x in rows[first]]
+      and packing.planes_in_place(rows[first][0].shape, m)
+      and shards.on_tpu()):
+    # Plane by plane from the inputs' own planes: XLA:TPU writes out the
+    # codes of a whole leaf before packing them (XLA:CPU fuses the two,
+    # and m copies of the encoding a leaf would lengthen its compile).
+    cut = [packing.leaf_planes(y, m) for y in rows[first]]
     return packing.pack_planes(
-        [quantize.encode(combine(*[p[j] for p in planes]), spec)
+        [quantize.encode(combine(*[p[j] for p in cut]), spec)
          for j in range(m)], layout.radix).ravel()
   if first < len(alone):
     codes = quantize.encode(combine(*rows[first]), spec, alone[first])

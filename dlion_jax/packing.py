@@ -31,6 +31,7 @@ the surrounding jitted step and work under ``shard_map``/``pmap``.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -158,6 +159,14 @@ def pack_digits(digits: jax.Array, radix: int, *,
   return _combine(places, radix)
 
 
+def planes_in_place(shape: tuple[int, ...], m: int) -> bool:
+  """Whether :func:`leaf_planes` cuts an array of ``shape`` into ``m``
+  planes without flattening or padding it (``m`` divides its size and, for
+  two or more axes, its leading axis)."""
+  size = math.prod(shape)
+  return size % m == 0 and (len(shape) < 2 or shape[0] % m == 0)
+
+
 def leaf_planes(x: jax.Array, m: int) -> list[jax.Array]:
   """The ``m`` planes of the planar order of ``x`` flattened: plane ``j``
   holds its elements ``j W .. (j + 1) W - 1`` (``W = ceil(x.size / m)``).
@@ -165,8 +174,8 @@ def leaf_planes(x: jax.Array, m: int) -> list[jax.Array]:
   Where ``m`` divides the leading axis of an ``x`` of two or more axes,
   plane ``j`` is its ``j``-th block of rows, ``[shape[0] // m, *shape[1:]]``:
   ``x`` is never flattened (on TPU, whose arrays are laid out in tiles, a
-  flattening is a copy). Otherwise the planes are flat, the last one
-  zero-padded to ``W``.
+  flattening is a copy). Otherwise the planes are flat, zero-padded where
+  they run past the end of ``x``.
 
   Example:
     >>> import jax.numpy as jnp
@@ -176,6 +185,9 @@ def leaf_planes(x: jax.Array, m: int) -> list[jax.Array]:
     >>> packing.leaf_planes(jnp.zeros((8, 3)), 4)[0].shape
     (2, 3)
   """
+  if not isinstance(m, (int, np.integer)) or m < 1:
+    raise ValueError(f"m={m!r} must be a positive int: the digits a word "
+                     "holds, packing.digits_per_word(radix).")
   if x.ndim > 1 and x.shape[0] % m == 0:
     blocks = x.reshape((m, x.shape[0] // m) + x.shape[1:])
     return [blocks[j] for j in range(m)]

@@ -18,6 +18,7 @@ from reference import DistributedLionReference
 from reference import aggregate
 from reference import worker_vote
 
+BF16 = ml_dtypes.bfloat16
 SHAPES = {"odd": (37,), "mat": (3, 5), "one": (1,), "zero": (11,),
           "big": (257,), "scalar": (), "empty": (0, 4)}
 COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
@@ -114,19 +115,39 @@ def test_every_comm_matches_reference_everywhere(num_workers, aggregation,
   check_every_comm(num_workers, [(aggregation, vote)])
 
 
-@pytest.mark.parametrize("num_workers,configs", [
-    (8, [("mavo", "binary"), ("avg", "ternary")]), (5, [("mavo", "ternary")])])
-def test_leaves_packed_in_their_own_shape_match_reference(num_workers,
-                                                          configs):
-  """Big leaves whose leading axis the digits of a word divide (8 votes, 5
-  trits, 10 counters of radix 9) are packed without flattening
-  (packing.pack_leading): the same update, bit for bit, by every comm."""
+BIG_LEAVES = {"rows": (40, 420), "cube": (80, 15, 14), "flat": (16_800,),
+              "odd": (37,)}
+
+
+def check_big_leaves(num_workers, configs, dtype=np.float32):
+  """Leaves big enough to be packed alone, whose sizes and leading axes the
+  digits of a word divide (8 votes, 5 trits, 10 counters of radix 9) or
+  not (m = 7, 13), match the reference through every comm."""
   rng = np.random.default_rng(7)
-  shapes = {"rows": (40, 420), "cube": (80, 15, 14), "odd": (37,)}
-  params = random_tree(rng, shapes)
-  grads = [random_tree(rng, shapes, np.float32, num_workers)
-           for _ in range(3)]
+  params = random_tree(rng, BIG_LEAVES, dtype)
+  grads = [random_tree(rng, BIG_LEAVES, dtype, num_workers) for _ in range(3)]
   match_every_comm(params, grads, num_workers, configs)
+
+
+BIG_CONFIGS = [(8, [("mavo", "binary"), ("avg", "ternary")]),
+               (5, [("mavo", "ternary")]), (3, [("avg", "binary")])]
+
+
+@pytest.mark.parametrize("num_workers,configs", BIG_CONFIGS)
+def test_big_leaves_match_reference(num_workers, configs):
+  check_big_leaves(num_workers, configs)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+@pytest.mark.parametrize("num_workers,configs", BIG_CONFIGS[:2])
+def test_big_leaves_match_reference_on_the_tpu_path(monkeypatch, num_workers,
+                                                    configs, dtype):
+  """The step as it is traced over a TPU mesh (shards.on_tpu): big leaves
+  encoded plane by plane in their own shape, the outcome narrowed, reshaped
+  and only then made float, the results gathered in rows of 128 lanes.
+  The same updates, bit for bit, as the numpy reference."""
+  monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
+  check_big_leaves(num_workers, configs, dtype)
 
 
 @pytest.mark.parametrize("vote,expected", [("binary", -1.0), ("ternary", 0.0)])
@@ -154,7 +175,6 @@ def test_even_workers_tie_gives_zero():
                                   err_msg=name)
 
 
-BF16 = ml_dtypes.bfloat16
 
 
 DTYPE_CONFIGS = [(BF16, None), (np.float32, BF16), (BF16, np.float32)]

@@ -175,3 +175,21 @@ def test_sum_planes_by_place_is_the_same_count(radix):
   np.testing.assert_array_equal(
       packing.sum_planes(words, radix, by_place=True),
       packing.sum_planes(words, radix))
+
+
+@pytest.mark.parametrize("shape,m,in_place", [
+    ((16, 3), 8, True), ((16,), 8, True), ((12, 4), 8, False),
+    ((9,), 8, False), ((40, 7), 5, True), ((), 1, True)])
+def test_planes_in_place_says_when_leaf_planes_keep_the_shape(shape, m,
+                                                            in_place):
+  x = jnp.zeros(shape, jnp.uint8)
+  assert packing.planes_in_place(shape, m) == in_place
+  planes = packing.leaf_planes(x, m)
+  assert sum(p.size for p in planes) == (x.size if in_place
+                                         else m * -(-x.size // m))
+
+
+@pytest.mark.parametrize("m", [0, -2, 2.0])
+def test_leaf_planes_names_a_bad_m(m):
+  with pytest.raises(ValueError, match=rf"m={m!r} must be a positive int"):
+    packing.leaf_planes(jnp.zeros(8, jnp.uint8), m)

@@ -62,9 +62,10 @@ import re
 import statistics
 import tempfile
 import time
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
@@ -128,24 +129,29 @@ def variants() -> dict[str, tuple[optax.GradientTransformation, bool]]:
       out[f"dlion {aggregation} {comm}"] = (tx, False)
   out[BASELINE] = (optax.lion(LEARNING_RATE), True)
   out[FLOOR] = (optax.lion(LEARNING_RATE), False)
-  out[RENDEZVOUS] = (optax.chain(optax.lion(LEARNING_RATE), _rendezvous()),
+  out[RENDEZVOUS] = (optax.chain(_rendezvous(), optax.lion(LEARNING_RATE)),
                      False)
   return out
 
 
+class RendezvousState(NamedTuple):
+  """The all-reduced scalar, kept so that XLA keeps its all-reduce."""
+  total: jax.Array
+
+
 def _rendezvous() -> optax.GradientTransformation:
-  """Adds a scalar all-reduce of 0 to the updates: the floor's step with
-  the one rendezvous every exchanging optimizer has (on simulated CPU
-  devices each device thread waits there for the slowest)."""
+  """Passes the updates through and all-reduces one of their elements into
+  its state: the one rendezvous every exchanging optimizer has (on
+  simulated CPU devices each device thread waits there for the slowest),
+  with no bytes of the step's arrays depending on it."""
 
   def update_fn(updates, state, params=None):
-    del params
-    first = jax.tree.leaves(updates)[0]
-    zero = lax.psum(first.ravel()[0] * 0, AXIS)
-    return jax.tree.map(lambda u: u + zero.astype(u.dtype), updates), state
+    del params, state
+    first = jax.tree.leaves(updates)[0].ravel()[0]
+    return updates, RendezvousState(lax.psum(first.astype(jnp.float32), AXIS))
 
-  return optax.GradientTransformation(lambda params: optax.EmptyState(),
-                                      update_fn)
+  return optax.GradientTransformation(
+      lambda params: RendezvousState(jnp.zeros((), jnp.float32)), update_fn)
 
 
 def make_step(tx: optax.GradientTransformation, mesh, *,
@@ -481,6 +487,9 @@ def main(argv=None) -> str:
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
   if args.tpu:
+    if args.vmap or args.profile:
+      parser.error("--tpu compiles the step and times nothing; leave out "
+                   "--vmap and --profile")
     return reporting.emit(_tpu_report(parser, args), args.out)
   if args.vmap and args.profile:
     parser.error("--profile reads CPU device threads; leave it out with "
@@ -516,6 +525,7 @@ def main(argv=None) -> str:
 
 
 def _tpu_report(parser, args) -> str:
+  """The ``--tpu`` report: :func:`tpu_table` with what it was compiled by."""
   if os.environ.get("JAX_PLATFORMS") is None:
     jax.config.update("jax_platforms", "cpu")    # compile-only: no TPU used
   why = aot.libtpu_available()
@@ -524,7 +534,10 @@ def _tpu_report(parser, args) -> str:
                  'libtpu: pip install "dlion_jax[tpu-aot]"')
   shapes = TREES[args.tree]
   start = time.perf_counter()
-  table_md = tpu_table(args.workers, shapes, args.tpu)
+  try:
+    table_md = tpu_table(args.workers, shapes, args.tpu)
+  except ValueError as e:
+    parser.error(str(e))
   return "\n".join([
       f"Compiled for {args.workers} chips of TPU {args.tpu} by libtpu "
       f"({bench.machine_line()}). Parameters ({args.tree}): "
