@@ -409,17 +409,26 @@ def build_runners(names, params0, mesh, grads_like) -> tuple[list, dict]:
   return runners, skipped
 
 
-def worker(spec: dict) -> None:
-  """One process of a launch: times every row, writes its JSON."""
-  from dlion_jax import bench  # pylint: disable=g-import-not-at-top
+@dataclasses.dataclass
+class LMWorker:
+  """What a launched process of a study trains on: the spec's GPT over a
+  mesh of every device, and its batches (see :func:`lm_worker`)."""
+  jax: Any
+  mesh: Any
+  graphdef: Any
+  params0: Any
+  batches: Any
+  to_global: Callable      # a batch -> a global array split over AXIS
+
+
+def lm_worker(spec: dict) -> LMWorker:
+  """Starts jax in this process (``spec['init_timeout']``) and builds the
+  GPT of ``spec['size']`` and the batches of ``spec['text']``."""
   jax = _start_jax(spec["init_timeout"])
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from dlion_jax import accounting  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
-  from dlion_jax.bench import reporting  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import data  # pylint: disable=g-import-not-at-top
-  from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
   size = GPTSize(**spec["size"])
   n = jax.device_count()
   mesh = parallel.data_mesh(n, axis_name=AXIS)
@@ -427,31 +436,57 @@ def worker(spec: dict) -> None:
   text = data.load_text(spec["text"], seq_len=size.seq_len)
   batches = data.Batches(text.train, global_batch=n * size.batch,
                          seed=spec["seed"], kind="lm", seq_len=size.seq_len)
-  to_global = lambda b: parallel.global_array(b, NamedSharding(mesh, P(AXIS)))
-  grad_fn = make_grad_fn(graphdef, mesh)
-  params_g = parallel.global_array(params0, NamedSharding(mesh, P()))
-  first = to_global(next(batches))
+  return LMWorker(jax, mesh, graphdef, params0, batches, lambda b:
+                  parallel.global_array(b, NamedSharding(mesh, P(AXIS))))
+
+
+def step_ticks(spec: dict, per_round: int) -> Iterator:
+  """Advance it once a timed step: process 0's progress over the spec's
+  ``warmup + steps`` rounds of ``per_round`` steps."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dlion_jax import bench  # pylint: disable=g-import-not-at-top
+  todo = range((spec["warmup"] + spec["steps"]) * per_round)
+  if jax.process_index() == 0:
+    todo = bench.progress(todo, len(todo), spec["label"])
+  return iter(todo)
+
+
+def write_process_json(spec: dict, out: dict) -> None:
+  """This process's results, ``processK.json`` in ``spec['out_dir']``."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from dlion_jax.bench import reporting  # pylint: disable=g-import-not-at-top
+  reporting.write_json(
+      pathlib.Path(spec["out_dir"]) / f"process{jax.process_index()}.json", out)
+
+
+def worker(spec: dict) -> None:
+  """One process of a launch: times every row, writes its JSON."""
+  w = lm_worker(spec)
+  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
+  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from dlion_jax import accounting  # pylint: disable=g-import-not-at-top
+  from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
+  grad_fn = make_grad_fn(w.graphdef, w.mesh)
+  params_g = parallel.global_array(w.params0, NamedSharding(w.mesh, P()))
+  first = w.to_global(next(w.batches))
   grad_fn = grad_fn.lower(params_g, first).compile()
   grad_bytes = accounting.collective_bytes(grad_fn.as_text())
   grads_like = grad_fn(params_g, first)[0]
-  runners, skipped = build_runners(spec["rows"], params0, mesh, grads_like)
-  rounds = spec["warmup"] + spec["steps"]
-  todo = range(rounds * len(runners))
-  if jax.process_index() == 0:
-    todo = bench.progress(todo, len(todo), spec["label"])
-  it = iter(todo)
-  for _ in range(rounds):
-    batch = to_global(next(batches))
+  runners, skipped = build_runners(spec["rows"], w.params0, w.mesh,
+                                   grads_like)
+  it = step_ticks(spec, len(runners))
+  for _ in range(spec["warmup"] + spec["steps"]):
+    batch = w.to_global(next(w.batches))
     for r in runners:
       r.run(grad_fn, batch)
       next(it, None)
-  out = {"process": jax.process_index(), "num_workers": n,
-         "num_params": models.count_params(params0),
-         "leaf_sizes": [int(x.size) for x in jax.tree.leaves(params0)],
-         "grad_bytes": grad_bytes, "skipped": skipped,
-         "rows": {r.row.name: r.result() for r in runners}}
-  reporting.write_json(
-      pathlib.Path(spec["out_dir"]) / f"process{jax.process_index()}.json", out)
+  write_process_json(spec, {
+      "process": w.jax.process_index(), "num_workers": w.jax.device_count(),
+      "num_params": models.count_params(w.params0),
+      "leaf_sizes": [int(x.size) for x in w.jax.tree.leaves(w.params0)],
+      "grad_bytes": grad_bytes, "skipped": skipped,
+      "rows": {r.row.name: r.result() for r in runners}})
 
 
 # --- Orchestrator ----------------------------------------------------------

@@ -49,64 +49,46 @@ def _label(budget: int | None) -> str:
 
 def worker(spec: dict) -> None:
   """One process: compiles a step per budget, times them interleaved."""
-  from dlion_jax import bench  # pylint: disable=g-import-not-at-top
-  jax = network._start_jax(spec["init_timeout"])  # pylint: disable=protected-access
-  from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
-  from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  w = network.lm_worker(spec)
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
-  from dlion_jax.bench import reporting  # pylint: disable=g-import-not-at-top
-  from dlion_jax.train import data  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
-  size = network.GPTSize(**spec["size"])
-  n = jax.device_count()
-  mesh = parallel.data_mesh(n, axis_name=AXIS)
-  graphdef, params0 = network._model(size, spec["seed"])  # pylint: disable=protected-access
-  text = data.load_text(spec["text"], seq_len=size.seq_len)
-  batches = data.Batches(text.train, global_batch=n * size.batch,
-                         seed=spec["seed"], kind="lm", seq_len=size.seq_len)
-  to_global = lambda b: parallel.global_array(b, NamedSharding(mesh, P(AXIS)))
 
   def loss_fn(params, batch):
-    return models.lm_loss(models.apply(graphdef, params, batch["x"]),
+    return models.lm_loss(models.apply(w.graphdef, params, batch["x"]),
                           batch["y"])
 
-  first = to_global(next(batches))
+  first = w.to_global(next(w.batches))
   runs = []
   # A first compile carries one-time costs (the backend, the loss's
   # kernels); thrown away, so that every budget's compile time compares.
-  _compiled_step(dl, parallel, loss_fn, mesh, params0, first,
+  _compiled_step(dl, parallel, loss_fn, w.mesh, w.params0, first,
                  spec["budgets"][0])
   for budget in spec["budgets"]:
     step, params, state, compiled, compile_s = _compiled_step(
-        dl, parallel, loss_fn, mesh, params0, first, budget)
+        dl, parallel, loss_fn, w.mesh, w.params0, first, budget)
     runs.append({"budget": budget, "step": step, "params": params,
                  "state": state, "times": [], "compile_s": compile_s,
                  "sent": dl.collective_bytes(compiled),
                  "collectives": len(dl.hlo.collectives(compiled))})
-  rounds = spec["warmup"] + spec["steps"]
-  todo = range(rounds * len(runs))
-  if jax.process_index() == 0:
-    todo = bench.progress(todo, len(todo), spec["label"])
-  it = iter(todo)
-  for r in range(rounds):
-    batch = to_global(next(batches))
+  it = network.step_ticks(spec, len(runs))
+  for r in range(spec["warmup"] + spec["steps"]):
+    batch = w.to_global(next(w.batches))
     k = r % len(runs)
     for run in runs[k:] + runs[:k]:
       t0 = time.perf_counter()
       run["params"], run["state"], _ = run["step"](run["params"],
                                                    run["state"], batch)
-      jax.block_until_ready((run["params"], run["state"]))
+      w.jax.block_until_ready((run["params"], run["state"]))
       run["times"].append(time.perf_counter() - t0)
       next(it, None)
-  out = {"process": jax.process_index(), "num_workers": n,
-         "num_params": models.count_params(params0),
-         "runs": [{k: v for k, v in run.items()
-                   if k in ("budget", "times", "sent", "collectives",
-                            "compile_s")}
-                  for run in runs]}
-  reporting.write_json(
-      pathlib.Path(spec["out_dir"]) / f"process{jax.process_index()}.json", out)
+  network.write_process_json(spec, {
+      "process": w.jax.process_index(), "num_workers": w.jax.device_count(),
+      "num_params": models.count_params(w.params0),
+      "runs": [{k: v for k, v in run.items()
+                if k in ("budget", "times", "sent", "collectives",
+                         "compile_s")}
+               for run in runs]})
 
 
 def _compiled_step(dl, parallel, loss_fn, mesh, params0, batch, budget):
