@@ -58,14 +58,15 @@ def on_tpu() -> bool:
   return getattr(device, "platform", None) == "tpu"
 
 
-_LANES = 128
+# The minor dimension of XLA:TPU's tiles.
+LANES = 128
 
 
 def lane_rows(x: jax.Array, rows: int) -> jax.Array:
   """1-D ``x`` zero-padded to a multiple of ``rows`` rows of 128 lanes and
   shaped ``[-1, 128]``: what XLA:TPU gathers across devices as whole
   tiles (the caller cuts the padding off each gathered row)."""
-  return jnp.pad(x, (0, -x.size % (rows * _LANES))).reshape(-1, _LANES)
+  return jnp.pad(x, (0, -x.size % (rows * LANES))).reshape(-1, LANES)
 
 
 def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:

@@ -150,6 +150,28 @@ def test_big_leaves_match_reference_on_the_tpu_path(monkeypatch, num_workers,
   check_big_leaves(num_workers, configs, dtype)
 
 
+@pytest.mark.parametrize("num_workers,vote,shape", [
+    (8, "binary", (80, 1024)), (5, "ternary", (32, 1000))])
+def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
+                                                  vote, shape):
+  """A leaf whose per-place results fill 256 words a worker: the TPU path
+  gathers them as rows ``[m, 256]`` (not as one flat buffer to cut them out
+  of), with the reference's updates bit for bit."""
+  monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
+  gathered, all_gather = [], dl.exchange._all_gather
+  def recorded(x, *args, **kwargs):
+    gathered.append(x.shape)
+    return all_gather(x, *args, **kwargs)
+  monkeypatch.setattr(dl.exchange, "_all_gather", recorded)
+  rng = np.random.default_rng(3)
+  params = random_tree(rng, {"w": shape})
+  grads = [random_tree(rng, {"w": shape}, np.float32, num_workers)
+           for _ in range(2)]
+  match_every_comm(params, grads, num_workers, [("mavo", vote)])
+  places = 8 if vote == "binary" else 5
+  assert (places, 256) in gathered, gathered
+
+
 @pytest.mark.parametrize("vote,expected", [("binary", -1.0), ("ternary", 0.0)])
 def test_zero_gradient_leaf_binary_and_ternary_differ(vote, expected):
   """c == 0 everywhere: binary votes -1 on every worker, ternary abstains."""

@@ -87,6 +87,17 @@ def _f32_relayouts(hlo_text: str, min_elements: int) -> set:
   return found
 
 
+def _large_step_hlo(tx) -> str:
+  """The HLO of ``bench.step``'s step on its ``large`` tree
+  (a 4096x8192 matrix and a 16M vector) for 8 v5e chips."""
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
+  from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
+  from dlion_jax.bench import step as step_bench  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(aot.tpu_devices("v5e:2x4", 1)),
+                           (step_bench.AXIS,))
+  return step_bench.tpu_compiled(tx, mesh, step_bench.TREES["large"]).as_text()
+
+
 @pytest.mark.parametrize("aggregation", ["mavo", "avg"])
 def test_update_reaches_the_leaf_narrow(aggregation):
   """The vote's outcome is reshaped to the leaf's shape as int8 and only
@@ -94,17 +105,20 @@ def test_update_reaches_the_leaf_narrow(aggregation):
   (with the other changes of that commit, MaVo ``auto`` went from 88 to 65
   bytes a parameter, Avg from 174 to 67:
   ``python -m dlion_jax.bench.step --tpu v5e:2x4 --tree large``)."""
-  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
-  from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
-  from dlion_jax.bench import step as step_bench  # pylint: disable=g-import-not-at-top
-  mesh = jax.sharding.Mesh(np.array(aot.tpu_devices("v5e:2x4", 1)),
-                           (step_bench.AXIS,))
-  shapes = {"w": (4096, 8192), "v": (1 << 24,)}
-  texts = {}
-  for name, tx in [("floor", optax.lion(1e-3)), ("dlion", dl.distributed_lion(
-      1e-3, axis_name=step_bench.AXIS, aggregation=aggregation))]:
-    texts[name] = step_bench.tpu_compiled(tx, mesh, shapes).as_text()
+  texts = {"floor": _large_step_hlo(optax.lion(1e-3)),
+           "dlion": _large_step_hlo(dl.distributed_lion(
+               1e-3, axis_name="data", aggregation=aggregation))}
   leaf = 1 << 24
   extra = _f32_relayouts(texts["dlion"], leaf) - _f32_relayouts(
       texts["floor"], leaf)
   assert not extra, extra
+
+
+def test_tallies_come_back_in_rows():
+  """The alltoall's gathered results reach the unpacking as rows, one a
+  place and worker: the same step had cut them out of a flat gathered
+  buffer with 40 dynamic-update-slices (and moved 65 bytes a parameter,
+  now 60: ``python -m dlion_jax.bench.step --tpu v5e:2x4 --tree large``)."""
+  entry = _large_step_hlo(dl.distributed_lion(
+      1e-3, axis_name="data", comm="alltoall")).split("\nENTRY", 1)[1]
+  assert not re.findall(r"= u8\[[\d,]*\]\S* dynamic-update-slice\(", entry)
