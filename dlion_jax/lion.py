@@ -7,11 +7,13 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 import optax
+from jax import lax
 
 from dlion_jax import _drift
 from dlion_jax import exchange
 from dlion_jax import message
 from dlion_jax import quantize
+from dlion_jax import shards
 from dlion_jax import sync
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
@@ -297,6 +299,9 @@ def scale_by_distributed_lion(
       new_updates = voted_update(pre_sign, num_workers, updates, state.mu,
                                  constants=constants)
     mu = jax.tree.map(moment, updates, state.mu)
+    if (num_workers > 1 and aggregation == "mavo" and not shards.on_tpu()
+        and not shards.compiler_axes(axis_name, jax.tree.leaves(updates))):
+      mu = _after_vote(mu, new_updates)
     count = optax.safe_increment(state.count)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
@@ -304,6 +309,43 @@ def scale_by_distributed_lion(
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _after_vote(mu, updates):
+  """The new momenta ``mu`` as they are, computed only once the vote is
+  done, so that XLA does not copy the old momenta first.
+
+  The old momentum is read twice, by the vote's encoding of ``c`` and by
+  its own update, which XLA writes in place (its buffer donated). XLA
+  copies such a buffer before the write (on XLA:CPU 8 bytes a parameter,
+  in ``optax.lion``'s step too) unless every other read is ordered before
+  it, and XLA orders by data. Here the bits of each new momentum are or-ed
+  with a zero XLA cannot fold, ``max(isfinite(u[:8]) >> 1)`` of the first
+  elements of the largest leaf's update (a reduction, so that XLA computes
+  it once and not in every leaf's fusion): the same values, whose fusion
+  now follows the exchange that followed the encoding. Or-ed after the
+  arithmetic: ``g`` or ``m`` tied before it changed which product of
+  ``(1 - b2) g + b2 m`` XLA:CPU contracted into a fused multiply-add (one
+  rounding apart from the numpy reference, which follows XLA's
+  contraction). Leaves voted in another bucket, or exchanged exactly
+  (``min_compress_size``), keep their copies.
+
+  For majority votes only: Avg's update is read from a table of quotients,
+  a gather XLA does not compute twice, so reading its first elements
+  writes that leaf's whole float32 update out, about what the copies cost
+  (Avg's step measured the same within the runs' spread). Not under the
+  compiler's axes (the first elements of a sharded leaf live on one
+  device) nor on TPU (XLA:TPU makes no copy).
+  """
+  largest = max(jax.tree.leaves(updates), key=lambda u: u.size)
+  if largest.size == 0:
+    return mu
+  zero = jnp.max(jnp.isfinite(largest.ravel()[:8]).astype(jnp.uint8) >> 1)
+  def after(m):
+    bits = jnp.dtype(f"uint{8 * m.dtype.itemsize}")
+    return lax.bitcast_convert_type(
+        lax.bitcast_convert_type(m, bits) | zero.astype(bits), m.dtype)
+  return jax.tree.map(after, mu)
 
 
 def distributed_lion(
