@@ -187,12 +187,13 @@ def _gather_words(words, axis_name, n):
   of 128 lanes by an all-reduce of a zero-padded one, twice the DCN bytes.
   """
   if not shards.on_tpu():
-    # Flat: vmapped, jax gathers an empty [m, 0] in the wrong shape.
+    # Flat: jax gathers an empty [m, 0] stacked in the wrong shape (seen
+    # under vmap with lax.scan, and under shard_map).
     return _all_gather(words.reshape(-1), axis_name, tiled=True).reshape(
         (n,) + words.shape)
   width = words.shape[-1]
   pad = -width % shards.LANES
-  if words.ndim > 1 and pad <= _ROW_PADDING * width:
+  if words.ndim > 1 and 0 < width and pad <= _ROW_PADDING * width:
     lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
     return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
   rows = _all_gather(shards.lane_rows(words.reshape(-1), 4), axis_name)

@@ -322,13 +322,16 @@ def _after_vote(mu, updates):
   it, and XLA orders by data. Here the bits of each new momentum are or-ed
   with a zero XLA cannot fold, ``max(isfinite(u[:8]) >> 1)`` of the first
   elements of the largest leaf's update (a reduction, so that XLA computes
-  it once and not in every leaf's fusion): the same values, whose fusion
-  now follows the exchange that followed the encoding. Or-ed after the
+  it once and not in every leaf's fusion): the same bits, whose fusion now
+  follows the exchange that followed the encoding. Or-ed after the
   arithmetic: ``g`` or ``m`` tied before it changed which product of
   ``(1 - b2) g + b2 m`` XLA:CPU contracted into a fused multiply-add (one
   rounding apart from the numpy reference, which follows XLA's
-  contraction). Leaves voted in another bucket, or exchanged exactly
-  (``min_compress_size``), keep their copies.
+  contraction). Where one program also computes the old momentum (``init``
+  and two updates in one ``jit``), the or keeps XLA from folding
+  constants from one update into the next, so the momenta may differ in
+  their last bits from that program's without it. Leaves voted in another
+  bucket, or exchanged exactly (``min_compress_size``), keep their copies.
 
   For majority votes only: Avg's update is read from a table of quotients,
   a gather XLA does not compute twice, so reading its first elements
@@ -337,11 +340,14 @@ def _after_vote(mu, updates):
   compiler's axes (the first elements of a sharded leaf live on one
   device) nor on TPU (XLA:TPU makes no copy).
   """
-  largest = max(jax.tree.leaves(updates), key=lambda u: u.size)
-  if largest.size == 0:
+  leaves = jax.tree.leaves(updates)
+  if not leaves or max(u.size for u in leaves) == 0:
     return mu
+  largest = max(leaves, key=lambda u: u.size)
   zero = jnp.max(jnp.isfinite(largest.ravel()[:8]).astype(jnp.uint8) >> 1)
   def after(m):
+    if not jnp.issubdtype(m.dtype, jnp.floating):   # e.g. a complex mu_dtype
+      return m
     bits = jnp.dtype(f"uint{8 * m.dtype.itemsize}")
     return lax.bitcast_convert_type(
         lax.bitcast_convert_type(m, bits) | zero.astype(bits), m.dtype)

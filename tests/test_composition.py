@@ -78,6 +78,36 @@ def test_masked_leaves_skip_the_vote():
   np.testing.assert_allclose(out[0]["b"], expected_b, rtol=1e-6)
 
 
+@pytest.mark.parametrize("mask", [{"w": False, "b": False}, {}],
+                         ids=["all masked out", "no leaves"])
+def test_nothing_to_vote_on(mask):
+  """A D-Lion given no leaf (every one masked out, or an empty tree) steps
+  as the identity on what it is given."""
+  rng = np.random.default_rng(2)
+  params = random_tree(rng, SHAPES) if mask else {}
+  grads = grads_for(rng, 3) if mask else [{}] * 3
+  tx = optax.masked(dl.distributed_lion(1e-2, axis_name=AXIS), mask) if (
+      mask) else dl.distributed_lion(1e-2, axis_name=AXIS)
+  out = run_on_mesh({"m": tx}, params, grads, N)["m"]
+  for k in params:      # masked out: the local gradients pass through
+    np.testing.assert_allclose(out[0][k][0], params[k] + sum(
+        g[k][0] for g in grads), rtol=1e-6)
+
+
+def test_complex_momentum_dtype_steps():
+  """``mu_dtype=complex64`` (nothing refuses it) steps as before the
+  momenta were tied to the vote (which only real floats are)."""
+  params = {"w": jnp.zeros(100)}
+  tx = dl.scale_by_distributed_lion(axis_name=AXIS, mu_dtype=jnp.complex64)
+  def step(g):
+    updates, state = tx.update(g, tx.init(params), params)
+    return updates, state.mu
+  updates, mu = jax.vmap(step, axis_name=AXIS)({"w": jnp.ones((4, 100))})
+  assert mu["w"].dtype == jnp.complex64
+  np.testing.assert_allclose(mu["w"], 0.01)
+  np.testing.assert_array_equal(updates["w"], 1.0)
+
+
 def test_apply_if_finite_skips_consistently_and_passes_finite_steps():
   rng = np.random.default_rng(2)
   params, grads = random_tree(rng, SHAPES), grads_for(rng, 3)
