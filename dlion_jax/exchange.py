@@ -370,7 +370,7 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               num_workers: int, spec: VoteSpec, aggregation: str, comm: str,
               min_compress_size: int = 0, constants: tuple = (),
-              bucket_bytes: int | None = None):
+              bucket_bytes: int | None = None, with_done: bool = False):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
@@ -396,6 +396,10 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   each packed into a message of its own and exchanged on its own, so that
   a bucket's collectives depend on its leaves' gradients only and XLA may
   schedule them while the rest of the backward pass runs.
+
+  ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
+  compute once every bucket's outcome is in (see :func:`_done`), or None
+  where the compiler's axes share the vote.
   """
   options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
                  aggregation=aggregation, comm=comm,
@@ -406,14 +410,17 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
                       leaf_shards=leaf_shards, **options)
   if axes:
-    return shards.on_own_shards(run, trees, axes, constants)
-  return run(*trees, constants=constants)
+    updates, done = shards.on_own_shards(
+        lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None
+  else:
+    updates, done = run(*trees, constants=constants)
+  return (updates, done) if with_done else updates
 
 
 def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
                comm, min_compress_size, bucket_bytes, leaf_shards):
   """:func:`aggregate` on leaves each device holds whole (or the shards
-  ``leaf_shards`` names)."""
+  ``leaf_shards`` names), and its ``done``."""
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
   rows = list(zip(*columns))
@@ -430,18 +437,38 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
     for i, d in zip(exact, sign_of_mean(values, axis_name=axis_name)):
       out[i] = d
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
+  done = []
   for bucket in buckets(voted, nbytes, bucket_bytes):
-    for i, d in zip(bucket, _vote(
+    updates, outcomes = _vote(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         axis_name=axis_name, num_workers=num_workers, spec=spec,
-        aggregation=aggregation, comm=comm)):
+        aggregation=aggregation, comm=comm)
+    for i, d in zip(bucket, updates):
       out[i] = d
-  return jax.tree.unflatten(treedef, out)
+    if outcomes:
+      done.append(_done(outcomes, num_workers * spec.max_level))
+  done = functools.reduce(jnp.maximum, done) if done else None
+  return jax.tree.unflatten(treedef, out), done
+
+
+def _done(outcomes: list[jax.Array], top: int) -> jax.Array:
+  """A ``uint8`` zero XLA cannot fold, computed from the vote's ``outcomes``
+  (integers in ``[-top, top]``): ``max(o[:8] > top)`` of the longest.
+
+  A value that waits for the vote, for whatever must not be scheduled
+  before it (``lion._after_vote``). Read off the integers rather than the
+  update: a few elements of a fusion XLA recomputes for them, where Avg's
+  update, a gather from a table, would be written out whole to be read.
+  """
+  longest = max(outcomes, key=lambda o: o.size)
+  return jnp.max((longest[:8].astype(jnp.int32) > top).astype(jnp.uint8),
+                 initial=0)
 
 
 def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
-          aggregation, comm) -> list[jax.Array]:
-  """The update of each row of leaves, voted in one message."""
+          aggregation, comm) -> tuple[list[jax.Array], list[jax.Array]]:
+  """The update of each row of leaves, voted in one message, and the vote's
+  outcome for each packing run."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
   # grouped by dtypes so that each group concatenates (see _message).
   alone = [k for k, row in enumerate(rows)
@@ -449,7 +476,7 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
   grouped = sorted(set(range(len(rows))) - set(alone),
                    key=lambda k: (str(_dtypes(rows[k])), k))
   order = alone + grouped
-  layout, result = _exchange(
+  layout, results = _exchange(
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
       axis_name=axis_name, num_workers=num_workers, spec=spec,
       aggregation=aggregation, comm=comm)
@@ -465,7 +492,7 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
     run = (layout.run_of(j), dtypes[key])
     shape = rows[k][0].shape
     if j < len(alone) and shards.on_tpu():
-      outcome = layout.leaf_values(result[run[0]], j).reshape(shape)
+      outcome = layout.leaf_values(results[run[0]], j).reshape(shape)
       if layout.radix is not None:
         # Digits decoded from words: XLA:TPU would fuse their decoding with
         # the leaf's float update and lay out floats in the leaf's tiles
@@ -474,10 +501,10 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
       out[k] = _finalize(outcome, num_workers, aggregation, spec, run[1])
       continue
     if run not in updates:
-      updates[run] = _finalize(result[run[0]], num_workers, aggregation,
+      updates[run] = _finalize(results[run[0]], num_workers, aggregation,
                                spec, run[1])
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
-  return out
+  return out, results
 
 
 def buckets(indices: list[int], nbytes: list[int],

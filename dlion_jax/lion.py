@@ -273,7 +273,7 @@ def scale_by_distributed_lion(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
-        bucket_bytes=bucket_bytes)
+        bucket_bytes=bucket_bytes, with_done=True)
 
   def update_fn(updates, state, params=None):
     del params
@@ -281,7 +281,7 @@ def scale_by_distributed_lion(
     check_same_structure(updates, state.mu)
     check_float_leaves(updates, "gradient")
     num_workers = exchange.axis_size(axis_name)
-    extra = {}
+    extra, done = {}, None
     if num_workers == 1:
       new_updates = jax.tree.map(lambda g, m: jnp.sign(pre_sign(g, m)),
                                  updates, state.mu)
@@ -289,19 +289,18 @@ def scale_by_distributed_lion(
     elif error_feedback:
       corrected = jax.tree.map(lambda g, m, e: pre_sign(g, m) + e, updates,
                                state.mu, state.error)
-      new_updates = voted_update(lambda c: c, num_workers, corrected)
+      new_updates, done = voted_update(lambda c: c, num_workers, corrected)
       leaves, treedef = jax.tree.flatten(corrected)
       extra = {"error": treedef.unflatten([
           _residual(p, d, e.dtype) for p, d, e in zip(
               leaves, treedef.flatten_up_to(new_updates),
               treedef.flatten_up_to(state.error))])}
     else:   # c computed inside the vote, on the whole message at once
-      new_updates = voted_update(pre_sign, num_workers, updates, state.mu,
-                                 constants=constants)
+      new_updates, done = voted_update(pre_sign, num_workers, updates,
+                                       state.mu, constants=constants)
     mu = jax.tree.map(moment, updates, state.mu)
-    if (num_workers > 1 and aggregation == "mavo" and not shards.on_tpu()
-        and not shards.compiler_axes(axis_name, jax.tree.leaves(updates))):
-      mu = _after_vote(mu, new_updates)
+    if done is not None and not shards.on_tpu():
+      mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
@@ -311,46 +310,36 @@ def scale_by_distributed_lion(
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _after_vote(mu, updates):
+def _after_vote(mu, done):
   """The new momenta ``mu`` as they are, computed only once the vote is
-  done, so that XLA does not copy the old momenta first.
+  ``done`` (:func:`dlion_jax.exchange.aggregate`'s zero), so that XLA does
+  not copy the old momenta first.
 
   The old momentum is read twice, by the vote's encoding of ``c`` and by
   its own update, which XLA writes in place (its buffer donated). XLA
   copies such a buffer before the write (on XLA:CPU 8 bytes a parameter,
   in ``optax.lion``'s step too) unless every other read is ordered before
   it, and XLA orders by data. Here the bits of each new momentum are or-ed
-  with a zero XLA cannot fold, ``max(isfinite(u[:8]) >> 1)`` of the first
-  elements of the largest leaf's update (a reduction, so that XLA computes
-  it once and not in every leaf's fusion): the same bits, whose fusion now
-  follows the exchange that followed the encoding. Or-ed after the
-  arithmetic: ``g`` or ``m`` tied before it changed which product of
-  ``(1 - b2) g + b2 m`` XLA:CPU contracted into a fused multiply-add (one
-  rounding apart from the numpy reference, which follows XLA's
-  contraction). Where one program also computes the old momentum (``init``
-  and two updates in one ``jit``), the or keeps XLA from folding
-  constants from one update into the next, so the momenta may differ in
-  their last bits from that program's without it. Leaves voted in another
-  bucket, or exchanged exactly (``min_compress_size``), keep their copies.
+  with ``done``, a zero XLA cannot fold, computed from a few of the vote's
+  integer outcomes: the same bits, whose fusion now follows the exchange
+  that followed the encoding. Or-ed after the arithmetic: ``g`` or ``m``
+  tied before it changed which product of ``(1 - b2) g + b2 m`` XLA:CPU
+  contracted into a fused multiply-add (one rounding apart from the numpy
+  reference, which follows XLA's contraction). Where one program also
+  computes the old momentum (``init`` and two updates in one ``jit``), the
+  or keeps XLA from folding constants from one update into the next, so
+  the momenta may differ in their last bits from that program's without
+  it. Leaves exchanged exactly (``min_compress_size``) keep their copies.
 
-  For majority votes only: Avg's update is read from a table of quotients,
-  a gather XLA does not compute twice, so reading its first elements
-  writes that leaf's whole float32 update out, about what the copies cost
-  (Avg's step measured the same within the runs' spread). Not under the
-  compiler's axes (the first elements of a sharded leaf live on one
-  device) nor on TPU (XLA:TPU makes no copy).
+  Not on TPU (XLA:TPU makes no copy), nor under the compiler's axes (there
+  is no ``done``: the outcomes' first elements live on one device).
   """
-  leaves = jax.tree.leaves(updates)
-  if not leaves or max(u.size for u in leaves) == 0:
-    return mu
-  largest = max(leaves, key=lambda u: u.size)
-  zero = jnp.max(jnp.isfinite(largest.ravel()[:8]).astype(jnp.uint8) >> 1)
   def after(m):
     if not jnp.issubdtype(m.dtype, jnp.floating):   # e.g. a complex mu_dtype
       return m
     bits = jnp.dtype(f"uint{8 * m.dtype.itemsize}")
     return lax.bitcast_convert_type(
-        lax.bitcast_convert_type(m, bits) | zero.astype(bits), m.dtype)
+        lax.bitcast_convert_type(m, bits) | done.astype(bits), m.dtype)
   return jax.tree.map(after, mu)
 
 

@@ -72,3 +72,20 @@ def test_tpu_bytes_read_what_a_lion_step_must_move():
   assert floor / (2048 * 1024) >= 20 and fusions >= 1
   with pytest.raises(ValueError, match="v5e:2x2 has 4 chips.*--workers 8"):
     step.tpu_table(8, shapes, "v5e:2x2")
+
+
+def test_the_grid_checks_each_group_of_strategies():
+  """``--grid``: every aggregation x comm x vote, each group of strategies
+  (aggregation and vote) checked bit for bit on its own."""
+  names = [k for k in step.variants(grid=True) if k.startswith("dlion")]
+  assert len(names) == 20 and "dlion avg psum_int8 ternary" in names
+  assert step._comm_bits("dlion mavo auto ternary", 8) == "2.8 (alltoall)"
+  runners = step.build(8, SHAPES, vmap=True, grid=True)
+  line = step.agreement(runners)
+  assert line.count("bit for bit alike") == 4, line
+  one = runners["dlion avg allgather ternary"]
+  one.params = jax.tree.map(lambda x: x.at[1].add(1.0), one.params)
+  line = step.agreement(runners)
+  assert "of Avg ternary auto, alltoall, allgather, psum, psum_int8 are NOT" \
+      " alike: dlion avg allgather ternary differ" in line, line
+  assert line.count("bit for bit alike") == 3

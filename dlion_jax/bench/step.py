@@ -11,7 +11,9 @@ optimizer runs: no model forward or backward pass.
 Variants:
 
 * ``dlion <aggregation> <comm>``: :func:`dlion_jax.distributed_lion`, which
-  votes over the axis and needs no gradient all-reduce.
+  votes over the axis and needs no gradient all-reduce: MaVo with every
+  ``comm``, Avg with ``auto``, binary votes; ``--grid`` adds Avg with every
+  ``comm`` and the same with ternary votes (``dlion mavo psum ternary``).
 * ``global lion``: :func:`optax.lion` fed ``lax.pmean``-ed fp32 gradients, what
   data-parallel Lion needs (the baseline).
 * ``local lion``: :func:`optax.lion` on each worker's own gradient, no
@@ -47,8 +49,8 @@ noise in it.
 Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
-      [--tree mlp|two|many|large] [--vmap] [--profile] [--tpu TOPOLOGY]
-      [--out FILE.md]
+      [--tree mlp|two|many|large] [--grid] [--vmap] [--profile]
+      [--tpu TOPOLOGY] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import exchange
 from dlion_jax import parallel
+from dlion_jax import quantize
 from dlion_jax.bench import aot
 from dlion_jax.bench import reporting
 
@@ -117,16 +120,22 @@ def random_tree(seed: int, shapes: dict, lead: tuple[int, ...] = ()) -> dict:
       is_leaf=lambda x: isinstance(x, tuple))
 
 
-def variants() -> dict[str, tuple[optax.GradientTransformation, bool]]:
-  """name -> (optimizer, whether gradients are pmean-ed first)."""
+def variants(grid: bool = False
+             ) -> dict[str, tuple[optax.GradientTransformation, bool]]:
+  """name -> (optimizer, whether gradients are pmean-ed first).
+
+  D-Lion: MaVo with every ``comm`` and Avg with ``auto``, binary votes; with
+  ``grid``, every aggregation x comm x vote (ternary named as such)."""
   out = {}
-  for aggregation in accounting.AGGREGATIONS:
-    for comm in ("auto",) + accounting.COMMS:
-      if aggregation == "avg" and comm != "auto":
-        continue
-      tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS,
-                               aggregation=aggregation, comm=comm)
-      out[f"dlion {aggregation} {comm}"] = (tx, False)
+  for vote in quantize.VOTES if grid else ("binary",):
+    for aggregation in accounting.AGGREGATIONS:
+      for comm in ("auto",) + accounting.COMMS:
+        if aggregation == "avg" and comm != "auto" and not grid:
+          continue
+        tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS, vote=vote,
+                                 aggregation=aggregation, comm=comm)
+        name = f"dlion {aggregation} {comm}"
+        out[name if vote == "binary" else f"{name} {vote}"] = (tx, False)
   out[BASELINE] = (optax.lion(LEARNING_RATE), True)
   out[FLOOR] = (optax.lion(LEARNING_RATE), False)
   out[RENDEZVOUS] = (optax.chain(_rendezvous(), optax.lion(LEARNING_RATE)),
@@ -248,10 +257,11 @@ class Runner:
     return time.perf_counter() - start
 
 
-def build(num_workers: int, shapes: dict, *,
-          vmap: bool = False) -> dict[str, Runner]:
-  """A compiled, warmed-up :class:`Runner` per variant, on a mesh of
-  ``num_workers`` devices or (``vmap``) vmapped on the default device."""
+def build(num_workers: int, shapes: dict, *, vmap: bool = False,
+          grid: bool = False) -> dict[str, Runner]:
+  """A compiled, warmed-up :class:`Runner` per variant (of
+  :func:`variants`), on a mesh of ``num_workers`` devices or (``vmap``)
+  vmapped on the default device."""
   params = random_tree(0, shapes)
   grads = random_tree(1, shapes, (num_workers,))
   if vmap:
@@ -261,7 +271,7 @@ def build(num_workers: int, shapes: dict, *,
     mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
   runners = {}
-  for name, (tx, pmean_grads) in variants().items():
+  for name, (tx, pmean_grads) in variants(grid).items():
     runners[name] = Runner(tx, mesh, pmean_grads=pmean_grads, params=params,
                            grads=grads)
     runners[name]()   # compile
@@ -307,19 +317,31 @@ def table(runners: dict[str, Runner], num_workers: int) -> str:
 
 
 def agreement(runners: dict[str, Runner]) -> str:
-  """One line: whether every MaVo strategy's parameters are bit for bit
-  those of the first (all ran the same steps on the same gradients), and,
-  vmapped, whether each variant's worker copies are alike."""
-  mavo = [k for k in runners if k.startswith("dlion mavo")]
-  first = jax.tree.leaves(runners[mavo[0]].params)
-  differ = [k for k in mavo[1:] if not all(
-      np.array_equal(a, b)
-      for a, b in zip(first, jax.tree.leaves(runners[k].params)))]
-  line = (f"- After {len(runners[mavo[0]].times) + 2} steps the parameters "
-          f"of {', '.join(m.split()[-1] for m in mavo)} are "
-          + ("bit for bit alike." if not differ
-             else f"NOT alike: {', '.join(differ)} differ from {mavo[0]}."))
-  if runners[mavo[0]].vmapped:
+  """One line: whether the parameters of every strategy of each aggregation
+  and vote are bit for bit those of its first (all ran the same steps on
+  the same gradients), and, vmapped, whether each variant's worker copies
+  are alike."""
+  groups = collections.defaultdict(list)
+  for k in runners:
+    if k.startswith("dlion "):
+      _, aggregation, _, *vote = k.split()
+      groups[(aggregation, *vote)].append(k)
+  steps = len(next(iter(runners.values())).times) + 2
+  said = []
+  for (aggregation, *vote), names in groups.items():
+    if len(names) < 2:
+      continue
+    first = jax.tree.leaves(runners[names[0]].params)
+    differ = [k for k in names[1:] if not all(
+        np.array_equal(a, b)
+        for a, b in zip(first, jax.tree.leaves(runners[k].params)))]
+    which = " ".join([aggregation.capitalize() if aggregation == "avg"
+                      else "MaVo", *vote])
+    said.append(f"{which} {', '.join(k.split()[2] for k in names)} are "
+                + ("bit for bit alike" if not differ else
+                   f"NOT alike: {', '.join(differ)} differ from {names[0]}"))
+  line = f"- After {steps} steps the parameters of " + "; of ".join(said) + "."
+  if next(iter(runners.values())).vmapped:
     drifted = [k for k in runners if k.startswith("dlion") and not all(
         np.array_equal(x[0], x[i]) for x in jax.tree.leaves(runners[k].params)
         for i in range(1, x.shape[0]))]
@@ -335,9 +357,11 @@ def _comm_bits(name: str, n: int) -> str:
     return "0"
   if name == RENDEZVOUS:
     return "0 (one scalar)"
-  _, aggregation, comm = name.split()
-  picked = exchange.resolve_comm(comm, n, aggregation=aggregation)
-  bits = dl.wire_bits(n, aggregation=aggregation, comm=picked)
+  _, aggregation, comm, *vote = name.split()
+  vote = vote[0] if vote else "binary"
+  picked = exchange.resolve_comm(comm, n, aggregation=aggregation,
+                                 spec=quantize.vote_spec(vote=vote))
+  bits = dl.wire_bits(n, aggregation=aggregation, comm=picked, vote=vote)
   return f"{bits:.3g} ({picked})" if comm == "auto" else f"{bits:.3g}"
 
 
@@ -441,7 +465,8 @@ def tpu_bytes(tx, mesh, shapes: dict, *,
   return cost["bytes accessed"], len(re.findall(r" fusion\(", entry))
 
 
-def tpu_table(num_workers: int, shapes: dict, topology: str) -> str:
+def tpu_table(num_workers: int, shapes: dict, topology: str, *,
+              grid: bool = False) -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
   chip reads and writes, against the floor's (see :func:`tpu_bytes`)."""
   devices = aot.tpu_devices(topology, 1)[:num_workers]
@@ -453,7 +478,7 @@ def tpu_table(num_workers: int, shapes: dict, topology: str) -> str:
   mesh = Mesh(np.array(devices), (AXIS,))
   per_param = {}
   rows = []
-  for name, (tx, pmean_grads) in variants().items():
+  for name, (tx, pmean_grads) in variants(grid).items():
     nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads)
     per_param[name] = nbytes / num_params(shapes)
     rows.append([name, f"{per_param[name]:.1f}", None, str(fusions)])
@@ -484,6 +509,9 @@ def main(argv=None) -> str:
                       "--workers chips of this TPU topology (e.g. v5e:2x4; "
                       "libtpu, no TPU needed) and report the bytes each "
                       "chip's step reads and writes a parameter")
+  parser.add_argument("--grid", action="store_true",
+                      help="every aggregation x comm x vote, not only MaVo's "
+                      "comms and Avg auto with binary votes")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
   if args.tpu:
@@ -499,7 +527,7 @@ def main(argv=None) -> str:
   load = os.getloadavg()[0]
   start = time.perf_counter()
   shapes = TREES[args.tree]
-  runners = build(args.workers, shapes, vmap=args.vmap)
+  runners = build(args.workers, shapes, vmap=args.vmap, grid=args.grid)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
   timed = time.perf_counter()
@@ -535,7 +563,7 @@ def _tpu_report(parser, args) -> str:
   shapes = TREES[args.tree]
   start = time.perf_counter()
   try:
-    table_md = tpu_table(args.workers, shapes, args.tpu)
+    table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([
