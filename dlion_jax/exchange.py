@@ -135,7 +135,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
                                               spec=spec)
   up = message.reshape(n, -1)     # MessageLayout.word_multiple
   mine = lax.all_to_all(up, axis_name, 0, 0)
-  code_sum = packing.sum_planes(mine, up_radix, by_place=True)
+  code_sum = packing.sum_planes(mine, up_radix)
   if aggregation == "avg":
     down = code_sum                    # exact count, radix (levels-1)*N+1
   elif down_radix == 2:
@@ -143,26 +143,15 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
   else:
     down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
   down = down.astype(packing.digit_dtype(down_radix))
-  places, shard = code_sum.shape
-  per_word = packing.digits_per_word(down_radix)
-  if shard % per_word == 0:
-    # Each place's S results planar in its own S / m' words, the same
-    # words as packing them all together: gathered, every worker's words
-    # of one place are transposed (a fifth of the digits' bytes for radix
-    # 3), not the digits, and unpack straight into the message's order.
-    words = packing.pack_digits(down, down_radix, planar=True)
-    words = _gather_words(words, axis_name, n).swapaxes(0, 1)
-    result = packing.unpack_digits(words, down_radix,
-                                   planar=True).reshape(places, -1)
-  else:
-    # The shard's [m, S] results, planar in words of the result's radix.
-    words = packing.pack_digits(down.reshape(-1), down_radix, planar=True)
-    words = _gather_words(words, axis_name, n)
-    result = packing.unpack_digits(words, down_radix, code_sum.size,
-                                   planar=True)
-    # [worker, place, word of its shard] -> [place, word of the message]
-    result = result.reshape(n, places, shard).swapaxes(0, 1).reshape(
-        places, -1)
+  # Each place's results of the shard fill whole words of the result's
+  # radix (MessageLayout.word_multiple), planar in its own words, the same
+  # words as packing them all together: gathered, every worker's words of
+  # one place are transposed (a fifth of the digits' bytes for radix 3),
+  # not the digits, and unpack straight into the message's order.
+  words = packing.pack_digits(down, down_radix, planar=True)
+  words = _gather_words(words, axis_name, n).swapaxes(0, 1)
+  result = packing.unpack_digits(words, down_radix, planar=True).reshape(
+      code_sum.shape[0], -1)
 
   def decode(digits):
     digits = digits.astype(jnp.int32)
@@ -453,16 +442,23 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
 
 def _done(outcomes: list[jax.Array], top: int) -> jax.Array:
   """A ``uint8`` zero XLA cannot fold, computed from the vote's ``outcomes``
-  (integers in ``[-top, top]``): ``max(o[:8] > top)`` of the longest.
+  (integers in ``[-top, top]``): ``max((o[:8] > top) >> 1)`` over every
+  run's.
 
   A value that waits for the vote, for whatever must not be scheduled
   before it (``lion._after_vote``). Read off the integers rather than the
-  update: a few elements of a fusion XLA recomputes for them, where Avg's
-  update, a gather from a table, would be written out whole to be read.
+  update: Avg's update, a gather from a table, would be written out whole
+  to be read. Every run's, so that XLA:CPU writes out every run's tally:
+  fused instead into the leaf's update, a run's tally of ternary votes
+  (radix-3 digits) unpacked every worker's digit with a division by the
+  place value of each element's place (MaVo ``allgather`` took 1.8-2.7x
+  the floor, where ternary Avg, whose table gather is not fused, took
+  1.1-1.4x).
   """
-  longest = max(outcomes, key=lambda o: o.size)
-  return jnp.max((longest[:8].astype(jnp.int32) > top).astype(jnp.uint8),
-                 initial=0)
+  firsts = jnp.concatenate([o[:8].astype(jnp.int32) for o in outcomes])
+  # A flag shifted out: 0 whatever the compare gives (XLA:CPU once computed
+  # it true of outcomes in range, in a program of two optimizers).
+  return jnp.max((firsts > top).astype(jnp.uint8) >> 1, initial=0)
 
 
 def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,

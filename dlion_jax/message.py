@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import math
 from typing import Literal, Sequence, get_args
 
 import jax
@@ -94,15 +93,18 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
                           spec: VoteSpec) -> int:
   """The message's word count is padded to a multiple of this.
 
-  ``alltoall`` splits the message into N shards of whole words whose digits
-  also fill whole words of the result it gathers back.
+  ``alltoall`` splits the message into N shards of whole words, each a
+  whole number of the result's words long: the results of each digit
+  place of a shard then fill whole words of what it gathers back, which
+  unpack straight into the message's order (a shard that only filled
+  whole words with all its places' results together, ternary MaVo's,
+  took 1.8-1.9x the step without exchange on XLA:CPU, against 0.9-1.0x,
+  for the transpose of its unpacked digits).
   """
   if comm != "alltoall":
     return 1
-  up_digits = packing.digits_per_word(spec.radix)
-  down_digits = packing.digits_per_word(alltoall_down_radix(
+  return num_workers * packing.digits_per_word(alltoall_down_radix(
       num_workers, aggregation=aggregation, spec=spec))
-  return num_workers * math.lcm(up_digits, down_digits) // up_digits
 
 
 @dataclasses.dataclass(frozen=True)

@@ -300,8 +300,7 @@ def count_dtype(max_count: int):
   return digit_dtype(max_count + 1)
 
 
-def sum_planes(words: jax.Array, radix: int, *,
-               by_place: bool = False) -> jax.Array:
+def sum_planes(words: jax.Array, radix: int) -> jax.Array:
   """Per-digit sums over the leading axis of packed words, place by place.
 
   With ``words`` of shape ``[N, W]`` holding ``N`` workers' packed votes,
@@ -310,14 +309,12 @@ def sum_planes(words: jax.Array, radix: int, *,
   population count across workers that decides the vote, computed for all
   positions at once by unpacking the digits and summing them.
 
-  ``by_place`` sums each place's digits on its own and stacks the ``[m,
-  W]`` sums, the same integers: for the words an ``all_to_all`` returns,
-  XLA:TPU otherwise writes out the ``[N, m, W]`` stack of every worker's
-  digits before reducing it (2 bytes a parameter more).
+  Each place's digits are summed on their own and the ``[m, W]`` sums
+  stacked: summed out of the ``[N, m, W]`` stack of every worker's digits,
+  XLA:TPU wrote that stack out (2 bytes a parameter more) and XLA:CPU took
+  14 ms instead of 1 for 8 workers' radix-3 words of 4.2M digits (radix 9,
+  ``uint32`` words: 21 ms instead of 3.6; radix 2 the same).
   """
-  n = words.shape[0]
-  acc = count_dtype(n * (radix - 1))
-  if by_place:
-    return jnp.stack([jnp.sum(p, axis=0, dtype=acc)
-                      for p in _digit_list(words, radix)])
-  return jnp.sum(digit_planes(words, radix), axis=0, dtype=acc)
+  acc = count_dtype(words.shape[0] * (radix - 1))
+  return jnp.stack([jnp.sum(p, axis=0, dtype=acc)
+                    for p in _digit_list(words, radix)])

@@ -167,14 +167,19 @@ def test_pack_planes_names_a_wrong_number_of_planes():
 
 
 @pytest.mark.parametrize("radix", [2, 3, 9])
-def test_sum_planes_by_place_is_the_same_count(radix):
+def test_sum_planes_counts_each_place(radix):
+  """``[m, W]``: place ``j`` of word ``w`` sums the workers' digit ``j`` of
+  ``w`` (planar order: digit ``j W + w``)."""
   rng = np.random.default_rng(radix)
-  words = packing.pack_digits(jnp.asarray(rng.integers(
-      0, radix, size=(5, 203)), packing.digit_dtype(radix)), radix,
-      planar=True)
-  np.testing.assert_array_equal(
-      packing.sum_planes(words, radix, by_place=True),
-      packing.sum_planes(words, radix))
+  digits = rng.integers(0, radix, size=(5, 203))
+  words = packing.pack_digits(jnp.asarray(digits, packing.digit_dtype(
+      radix)), radix, planar=True)
+  sums = np.asarray(packing.sum_planes(words, radix))
+  m, width = sums.shape
+  assert m == packing.digits_per_word(radix)
+  padded = np.zeros((5, m * width), np.int64)
+  padded[:, :203] = digits
+  np.testing.assert_array_equal(sums.reshape(-1), padded.sum(0))
 
 
 @pytest.mark.parametrize("shape,m,in_place", [
