@@ -127,10 +127,10 @@ class MessageLayout:
     >>> layout = MessageLayout((3, 20), 3, BINARY, "mavo", "alltoall")
     >>> layout.offsets      # leaf 1 starts on the second byte (8 bits each)
     (0, 8)
-    >>> layout.words        # 4 bytes used, padded to 3 shards of 2 bytes
-    6
-    >>> layout.sent_bytes() # 2/3 of 6 bytes up and 6 bytes down
-    8.0
+    >>> layout.words        # 4 bytes used, padded to 3 shards of 8 bytes
+    24
+    >>> layout.sent_bytes() # 2/3 of 24 bytes up and 24 bytes down
+    32.0
   """
   leaf_sizes: tuple[int, ...]
   num_workers: int
