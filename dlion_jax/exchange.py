@@ -234,14 +234,15 @@ _EXCHANGES = {
 def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
                    num_workers: int, spec: VoteSpec,
                    aggregation: str, comm: str) -> list[jax.Array]:
-  """Votes on a list of code vectors through one strategy, in one message.
+  """Votes on a list of flat vectors through one strategy, in one message.
 
-  The codes are laid out by a :class:`dlion_jax.message.MessageLayout`
-  (each leaf on a word boundary) and packed in one pass.
+  Each is encoded (:func:`dlion_jax.quantize.encode`), laid out by a
+  :class:`dlion_jax.message.MessageLayout` (each leaf on a word boundary)
+  and packed in one pass.
 
   Args:
-    codes: one flat ``uint8`` vector of vote codes per leaf
-      (:func:`dlion_jax.quantize.encode`).
+    codes: one flat float vector per leaf of the values to vote on (Lion's
+      pre-sign update ``c``), not codes already encoded.
     axis_name: the axis to vote over.
     num_workers: its size, N.
     spec: what each worker sends (:func:`dlion_jax.quantize.vote_spec`).

@@ -199,7 +199,8 @@ def scale_by_distributed_lion(
       leaf back (the order a backward pass produces them), each packed and
       exchanged on its own, so that XLA's scheduler may run a bucket's
       collectives while earlier layers still differentiate. The update is
-      the same bit for bit; each bucket pads its own message.
+      the same bit for bit; each bucket pads its own message. Off TPU the
+      momenta are written once every bucket's vote is in.
 
   Options that shape the message (``bits``, ``min_compress_size``, an int
   ``momentum_sync``) must be Python ints: under

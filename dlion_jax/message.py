@@ -14,8 +14,8 @@ the byte model counts:
   digit planes (``[m, words]``); a run's, read plane after plane, are its
   digits in order, so no step interleaves digits;
 * the message holds ``words`` words, a multiple of ``word_multiple``:
-  ``alltoall`` cuts it into ``N`` shards of whole words whose results also
-  fill whole words of what it gathers back.
+  ``alltoall`` cuts it into ``N`` shards of whole words, and each digit
+  place of a shard holds whole words of the results it gathers back.
 
 Digits past a leaf's end are padding: sent, never read back.
 
