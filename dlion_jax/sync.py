@@ -165,6 +165,14 @@ def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
   """
   means = jax.lax.pmean([jnp.where(jnp.isfinite(x), x, 0) for x in xs],
                         axis_name)
+  return _typed_like(means, xs)
+
+
+def _typed_like(means: list[jax.Array], xs: list[jax.Array]
+                ) -> list[jax.Array]:
+  """Each mean typed per worker where its input is (``check_vma``): the
+  ``lax.cond`` that skips a sync returns the inputs, and its branches must
+  have one type."""
   out = []
   for x, m in zip(xs, means):
     lost = tuple(_drift.typed_varying_axes(x)
@@ -190,8 +198,10 @@ def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
   axes = shards.compiler_axes(axis_name)
   mean = lambda xs: _mean_over(xs, axis_name)
   if axes:
-    mean = lambda xs: shards.on_own_shards(
-        lambda ys, **_: _mean_over(ys, axis_name), (xs,), axes)
+    # The region is check_vma=False inside, so its means come out typed
+    # alike on every worker: typed back as the momenta are.
+    mean = lambda xs: _typed_like(shards.on_own_shards(
+        lambda ys, **_: _mean_over(ys, axis_name), (xs,), axes), xs)
   synced = iter(jax.lax.cond(do_sync, mean, lambda xs: xs, chosen))
   return jax.tree.unflatten(
       treedef, [next(synced) if f else x for x, f in zip(leaves, flags)])
