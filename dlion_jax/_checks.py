@@ -35,8 +35,11 @@ def check_float_leaves(tree: Any, what: str) -> None:
           "optax.partition.")
 
 
-def check_same_structure(updates: Any, mu: Any) -> None:
-  """Raises a ValueError when gradients and the momentum differ in shape."""
+def check_same_structure(updates: Any, mu: Any,
+                         num_workers: int | None = None) -> None:
+  """Raises a ValueError when gradients and the momentum differ in shape,
+  saying how a momentum with an extra leading axis came about (given the
+  ``num_workers`` of the vote's axis)."""
   u_def, m_def = jax.tree.structure(updates), jax.tree.structure(mu)
   if u_def != m_def:
     raise ValueError(
@@ -46,18 +49,39 @@ def check_same_structure(updates: Any, mu: Any) -> None:
   for (path, g), m in zip(jax.tree_util.tree_leaves_with_path(updates),
                           jax.tree.leaves(mu)):
     if jnp.shape(g) != jnp.shape(m):
-      stacked = jnp.shape(m)[1:] == jnp.shape(g)
+      extra = jnp.shape(m)[1:] == jnp.shape(g)
       raise ValueError(
           f"Gradient leaf {jax.tree_util.keystr(path)} has shape "
           f"{jnp.shape(g)} but its momentum has shape {jnp.shape(m)}. "
-          + ("The momentum has an extra leading axis: the state was built "
-             "from params already stacked per worker (e.g. init_pmap_states "
-             "given replicate_for_pmap's output). Build it from one "
-             "worker's params: init_pmap_states(tx, params) or "
-             "init_worker_states(tx, params, mesh) with the unstacked "
-             "params." if stacked else
+          + (_extra_axis(jnp.shape(m)[0], num_workers) if extra else
              "Call `init` on the same parameters whose gradients you pass "
              "to `update`."))
+
+
+def _extra_axis(rows: int, num_workers: int | None) -> str:
+  """Why a momentum has a leading axis of ``rows`` more than its gradient,
+  and the fix."""
+  if rows == 1 and (num_workers or 1) > 1:
+    return ("The momentum has a leading axis of 1: this worker's block of "
+            "a state stacked per worker, passed on without taking its row. "
+            "In a step you write with jax.shard_map take the worker's own "
+            "row before the update and put the axis back after it: state = "
+            "jax.tree.map(lambda s: s[0], state), then "
+            "jax.tree.map(lambda s: s[None], new_state) (as the README's "
+            "step does); parallel.per_worker does it for arguments laid out "
+            "\"stacked\".")
+  every = (f"every worker's state stacked ({rows} rows, one per worker), "
+           "seen whole by each worker" if rows == num_workers else
+           f"{rows} rows")
+  return (f"The momentum has an extra leading axis: {every}. Either the "
+          "state is every worker's but reaches the update unsplit: give it "
+          "to jax.shard_map with in_specs P(axis_name) and take the row "
+          "s[0], or lay it out \"stacked\" (not \"replicated\") in "
+          "parallel.per_worker; or it was built from params already "
+          "stacked per worker (e.g. init_pmap_states given "
+          "replicate_for_pmap's output): build it from one worker's params, "
+          "init_pmap_states(tx, params) or init_worker_states(tx, params, "
+          "mesh) with the unstacked params.")
 
 
 def static_int(name: str, value: Any) -> Any:

@@ -62,18 +62,38 @@ def varying_outputs(jaxpr, varying_inputs: Sequence[Axes]) -> list[Axes]:
 
 
 def exchanges_over(jaxpr, axes: Axes) -> bool:
-  """Whether any collective of ``jaxpr`` (nested ones too) runs over one of
+  """Whether any collective of ``jaxpr`` (nested ones too) exchanges
+  arrays over one of ``axes``: a reduction of scalars (a loss, a norm, a
+  finite flag) does not make per-worker arrays equal, and is not counted."""
+  return any(_exchanges(eqn, axes) for eqn in open_jaxpr(jaxpr).eqns)
+
+
+def _exchanges(eqn, axes: Axes) -> bool:
+  """Whether ``eqn`` is, or nests, a collective of arrays over one of
   ``axes``."""
-  for eqn in open_jaxpr(jaxpr).eqns:
-    if ("axes" in eqn.params or "axis_name" in eqn.params) and (
-        _axes(eqn) & axes):
-      return True
-    for value in eqn.params.values():
-      for inner in value if isinstance(value, (tuple, list)) else (value,):
-        if isinstance(inner, (jex.Jaxpr, jex.ClosedJaxpr)) and (
-            exchanges_over(inner, axes)):
-          return True
-  return False
+  if ("axes" in eqn.params or "axis_name" in eqn.params) and (
+      _axes(eqn) & axes):
+    return any(getattr(v.aval, "ndim", 0) for v in eqn.invars)
+  return any(
+      isinstance(inner, (jex.Jaxpr, jex.ClosedJaxpr))
+      and exchanges_over(inner, axes)
+      for value in eqn.params.values()
+      for inner in (value if isinstance(value, (tuple, list)) else (value,)))
+
+
+def exchanged_outputs(jaxpr, axes: Axes) -> list[bool]:
+  """Whether each output of ``jaxpr`` depends on a collective of arrays
+  over one of ``axes`` (as :func:`exchanges_over` counts them). A nested
+  jaxpr (a ``cond``, a loop, a call) that runs one counts for all its
+  outputs: what the answer tells is whether an exchange was meant, not
+  which element it reached."""
+  jaxpr = open_jaxpr(jaxpr)
+  seen = {}
+  read = lambda v: isinstance(v, jex.Var) and seen.get(v, False)
+  for eqn in jaxpr.eqns:
+    hit = _exchanges(eqn, axes) or any(read(v) for v in eqn.invars)
+    seen.update((v, hit) for v in eqn.outvars)
+  return [read(v) for v in jaxpr.outvars]
 
 
 def _union(axes: Sequence[Axes]) -> Axes:
@@ -157,3 +177,48 @@ def typed_same_on_every_worker(x):
   varying over, one small all-reduce; unchanged (no collective) elsewhere."""
   axes = tuple(sorted(typed_varying_axes(x), key=str))
   return jax.lax.pmax(x, axes) if axes else x
+
+
+def types_varying(axis_name) -> bool:
+  """Whether values are typed by the axes they vary over here: inside a
+  ``shard_map(check_vma=True)`` manual over ``axis_name`` (a worker's own
+  index is typed varying there, and nowhere else)."""
+  return set(_names(axis_name)) <= typed_varying_axes(
+      jax.lax.axis_index(axis_name))
+
+
+def check_local_gradients(grads, axis_name) -> None:
+  """Raises a ValueError naming the gradient leaves typed equal on every
+  worker of ``axis_name``, where ``check_vma`` types them.
+
+  Under ``shard_map(check_vma=True)`` the gradient of a loss with respect
+  to params replicated over the axis is all-reduced by JAX itself (the
+  transpose of the implicit broadcast): every worker would then vote on
+  the same global gradient, and the step would send the fp32 all-reduce
+  on top of the votes, with nothing else to show for it. Without
+  ``check_vma`` the types say nothing (``dl.collective_bytes`` of the
+  compiled step does).
+  """
+  if not types_varying(axis_name):
+    return
+  same = [jax.tree_util.keystr(path) or "<root>"
+          for path, g in jax.tree_util.tree_leaves_with_path(grads)
+          if g.size and not set(_names(axis_name)) & typed_varying_axes(g)]
+  if not same:
+    return
+  named = ", ".join(same[:4]) + (
+      f" and {len(same) - 4} more" if len(same) > 4 else "")
+  raise ValueError(
+      f"The gradients given to the vote over axis_name={axis_name!r} are "
+      f"the same on every worker (leaves {named}, typed invariant over "
+      f"{axis_name!r} by shard_map's check_vma): JAX all-reduced them in "
+      "fp32, as it does for a loss differentiated with respect to params "
+      f"replicated over {axis_name!r}, and every worker would vote on the "
+      "one global gradient. Differentiate each worker's local loss with "
+      "respect to params marked per worker: local = jax.lax.pcast(params, "
+      f"{axis_name!r}, to='varying') before jax.grad (the step then sends "
+      "only the votes), or let dl.parallel.make_train_step build the step.")
+
+
+def _names(axis_name) -> tuple:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)

@@ -279,9 +279,11 @@ def scale_by_distributed_lion(
   def update_fn(updates, state, params=None):
     del params
     _check_state(state, state_type)
-    check_same_structure(updates, state.mu)
-    check_float_leaves(updates, "gradient")
     num_workers = exchange.axis_size(axis_name)
+    check_same_structure(updates, state.mu, num_workers)
+    check_float_leaves(updates, "gradient")
+    if num_workers > 1:
+      _drift.check_local_gradients(updates, axis_name)
     extra, done = {}, None
     if num_workers == 1:
       new_updates = jax.tree.map(lambda g, m: jnp.sign(pre_sign(g, m)),
