@@ -76,10 +76,16 @@ def apply_if_finite(inner: optax.GradientTransformation,
   it where a multiply and an add contract into one rounding (about 1 ulp on
   a few percent of elements, measured on XLA:CPU); the vote's outcome is
   the same.
-  In a hybrid step
-  (:func:`dlion_jax.parallel.make_train_step` with ``shard_axis``) each
-  device sees only its shard of the gradients, so the flag is also summed
-  over the shard axis: a node skips or applies a step as one.
+  On a mesh with axes beside ``axis_name``
+  (:func:`dlion_jax.parallel.make_train_step`, with or without
+  ``shard_axis``) the update runs in a region manual over ``axis_name``
+  alone, so this check reads whole logical leaves (in a hybrid step, the
+  node's mean gradient, each entry a mean over every device's rows) and the
+  compiler reduces it over the devices that hold a leaf's blocks: every
+  device of a node reads the node's flag, and a NaN or Inf in one
+  device's rows, wherever it lands in the leaf, skips the step on every
+  device of every node. The only collective of this transform's own is
+  the ``psum`` over ``axis_name``.
 
   Args:
     inner: the optimizer to guard, e.g. ``dl.distributed_lion(...)``.

@@ -1,5 +1,6 @@
-"""Momentum syncs (dlion_jax.sync) in the steps make_train_step builds,
-with JAX's own check_vma typing on meshes of two axes."""
+"""What every worker decides alike, on meshes of two axes: momentum syncs
+(dlion_jax.sync) under JAX's own check_vma typing, and dl.apply_if_finite's
+skip, in the steps make_train_step builds."""
 
 import itertools
 
@@ -8,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
 from dlion_jax import parallel
@@ -59,3 +62,33 @@ def test_momentum_sync_with_check_vma_on_two_axes(kind, shard_axis, zero3):
   for mu in jax.tree.leaves(got[1][0].mu):
     mu = np.asarray(mu)
     np.testing.assert_array_equal(mu[0], mu[1])     # synced at step 2
+
+
+@pytest.mark.parametrize("kind,shard_axis,zero3", list(itertools.product(
+    (AxisType.Auto, AxisType.Explicit), (None, "fsdp"), (False, True))),
+    ids=str)
+def test_apply_if_finite_reads_whole_leaves_on_two_axes(kind, shard_axis,
+                                                        zero3):
+  """As dl.apply_if_finite's docstring says: the check reads whole logical
+  leaves, so a NaN in one device's rows (node 1's second device) that lands
+  in another device's block of the leaf (the fourth's) skips the step on
+  every device of both nodes, params unchanged, one count everywhere."""
+  mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind, kind))
+  tx = dl.apply_if_finite(dl.distributed_lion(1e-2, axis_name="data"), 3,
+                          axis_name="data")
+  values = {"w": np.linspace(-1, 1, 12).astype(np.float32)}
+  params = (parallel.shard_params(values, mesh) if zero3 else
+            parallel.replicate(values, mesh))
+  state = parallel.init_worker_states(tx, params, mesh,
+                                      shard_axis=shard_axis)
+  step = parallel.make_train_step(
+      lambda p, b: jnp.mean(p["w"] * b["w"]), tx, mesh,
+      shard_axis=shard_axis, donate=False)
+  rows = np.ones((8, 12), np.float32)
+  rows[5, 11] = np.nan
+  split = P(("data", shard_axis) if shard_axis else "data")
+  params, state, _ = step(params, state, jax.device_put(
+      {"w": rows}, NamedSharding(mesh, split)))
+  np.testing.assert_array_equal(np.asarray(params["w"]), values["w"])
+  for shard in state.notfinite_count.addressable_shards:
+    np.testing.assert_array_equal(np.asarray(shard.data), 1)
