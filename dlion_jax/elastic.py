@@ -17,19 +17,24 @@ Leaves shaped like a param are the momenta (and, with error feedback, the
 residuals: ``error="clear"`` zeroes those instead of mapping them, as
 DeepSpeed's 1-bit Adam does on every load). Every other leaf (step
 counts, schedules' states) is the same on every worker and keeps the
-first old row. N' = N returns the state as it is, bit for bit.
+first old row. N' = N returns the state as it is, bit for bit. A pytree
+that holds the state (a Linen ``TrainState``, an ``nnx.Optimizer``'s
+``nnx.State``) has it resized in place, and the optimizer's own step
+counter, the rest kept.
 docs/training.md ("Resuming on another number of workers") measures the
 policies; ``"mean"`` is the default.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from jax.sharding import AxisType
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -157,9 +162,109 @@ def _target_shardings(tx, params, mesh, axis_name, shard_axis) -> Any:
         lambda _: NamedSharding(mesh, P(axis_name)), shape)
 
 
+def _key(path) -> tuple:
+  """A leaf's key path by names alone: a dict's key, a sequence's index or
+  an attribute's name alike (a ``flax.nnx.State`` holds an optax state's
+  tuples and named tuples as dicts), without the ``.value`` of a variable
+  that wraps the leaf (an ``nnx.Param``, an ``nnx.OptState``)."""
+  names = tuple(
+      k.key if isinstance(k, (jax.tree_util.DictKey,
+                              jax.tree_util.FlattenedIndexKey))
+      else k.idx if isinstance(k, jax.tree_util.SequenceKey)
+      else k.name if isinstance(k, jax.tree_util.GetAttrKey) else str(k)
+      for k in path)
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) \
+      and path[-1].name == "value":
+    names = names[:-1]
+  return names
+
+
+def _optimizer_leaves(state: Any) -> dict[int, bool]:
+  """Positions among ``state``'s leaves of those an ``nnx.Optimizer``
+  holds, each True for its own counter (``step``, an ``nnx.OptState``)
+  and False for its optax state (``nnx.OptArray``, ``nnx.OptVariable``)."""
+  nnx = sys.modules.get("flax.nnx")
+  kind = getattr(nnx, "OptState", None)
+  if kind is None:
+    return {}
+  out, i = {}, 0
+  for node in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, kind)):
+    n = len(jax.tree.leaves(node))
+    if isinstance(node, kind):
+      out.update(dict.fromkeys(range(i, i + n), type(node) is kind))
+    i += n
+  return out
+
+
+def _locate(state: Any, shape: Any) -> tuple[list[list[int]], list[int]]:
+  """Where ``tx``'s state (``shape``) lies in ``state``: for each copy of
+  it, the positions of its leaves among ``state``'s, in the order of
+  ``shape``'s leaves; and the positions of the optimizer's counters
+  beside it (an ``nnx.Optimizer``'s ``step``). The state itself, or a
+  subtree whose leaves have ``shape``'s key paths (a ``TrainState``'s
+  ``opt_state``; an ``nnx.Optimizer``'s ``opt_state``, its named tuples
+  dicts). Raises a ValueError where an ``nnx.Optimizer`` holds optax
+  state besides (a ``tx`` that is a part of the optimizer's)."""
+  num = len(jax.tree.leaves(state))
+  if jax.tree.structure(state) == jax.tree.structure(shape):
+    return [list(range(num))], []
+  ours = [_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(shape)]
+  if not ours or len(set(ours)) != len(ours):
+    return [], []
+  paths = jax.tree_util.tree_leaves_with_path(state)
+  under: dict[tuple, dict[tuple, int]] = {}
+  for i, (path, _) in enumerate(paths):
+    key = _key(path)
+    for cut in range(len(key) + 1):
+      under.setdefault(key[:cut], {})[key[cut:]] = i
+  found = [[rest[k] for k in ours] for rest in under.values()
+           if len(rest) == len(ours) and set(rest) == set(ours)]
+  if not found:
+    return [], []
+  taken = {i for at in found for i in at}
+  held = _optimizer_leaves(state)
+  other = [i for i, counter in held.items() if not counter and i not in taken]
+  if other:
+    raise ValueError(
+        f"state holds tx's state and more optimizer state: its leaf "
+        f"{jax.tree_util.keystr(paths[other[0]][0])} (of {len(other)}) is "
+        "none of tx.init(params)'s. Resize with the whole optimizer the "
+        "nnx.Optimizer was built with (its tx), not a part of it.")
+  return found, sorted(i for i, counter in held.items()
+                       if counter and i not in taken)
+
+
+def _leaf_list(tree: Any, rows: bool) -> list[tuple[str, str]]:
+  """Each leaf's key path and ``shape dtype`` (a row's where ``rows``)."""
+  return [(jax.tree_util.keystr(p) or "the state",
+           f"{np.shape(x)[1:] if rows else np.shape(x)} "
+           f"{jnp.result_type(x)}")
+          for p, x in jax.tree_util.tree_leaves_with_path(tree)]
+
+
+def _not_found(state: Any, shape: Any) -> ValueError:
+  """The error for a ``state`` that neither is nor holds ``tx``'s state:
+  both leaf lists from their first difference (by path, a row's shape
+  and dtype)."""
+  theirs, ours = _leaf_list(state, False), _leaf_list(shape, True)
+  rows = _leaf_list(state, True)
+  first = next((i for i, (a, b) in enumerate(zip(rows, ours)) if a != b),
+               min(len(theirs), len(ours)))
+  show = lambda xs: "; ".join(f"{p}: {s}" for p, s in xs[first:first + 3]) \
+      + (" ..." if len(xs) > first + 3 else "") if xs[first:] else "none"
+  return ValueError(
+      "state is not the state tx makes for params, and holds none: from "
+      f"leaf {first} on, state's leaves ({len(theirs)}) are {show(theirs)}; "
+      f"those of tx.init(params) ({len(ours)}, each stacked on a leading "
+      f"axis of workers) {show(ours)}. Resize with the optimizer (and its "
+      "options) and the params of the run that wrote the state; a pytree "
+      "holding it (an nnx.Optimizer's nnx.State, a TrainState) must hold "
+      "it whole.")
+
+
 def _check_state(state: Any, shape: Any) -> int:
-  """The rows of ``state``; raises a ValueError naming what differs from
-  the state ``tx`` makes for the params."""
+  """The rows of ``state`` (``tx``'s state); raises a ValueError naming the
+  first leaf that differs from the state ``tx`` makes for the params."""
   leaves = jax.tree.leaves(state)
   rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
   if len(rows) != 1 or None in rows:
@@ -167,18 +272,23 @@ def _check_state(state: Any, shape: Any) -> int:
         f"state must be stacked for its workers, every leaf on a leading "
         f"axis of the same size; its leaves lead with {sorted(rows, key=str)}"
         ". Pass the state init_worker_states (or a checkpoint of one) made.")
-  if jax.tree.structure(state) != jax.tree.structure(shape) or any(
-      np.shape(x)[1:] != y.shape[1:] or jnp.result_type(x) != y.dtype
-      for x, y in zip(leaves, jax.tree.leaves(shape))):
-    theirs = [(np.shape(x)[1:], str(jnp.result_type(x))) for x in leaves]
-    ours = [(y.shape[1:], str(y.dtype)) for y in jax.tree.leaves(shape)]
-    raise ValueError(
-        "state is not the state tx makes for params: its rows' leaves are "
-        f"{theirs[:4]}{' ...' if len(theirs) > 4 else ''}, tx's for these "
-        f"params {ours[:4]}{' ...' if len(ours) > 4 else ''}. Resize with "
-        "the optimizer (and its options) and the params of the run that "
-        "wrote the state.")
+  for (path, x), y in zip(jax.tree_util.tree_leaves_with_path(state),
+                          jax.tree.leaves(shape)):
+    if np.shape(x)[1:] != y.shape[1:] or jnp.result_type(x) != y.dtype:
+      raise ValueError(
+          "state is not the state tx makes for params: a row of its leaf "
+          f"{jax.tree_util.keystr(path)} is {np.shape(x)[1:]} "
+          f"{jnp.result_type(x)}, tx's for these params {y.shape[1:]} "
+          f"{y.dtype}. Resize with the optimizer (and its options) and the "
+          "params of the run that wrote the state.")
   return rows.pop()
+
+
+def _lead(mesh: Mesh, axis_name: str, num_workers: int) -> str | None:
+  """Rows of ``num_workers`` go over ``axis_name`` where its devices divide
+  them, else every device of the axis holds them all."""
+  return axis_name if num_workers % devices.axis_size(mesh, axis_name) == 0 \
+      else None
 
 
 def resize_worker_states(tx: optax.GradientTransformation, state: Any,
@@ -195,11 +305,21 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
   holds the same value (a global optimizer's state, a schedule's step),
   that value is kept, bit for bit.
 
+  ``state`` may also hold ``tx``'s state: a Linen ``TrainState`` whose
+  ``opt_state`` is stacked per worker, the ``nnx.State`` of an
+  ``nnx.Optimizer`` stacked with
+  :func:`dlion_jax.parallel.stack_for_workers`, any pytree with it inside.
+  It is found by its leaves' key paths (``tx.init(params)``'s; ``nnx``
+  keeps its named tuples as dicts) and its rows resized; the optimizer's
+  other stacked leaves (an ``nnx.Optimizer``'s ``step``, an
+  ``nnx.OptState``) keep their first row on each of the N' workers, and
+  the rest (params, a ``TrainState``'s ``step``) is returned as it is.
+
   Args:
     tx: the optimizer the state is of.
     state: every leaf with a leading axis of the N old workers, on any
       devices (a checkpoint's restores onto ``mesh`` with
-      :func:`restore_target`).
+      :func:`restore_target`), or a pytree holding such a state.
     params: the params, placed on ``mesh`` as the new run places them.
     mesh: the new mesh.
     axis_name: the workers' axis (the vote's) on ``mesh``.
@@ -211,12 +331,12 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
       ``"clear"`` them (also when N' = N).
 
   Returns:
-    The state with N' rows, placed on ``mesh``; at N' = N the same values.
+    ``state`` with N' rows, placed on ``mesh``; at N' = N the same values.
 
   Raises:
     ValueError: naming ``policy``, ``error`` or ``axis_name`` when not one
-      of their choices; a state not stacked, or not of ``tx`` for
-      ``params``.
+      of their choices; a state not stacked, or neither ``tx``'s for
+      ``params`` nor holding it.
 
   Example:
     >>> import jax.numpy as jnp, dlion_jax as dl
@@ -235,14 +355,34 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
   num_new = devices.axis_size(mesh, axis_name)
   shape, shardings = _target_shardings(tx, params, mesh, axis_name,
                                        shard_axis)
-  num_old = _check_state(state, shape)
+  leaves, treedef = jax.tree.flatten(state)
+  found, counters = _locate(state, shape)
+  if not found:
+    raise _not_found(state, shape)
+  optax_def = jax.tree.structure(shape)
+  states = [jax.tree.unflatten(optax_def, [leaves[i] for i in at])
+            for at in found]
+  rows = {_check_state(s, shape) for s in states}
+  if len(rows) > 1:
+    raise ValueError(
+        f"state holds tx's state {len(states)} times, stacked for "
+        f"{sorted(rows)} workers: resize each copy on its own.")
+  num_old = rows.pop()
+  counters = [i for i in counters
+              if np.ndim(leaves[i]) and np.shape(leaves[i])[0] == num_old]
   groups = old_rows(num_old, num_new, policy)
-  kinds = _kinds(tx, state, params, error)
-  # Onto the new mesh's devices first (a no-op for a state restored there).
-  state = jax.device_put(state, jax.tree.map(
-      lambda x: x.sharding, restore_target(
-          tx, params, mesh, num_old, axis_name=axis_name,
-          shard_axis=shard_axis)))
+  # Each leaf to resize: where it is in state, its kind, where its old rows
+  # go first (the new mesh's devices; a no-op for a state restored there)
+  # and where its new ones go.
+  todo = []
+  old_at = jax.tree.leaves(restore_target(
+      tx, params, mesh, num_old, axis_name=axis_name, shard_axis=shard_axis))
+  for at, s in zip(found, states):
+    todo += zip(at, jax.tree.leaves(_kinds(tx, s, params, error)),
+                [x.sharding for x in old_at], jax.tree.leaves(shardings))
+  todo += [(i, "first",
+            NamedSharding(mesh, P(_lead(mesh, axis_name, num_old))),
+            NamedSharding(mesh, P(axis_name))) for i in counters]
 
   def one(leaf, kind):
     new = (num_new,) + leaf.shape[1:]
@@ -253,8 +393,30 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
     if num_old == num_new:
       return leaf
     return jnp.stack([_mean(leaf, g) for g in groups])
-  return jax.jit(lambda s: jax.tree.map(one, s, kinds),
-                 out_shardings=shardings)(state)
+  kinds = [k for _, k, _, _ in todo]
+  # On Auto axes: Explicit ones type the rows' axis as sharded over
+  # axis_name and refuse to slice it ("slicing on sharded dims"). The
+  # same devices and specs, so both moves are free; the result is the
+  # Auto mesh's, bit for bit, then typed as init_worker_states types it.
+  old = jax.device_put([leaves[i] for i, _, _, _ in todo],
+                       _on_auto_axes([s for _, _, s, _ in todo]))
+  new = jax.jit(lambda xs: [one(x, k) for x, k in zip(xs, kinds)],
+                out_shardings=_on_auto_axes([s for *_, s in todo]))(old)
+  new = jax.device_put(new, [s for *_, s in todo])
+  for (i, _, _, _), x in zip(todo, new):
+    leaves[i] = x
+  return jax.tree.unflatten(treedef, leaves)
+
+
+def _on_auto_axes(shardings: Any) -> Any:
+  """``shardings`` on a mesh of the same devices and axes, all Auto."""
+  def auto(s):
+    mesh = s.mesh
+    if all(t == AxisType.Auto for t in mesh.axis_types):
+      return s
+    return NamedSharding(Mesh(mesh.devices, mesh.axis_names, axis_types=(
+        AxisType.Auto,) * len(mesh.axis_names)), s.spec)
+  return jax.tree.map(auto, shardings)
 
 
 def _mean(rows: jax.Array, group: list[int]) -> jax.Array:
@@ -275,20 +437,46 @@ def _mean(rows: jax.Array, group: list[int]) -> jax.Array:
 
 def restore_target(tx: optax.GradientTransformation, params: Any,
                    mesh: Mesh, num_workers: int, *, axis_name: str = "data",
-                   shard_axis: str | None = None) -> Any:
+                   shard_axis: str | None = None, state: Any = None) -> Any:
   """Abstract arrays of ``tx``'s state stacked for ``num_workers`` workers,
   on ``mesh``: what a checkpoint of a run on that many workers restores
   into before :func:`resize_worker_states` maps it to the mesh's. Each row
   is placed as the new run places its own (a momentum sharded like its
   param); the rows go over ``axis_name`` where its devices divide them,
   else every device of the axis holds all of them while resizing (e.g.
-  8 -> 3 workers: 8 rows a device, 8 times a worker's state)."""
+  8 -> 3 workers: 8 rows a device, 8 times a worker's state).
+
+  With ``state``, a pytree holding ``tx``'s state stacked for ``mesh`` as
+  the new run builds it (an ``nnx.Optimizer``'s stacked ``nnx.State``, a
+  ``TrainState``; :func:`resize_worker_states` says what it finds there):
+  that pytree, its stacked leaves with ``num_workers`` rows and its others
+  as they are.
+
+  Raises:
+    ValueError: ``state`` holds no state of ``tx`` for ``params``.
+  """
   shape, shardings = _target_shardings(tx, params, mesh, axis_name,
                                        shard_axis)
-  lead = axis_name if num_workers % devices.axis_size(mesh, axis_name) == 0 \
-      else None
-  return jax.tree.map(
+  lead = _lead(mesh, axis_name, num_workers)
+  target = jax.tree.map(
       lambda x, s: jax.ShapeDtypeStruct(
           (num_workers,) + x.shape[1:], x.dtype,
           sharding=NamedSharding(mesh, P(lead, *tuple(s.spec)[1:]))),
       shape, shardings)
+  if state is None:
+    return target
+  leaves, treedef = jax.tree.flatten(state)
+  found, counters = _locate(state, shape)
+  if not found:
+    raise _not_found(state, shape)
+  for at in found:
+    for i, x in zip(at, jax.tree.leaves(target)):
+      leaves[i] = x
+  rows = devices.axis_size(mesh, axis_name)
+  for i in counters:
+    x = leaves[i]
+    if np.ndim(x) and np.shape(x)[0] == rows:
+      leaves[i] = jax.ShapeDtypeStruct(
+          (num_workers,) + np.shape(x)[1:], jnp.result_type(x),
+          sharding=NamedSharding(mesh, P(lead)))
+  return jax.tree.unflatten(treedef, leaves)

@@ -238,3 +238,175 @@ def test_bad_arguments_name_the_fix():
   with pytest.raises(ValueError) as e:
     elastic.old_rows(0, 4)
   assert_names(e, "num_old=0", "positive int")
+
+
+def explicit(mesh):
+  """``mesh``'s devices and axes, every axis Explicit."""
+  return jax.sharding.Mesh(mesh.devices, mesh.axis_names, axis_types=(
+      jax.sharding.AxisType.Explicit,) * len(mesh.axis_names))
+
+
+@pytest.mark.parametrize("old,new,shard_axis", [
+    (8, 4, None), (4, 4, None), (2, 8, None),
+    ((2, 4), (2, 4), None), ((4, 2), (2, 4), None),
+    ((2, 4), (2, 4), "fsdp"), ((4, 2), (2, 4), "fsdp"),
+    ((2, 4), (4, 2), "fsdp")], ids=str)
+def test_explicit_meshes_resize_as_auto_ones(old, new, shard_axis):
+  """On an Explicit mesh (data only; data x fsdp with and without a
+  shard_axis) the resized state is the Auto mesh's, bit for bit, placed as
+  init_worker_states places it there. Was, N' = N included: a
+  ShardingTypeError, "slicing on sharded dims ... i32[4@data]"."""
+  mesh_of = lambda n: (parallel.data_mesh(n) if isinstance(n, int) else
+                       parallel.hybrid_mesh(n[0]))
+  tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
+  _, state = stepped_state(tx, mesh_of(old), shard_axis=shard_axis)
+  auto = mesh_of(new)
+  want = elastic.resize_worker_states(tx, state, zero_params(auto), auto,
+                                      shard_axis=shard_axis)
+  mesh = explicit(auto)
+  params = zero_params(mesh)
+  rows = np.shape(state[0].count)[0]
+  target = elastic.restore_target(tx, params, mesh, rows,
+                                  shard_axis=shard_axis)
+  for given in (state, jax.device_put(state, jax.tree.map(
+      lambda x: x.sharding, target))):
+    out = elastic.resize_worker_states(tx, given, params, mesh,
+                                       shard_axis=shard_axis)
+    again = parallel.init_worker_states(tx, params, mesh,
+                                        shard_axis=shard_axis)
+    for got, w, placed in zip(jax.tree.leaves(out), jax.tree.leaves(want),
+                              jax.tree.leaves(again)):
+      np.testing.assert_array_equal(np.asarray(got), np.asarray(w))
+      assert got.sharding == placed.sharding and got.dtype == placed.dtype
+
+
+def per_worker_values(state, seed=1):
+  """``state`` with each float leaf's rows drawn at random (rows that differ
+  by worker) and each int leaf 3 (a step count), placed as it was."""
+  rng = np.random.default_rng(seed)
+  def draw(x):
+    value = (np.full(x.shape, 3, x.dtype) if jnp.issubdtype(x.dtype,
+                                                            jnp.integer)
+             else rng.normal(size=x.shape).astype(x.dtype))
+    return jax.device_put(value, x.sharding)
+  return jax.tree.map(draw, state)
+
+
+def assert_same_leaves(got, want):
+  """Equal values, bit for bit, and placements."""
+  got, want = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got) == len(want)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    assert g.sharding == w.sharding
+
+
+def test_an_nnx_optimizers_state_resizes_like_its_optax_state():
+  """The nnx.State of an nnx.Optimizer stacked with stack_for_workers (the
+  Flax NNX guide's): its optax state resized as the plain optax state is,
+  its step counter kept on each new worker, and it runs the guide's step.
+  Was: "state is not the state tx makes for params", listing two identical
+  leaf lists (the fifth leaf, the optimizer's step, cut off)."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(4, 8, rngs=rngs)
+
+    def __call__(self, x):
+      return self.up(x)
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
+      1e-2, axis_name="data", error_feedback=True))
+  mesh, mesh4 = parallel.data_mesh(8), parallel.data_mesh(4)
+  model = Model(nnx.Rngs(0))
+  opt_def, opt_state = nnx.split(nnx.Optimizer(model, tx, wrt=nnx.Param))
+  opt_state = per_worker_values(parallel.stack_for_workers(opt_state, mesh))
+  params = nnx.state(model, nnx.Param)
+  # The same values as the plain optax state, read off the nnx.State.
+  lion = opt_state["opt_state"][1][0]
+  plain = parallel.init_worker_states(tx, parallel.replicate(params, mesh),
+                                      mesh)
+  plain = (plain[0], (plain[1][0]._replace(
+      count=lion["count"][...],
+      mu=jax.tree.map(lambda v: v[...], lion["mu"]),
+      error=jax.tree.map(lambda v: v[...], lion["error"])),))
+  params4 = parallel.replicate(params, mesh4)
+  out = elastic.resize_worker_states(tx, opt_state, params4, mesh4)
+  want = elastic.resize_worker_states(tx, plain, params4, mesh4)
+  got = out["opt_state"][1][0]
+  assert_same_leaves([got["count"][...], got["mu"], got["error"]],
+                     [want[1][0].count, want[1][0].mu, want[1][0].error])
+  step = out["step"][...]
+  np.testing.assert_array_equal(np.asarray(step), np.full(4, 3, np.uint32))
+  assert step.sharding == jax.NamedSharding(mesh4, P("data"))
+  assert type(out) is type(opt_state)
+
+  def train_step(model_state, opt_state, batch):
+    model = nnx.merge(model_def, model_state)
+    optimizer = nnx.merge(opt_def, opt_state)
+    grads = nnx.grad(lambda m: jnp.mean(m(batch) ** 2))(model)
+    optimizer.update(model, grads)
+    return nnx.state(model), nnx.state(optimizer)
+  model_def, model_state = nnx.split(model)
+  run = jax.jit(parallel.per_worker(
+      train_step, mesh4, ins=("replicated", "stacked", "split"),
+      outs=("replicated", "stacked")))
+  _, after = run(parallel.replicate(model_state, mesh4), out,
+                 parallel.shard_batch(np.ones((8, 4), np.float32), mesh4))
+  np.testing.assert_array_equal(np.asarray(after["step"][...]),
+                                np.full(4, 4, np.uint32))
+  # restore_target of such a state: its stacked leaves with the old rows.
+  target = elastic.restore_target(tx, params4, mesh4, 8, state=out)
+  shapes = [x.shape for x in jax.tree.leaves(target)]
+  assert sorted(shapes) == sorted((8,) + x.shape[1:]
+                                  for x in jax.tree.leaves(out))
+
+
+def test_a_linen_train_states_opt_state_resizes_the_rest_kept():
+  """A flax TrainState whose opt_state is stacked per worker (the Linen
+  guide's): opt_state resized as the plain optax state, params and step
+  returned as they are. Was: "state is not the state tx makes for
+  params"."""
+  train_state = pytest.importorskip("flax.training.train_state")
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  params, state = stepped_state(tx, parallel.data_mesh(8))
+  ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  ts = ts.replace(step=jnp.int32(3), opt_state=state)
+  mesh = parallel.data_mesh(2)
+  params2 = zero_params(mesh)
+  out = elastic.resize_worker_states(tx, ts, params2, mesh)
+  assert_same_leaves(out.opt_state, elastic.resize_worker_states(
+      tx, state, params2, mesh))
+  assert all(a is b for a, b in zip(jax.tree.leaves(out.params),
+                                    jax.tree.leaves(ts.params)))
+  assert out.step is ts.step
+  assert out.tx is tx
+
+
+def test_a_state_holding_another_optimizers_state_is_refused():
+  """What holds no state of tx (another optimizer's TrainState) is refused
+  naming the first leaf that differs; an nnx.Optimizer resized with a part
+  of its tx, naming the leaf it does not know."""
+  train_state = pytest.importorskip("flax.training.train_state")
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  mesh = parallel.data_mesh(2)
+  params = zero_params(mesh)
+  adam = optax.adam(1e-2)
+  ts = train_state.TrainState.create(apply_fn=None, params=params, tx=adam)
+  ts = ts.replace(opt_state=parallel.init_worker_states(adam, params, mesh))
+  with pytest.raises(ValueError) as e:
+    elastic.resize_worker_states(tx, ts, params, mesh)
+  assert_names(e, "holds none", ".step: () int32", "tx.init(params)",
+               "[0].count: () int32", "Resize with the optimizer")
+  nnx = pytest.importorskip("flax.nnx")
+  model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
+  both = optax.chain(optax.scale_by_adam(), tx)
+  opt_state = parallel.stack_for_workers(
+      nnx.state(nnx.Optimizer(model, both, wrt=nnx.Param)), mesh)
+  with pytest.raises(ValueError) as e:
+    elastic.resize_worker_states(
+        tx, opt_state, parallel.replicate(nnx.state(model, nnx.Param), mesh),
+        mesh)
+  assert_names(e, "more optimizer state", "['opt_state'][0]",
+               "the whole optimizer")

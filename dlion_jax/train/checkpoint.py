@@ -121,6 +121,11 @@ def _replay(logged) -> None:
     sys.stderr.write(printed.getvalue())
 
 
+# Orbax's refusal to restore an array into another shape.
+_ORBAX_SHAPES = re.compile(r"Requested shape: (\([\d, ]*\)) is not "
+                           r"compatible with the stored shape: (\([\d, ]*\))")
+
+
 def _size(path: pathlib.Path) -> int:
   return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -220,6 +225,11 @@ class Checkpointer:
           state=ocp.args.StandardRestore(abstract),
           meta=ocp.args.JsonRestore()))
     except Exception as e:  # pylint: disable=broad-except
+      shapes = _ORBAX_SHAPES.search(str(e))
+      if shapes:      # orbax's own check, should ours have missed it
+        here, there = (tuple(int(n) for n in re.findall(r"\d+", g))
+                       for g in shapes.groups())
+        raise self._does_not_fit(step, None, there, here) from None
       raise self._unreadable(step, e) from e
     return restored.state, restored.meta
 
@@ -276,24 +286,55 @@ class Checkpointer:
             jax.tree_util.tree_leaves_with_path(self._array_metadata(step))}
 
   def _check_fits(self, like: Any, step: int) -> None:
-    """Raises CheckpointError naming the first array whose shape differs."""
+    """Raises CheckpointError naming the first array whose shape differs
+    (or, where only the stacked state's rows differ, both worker counts
+    and :mod:`dlion_jax.elastic`)."""
     saved = self._saved_shapes(step)
     wanted = {_array_name(p): tuple(np.shape(x))
               for p, x in jax.tree_util.tree_leaves_with_path(like)}
-    for name in sorted(set(saved) | set(wanted)):
-      there, here = saved.get(name), wanted.get(name)
-      if there == here:
-        continue
-      if here is None:
-        what = f"array {name!r} (shape {there}) is not in this run's state"
-      elif there is None:
-        what = f"this run's array {name!r} (shape {here}) is not in it"
-      else:
-        what = f"array {name!r} has shape {there} there and {here} here"
-      raise CheckpointError(
-          f"Checkpoint {self.directory / str(step)} does not fit this run: "
-          f"{what}. Resume with the config that wrote it (same model, "
-          "optimizer, workers and mesh), or use another run_dir.")
+    differ = [(name, saved.get(name), wanted.get(name))
+              for name in sorted(set(saved) | set(wanted))
+              if saved.get(name) != wanted.get(name)]
+    if not differ:
+      return
+    counts = {(there[:1], here[:1]) for _, there, here in differ
+              if there and here and there[1:] == here[1:]}
+    if len(counts) == 1 and all(there and here and there[1:] == here[1:]
+                                for _, there, here in differ):
+      raise self._does_not_fit(step, *differ[0])
+    raise self._does_not_fit(step, *differ[0], rows=False)
+
+  def _does_not_fit(self, step: int, name: str | None,
+                    there: tuple[int, ...] | None,
+                    here: tuple[int, ...] | None, *,
+                    rows: bool = True) -> CheckpointError:
+    """The CheckpointError for array ``name`` of shape ``there`` in the
+    checkpoint and ``here`` in the target. Where only the leading axis
+    differs (``rows``), a state stacked for another number of workers:
+    it says both and how to resize."""
+    where = self.directory / str(step)
+    array = "an array" if name is None else f"array {name!r}"
+    if rows and there and here and there[1:] == here[1:]:
+      return CheckpointError(
+          f"Checkpoint {where} holds a state stacked for {there[0]} workers "
+          f"(or nodes) and the target for {here[0]}: {array} has shape "
+          f"{there} there and {here} here. To resume on {here[0]}, restore "
+          f"it onto dl.elastic.restore_target(tx, params, mesh, {there[0]})"
+          " in place of the optimizer state (the saved rows placed on this "
+          "mesh), then make the new rows with "
+          "dl.elastic.resize_worker_states(tx, state, params, mesh) (the "
+          "training CLI's --resume does both); or resume on "
+          f"{there[0]}.")
+    if here is None:
+      what = f"{array} (shape {there}) is not in this run's state"
+    elif there is None:
+      what = f"this run's {array} (shape {here}) is not in it"
+    else:
+      what = f"{array} has shape {there} there and {here} here"
+    return CheckpointError(
+        f"Checkpoint {where} does not fit this run: {what}. Resume with "
+        "the config that wrote it (same model, optimizer, workers and "
+        "mesh), or use another run_dir.")
 
   def _unreadable(self, step: int, error: BaseException | str
                   ) -> CheckpointError:
