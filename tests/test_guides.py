@@ -21,7 +21,7 @@ REQUIRES = {
     "pmap.md": (),
     "sharded.md": (),
     "multihost_tpu.md": (),
-    "checkpoints.md": ("orbax.checkpoint",),
+    "checkpoints.md": ("orbax.checkpoint", "flax"),
     "wire_bytes.md": (),
 }
 
