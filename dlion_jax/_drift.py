@@ -222,3 +222,4 @@ def check_local_gradients(grads, axis_name) -> None:
 
 def _names(axis_name) -> tuple:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
+

@@ -442,13 +442,16 @@ def _replicated_schedule(value: optax.ScalarOrSchedule):
   """A schedule whose step count is typed equal on every worker.
 
   Inside ``jax.shard_map(..., check_vma=True)`` the per-worker optimizer
-  state, and so the step count a schedule reads, is typed as varying over
-  the workers, although every worker counts alike: the learning rate, and
+  state, and so the step count a schedule reads (or the value
+  :func:`optax.inject_hyperparams` passes in), is typed as varying over
+  the workers, although every worker holds it alike: the learning rate, and
   with it the new params, would be typed per worker and the step refused
   ("out_specs ... could not infer replication"). There the count takes its
   maximum over those axes, one 4-byte all-reduce a step. Elsewhere
   (``check_vma=False``, ``pmap``, ``vmap``) the schedule runs unchanged.
   """
+  if isinstance(value, jax.Array):    # traced by optax.inject_hyperparams
+    return _drift.typed_same_on_every_worker(value)
   if not callable(value):
     return value
   return lambda count: value(_drift.typed_same_on_every_worker(count))

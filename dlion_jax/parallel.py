@@ -52,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
 from dlion_jax import devices
+from dlion_jax import lion
 from dlion_jax import shards
 from dlion_jax._checks import positive_int
 from dlion_jax.devices import axis_size
@@ -374,13 +375,14 @@ class _ExchangeCheck:
   def trace(self, params, state, batch):
     traced = self._jitted.trace(params, state, batch)
     if not self._checked:
-      # The update's region is the last; a shard_axis step's first region
-      # computes the gradients, its inputs' varying part.
-      regions = [e for e in traced.jaxpr.jaxpr.eqns
-                 if e.primitive.name == "shard_map"]
-      varying = (len(jax.tree.leaves(batch)) if len(regions) == 1
-                 else len(regions[0].outvars))
-      _check_no_drift(regions[-1].params["jaxpr"], params, varying,
+      # The update's region is the last. Its inputs are the params, the
+      # state and what differs by worker: the batch, or each worker's
+      # gradients and loss (computed before the region).
+      region = [e for e in traced.jaxpr.jaxpr.eqns
+                if e.primitive.name == "shard_map"][-1]
+      varying = (len(region.invars) - len(jax.tree.leaves(params))
+                 - len(jax.tree.leaves(state)))
+      _check_no_drift(region.params["jaxpr"], params, varying,
                       self._axis, self._n, state)
       self._checked = True
     return traced
@@ -553,6 +555,70 @@ def _check_not_over(params: Any, axis_name: str) -> None:
           "vote over another axis.")
 
 
+def typed_alike(state: Any) -> Any:
+  """One worker's optimizer state with what every worker holds alike typed
+  so, for a step you write with ``jax.shard_map(check_vma=True)``.
+
+  There JAX types each worker's row of the state as differing by worker,
+  so that anything read from it after the vote makes the new params
+  per worker too, and ``out_specs=P()`` is refused ("could not infer
+  replication"), although every worker's step counts are equal: an optax
+  schedule's (``optax.scale_by_learning_rate(schedule)``),
+  :class:`optax.MultiSteps`' and :func:`optax.inject_hyperparams`' counts,
+  and its hyperparameters. This types the state's integer scalars and
+  injected hyperparameters as equal on every worker (their maximum over
+  the workers: one small all-reduce each). :func:`make_train_step` does it
+  itself, and ``dl.distributed_lion``'s own schedules need none of it.
+  Without ``check_vma`` it returns ``state`` unchanged.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
+    >>> from dlion_jax import parallel
+    >>> mesh = parallel.data_mesh(2)
+    >>> schedule = optax.linear_schedule(1e-2, 1e-3, 100)
+    >>> tx = optax.chain(dl.scale_by_distributed_lion(axis_name="data"),
+    ...                  optax.scale_by_learning_rate(schedule))
+    >>> params = parallel.replicate({"w": jnp.ones(4)}, mesh)
+    >>> state = parallel.init_worker_states(tx, params, mesh)
+    >>> @jax.jit
+    ... @jax.shard_map(mesh=mesh, in_specs=(jax.P(), jax.P("data")),
+    ...                out_specs=(jax.P(), jax.P("data")))
+    ... def step(params, state):
+    ...   state = parallel.typed_alike(jax.tree.map(lambda s: s[0], state))
+    ...   grads = jax.lax.pcast(params, "data", to="varying")  # any local grads
+    ...   updates, state = tx.update(grads, state, params)
+    ...   return (optax.apply_updates(params, updates),
+    ...           jax.tree.map(lambda s: s[None], state))
+    >>> params, state = step(params, state)
+    >>> params["w"]
+    Array([0.99, 0.99, 0.99, 0.99], dtype=float32)
+  """
+  def alike(x):
+    if isinstance(x, _READ_ALIKE):
+      return x
+    if isinstance(x, optax.ApplyIfFiniteState):
+      return x._replace(inner_state=typed_alike(x.inner_state))
+    if isinstance(x, _INJECTED):
+      return type(x)(*[
+          jax.tree.map(_drift.typed_same_on_every_worker, value)
+          if field == "hyperparams" else typed_alike(value)
+          for field, value in zip(x._fields, x)])
+    if (isinstance(x, jax.Array) and not x.ndim
+        and jnp.issubdtype(x.dtype, jnp.integer)):
+      return _drift.typed_same_on_every_worker(x)
+    return x
+  return jax.tree.map(alike, state, is_leaf=lambda x: isinstance(
+      x, _READ_ALIKE + _INJECTED + (optax.ApplyIfFiniteState,)))
+
+
+# States whose counts their own transforms type alike where they read them
+# (dl.distributed_lion's schedules, dl.apply_if_finite's guard): typing
+# them here would cost an all-reduce for nothing.
+_READ_ALIKE = (lion.DistributedLionState, lion.ErrorFeedbackState)
+_INJECTED = (optax.InjectHyperparamsState,
+             optax.InjectStatefulHyperparamsState)
+
+
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                       *args) -> Any:
   """``fn(*args)``, traced once; raises if its first output (the new
@@ -573,6 +639,7 @@ def _update(tx, placement=None):
   axes beside the workers', :func:`_placement`) the update knows how each
   leaf is placed (:func:`dlion_jax.shards.placed`)."""
   def update(grads, state, params):
+    state = typed_alike(state)          # check_vma: see there
     with (contextlib.nullcontext() if placement is None
           else shards.placed(placement)):
       updates, state = tx.update(grads, state, params)
@@ -888,13 +955,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     check_vma: passed to :func:`jax.shard_map`. With ``True`` JAX checks
       statically that the new params are replicated; the parameters are then
       marked per-worker before differentiation so that JAX does not insert
-      its implicit gradient all-reduce. The check fails whenever per-worker
-      optimizer state enters after the vote although it is identical on
-      every worker (a schedule outside ``dl.distributed_lion`` reading its
-      own step count, a learning rate under ``optax.inject_hyperparams``,
-      :class:`optax.MultiSteps`' counter); hence off by default, with this
-      module's own check of the new params. ``dl.distributed_lion``'s
-      schedules and ``dl.apply_if_finite`` work with it.
+      its implicit gradient all-reduce, and the state's step counts and
+      injected hyperparameters are typed alike on every worker
+      (:func:`typed_alike`: an optax schedule, :class:`optax.MultiSteps`
+      and :func:`optax.inject_hyperparams` work, each count one small
+      all-reduce). Other per-worker state read after the vote makes JAX
+      refuse the step although it is identical on every worker; hence off
+      by default, with this module's own check of the new params.
     donate: donate ``params`` and ``state`` buffers to the step.
     has_aux: ``loss_fn`` returns ``(loss, aux)``; ``aux`` (a pytree of
       scalars, e.g. accuracy) is averaged over workers and returned with the
@@ -937,6 +1004,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       step = _hybrid_step(loss_fn, tx, mesh, axis_name, shard_axis, specs,
                           has_aux=has_aux, micro_batches=micro_batches,
                           check_vma=check_vma)
+    elif _explicit_axes(mesh, axis_name):
+      step = _explicit_step(loss_fn, tx, mesh, axis_name, specs,
+                            has_aux=has_aux, micro_batches=micro_batches,
+                            check_vma=check_vma)
     else:
       learn = _learn(loss_fn, tx, has_aux, micro_batches,
                      _placement(tx, *specs) if specs and auto else None)
@@ -969,29 +1040,24 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                          devices=mesh.devices.flat)
 
 
+def _explicit_axes(mesh: Mesh, axis_name) -> tuple:
+  """The mesh's Explicit axes beside ``axis_name``."""
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if a not in _names(axis_name)
+               and t == jax.sharding.AxisType.Explicit)
+
+
 def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
                  specs, *, has_aux: bool, micro_batches: int,
                  check_vma: bool) -> Callable:
   """:func:`make_train_step`'s step with a ``shard_axis``: each node's mean
   gradient by :func:`dlion_jax.shards.node_mean_grads` (manual over both
-  axes), then the update manual over ``axis_name`` alone, each leaf's
-  gradient and vote in the blocks :func:`_blocks` gives it.
-
-  The update runs with the mesh's Explicit axes made Auto
-  (``jax.sharding.auto_axes``): a region manual over some axes of an
-  Explicit mesh all-gathers its inputs and outputs over the others (jax
-  0.10), which would gather every gradient and momentum; the update is
-  told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
-  """
-  explicit = tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-                   if a != axis_name and t == jax.sharding.AxisType.Explicit)
-
+  axes), then the update of :func:`_voted`, each leaf's gradient and vote
+  in the blocks :func:`_blocks` gives it."""
   def step(params, state, batch):
     paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
-    # Integer leaves get constant zero gradients, as in the flat step: from
-    # the gradient region they would read as differing by node.
-    floats = [i for i, x in enumerate(leaves) if _differentiable(x)]
+    floats = _float_leaves(params)
     param_specs, blocks = _blocks(tx, specs, params, mesh, shard_axis)
 
     def device_grads(params, batch):
@@ -1005,23 +1071,104 @@ def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
                     for s, p in zip(param_specs, paths)],
         grad_dims=[shards.axis_dim(blocks[paths[i]], shard_axis)
                    for i in floats])(params, batch)
-    update = _update(tx, blocks)
+    return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
+        params, state, value, grads)
+  return step
 
-    def local_update(params, state, value, float_grads):
-      whole = [jnp.zeros(np.shape(x), jnp.result_type(x)) for x in leaves]
-      for i, g in zip(floats, float_grads):
-        whole[i] = g
-      params, state = update(jax.tree.unflatten(jax.tree.structure(params),
-                                                whole), state, params)
-      return params, state, _mean_of_workers(value, axis_name)
-    def region(*args):
-      # The gradients come last: the exchange check reads them as varying.
-      return per_worker(
-          local_update, jax.sharding.get_abstract_mesh() if explicit else mesh,
-          axis_name=axis_name,
-          ins=("replicated", "stacked", "stacked", "stacked"),
-          outs=("replicated", "stacked", "replicated"), check_vma=check_vma,
-          check_replicated=False)(*args)
+
+def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
+                   has_aux: bool, micro_batches: int,
+                   check_vma: bool) -> Callable:
+  """:func:`make_train_step`'s step without ``shard_axis`` on a mesh with
+  Explicit axes beside ``axis_name``: each worker's gradients by
+  ``jax.vmap(..., spmd_axis_name=axis_name)`` over its rows of the batch
+  (the loss sees its rows sharded over the other axes as placed, and
+  whole params typed as placed, as in a plain ``jax.jit``), then the update
+  of :func:`_voted`.
+
+  Not a region manual over ``axis_name``: its edge would all-gather the
+  batch over the Explicit axes (jax 0.10), so that each device would
+  differentiate all its node's rows.
+  """
+  n = mesh.shape[axis_name]
+
+  def step(params, state, batch):
+    floats = _float_leaves(params)
+    _, blocks = _blocks(tx, specs, params, mesh, None)
+
+    def worker_grads(rows):
+      value, grads = _loss_and_grads(loss_fn, params, rows, has_aux,
+                                     micro_batches)
+      grads = jax.tree.leaves(grads)
+      return value, [grads[i] for i in floats]
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+      rows = jax.tree_util.tree_map_with_path(
+          lambda path, x: _worker_rows(path, x, n, axis_name), batch)
+      value, grads = jax.vmap(worker_grads, spmd_axis_name=axis_name)(rows)
+    return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
+        params, state, value, grads)
+  return step
+
+
+def _worker_rows(path, x, n: int, axis_name: str) -> jax.Array:
+  """Batch leaf ``x`` as ``[n, rows of a worker, ...]``, the workers on
+  ``axis_name`` and each worker's rows sharded as they were."""
+  if not np.ndim(x) or np.shape(x)[0] % n:
+    raise ValueError(
+        f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; "
+        f"its leading (global batch) axis must be divisible by the {n} "
+        f"workers of axis {axis_name!r}.")
+  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+  first = _names(spec[0]) if spec and spec[0] is not None else ()
+  rest = tuple(a for a in first if a != axis_name)
+  inner = rest[0] if len(rest) == 1 else (rest or None)
+  return x.reshape((n, x.shape[0] // n) + x.shape[1:],
+                   out_sharding=P(axis_name, inner, *spec[1:]))
+
+
+def _float_leaves(params: Any) -> list[int]:
+  """The indices of the params leaves that get gradients: the others (an
+  integer counter) get constant zeros, which would read as differing by
+  worker when they come from a per-worker computation."""
+  return [i for i, x in enumerate(jax.tree.leaves(params))
+          if _differentiable(x)]
+
+
+def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
+           floats: list[int], check_vma: bool) -> Callable:
+  """``(params, state, value, grads) -> (params, state, loss)``: the update
+  of every worker from its ``grads`` (its float leaves' gradients,
+  stacked, each leaf voted in its ``blocks``) and its loss ``value``,
+  manual over ``axis_name`` alone.
+
+  The update runs with the mesh's Explicit axes made Auto
+  (``jax.sharding.auto_axes``): a region manual over some axes of an
+  Explicit mesh all-gathers its inputs and outputs over the others (jax
+  0.10), which would gather every gradient and momentum; the update is
+  told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
+  """
+  explicit = _explicit_axes(mesh, axis_name)
+  update = _update(tx, blocks)
+
+  def local_update(params, state, value, float_grads):
+    whole = [jnp.zeros(np.shape(x), jnp.result_type(x))
+             for x in jax.tree.leaves(params)]
+    for i, g in zip(floats, float_grads):
+      whole[i] = g
+    params, state = update(jax.tree.unflatten(jax.tree.structure(params),
+                                              whole), state, params)
+    return params, state, _mean_of_workers(value, axis_name)
+
+  def region(*args):
+    # The gradients come last: the exchange check reads them as varying.
+    return per_worker(
+        local_update, jax.sharding.get_abstract_mesh() if explicit else mesh,
+        axis_name=axis_name,
+        ins=("replicated", "stacked", "stacked", "stacked"),
+        outs=("replicated", "stacked", "replicated"), check_vma=check_vma,
+        check_replicated=False)(*args)
+
+  def voted(params, state, value, grads):
     if not explicit:
       return region(params, state, value, grads)
     typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
@@ -1031,15 +1178,15 @@ def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
           region, axes=explicit,
           out_sharding=(typed(params), typed(state), P()))(
               params, state, value, grads)
-  return step
+  return voted
 
 
-def _blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str):
-  """For the ``shard_axis`` step: each params leaf's spec (from ``specs``,
-  the placement of the call's params and state, else the leaf's type),
-  and by key path the blocks its gradient and vote take: the most sharded
-  of its param's and its state's placement, cut over ``shard_axis`` as
-  :func:`shard_params` would where neither is."""
+def _blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
+  """Each params leaf's spec (from ``specs``, the placement of the call's
+  params and state, else the leaf's type), and by key path the blocks its
+  gradient and vote take: the most sharded of its param's and its state's
+  placement, cut over ``shard_axis`` (if any) as :func:`shard_params`
+  would where neither is."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
   if specs is None:
     param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
@@ -1050,6 +1197,8 @@ def _blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str):
     param_specs = jax.tree.leaves(specs[0],
                                   is_leaf=lambda x: isinstance(x, P))
     merged = _placement(tx, *specs)
+  if shard_axis is None:
+    return param_specs, merged
   k = mesh.shape[shard_axis]
   blocks = {}
   for path, x in leaves:
