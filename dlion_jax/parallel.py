@@ -665,7 +665,9 @@ _LAYOUTS = ("replicated", "stacked", "split")
 def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
                ins: tuple[Any, ...], outs: tuple[Any, ...] | Any,
                check_vma: bool = False,
-               check_replicated: bool = True) -> Callable:
+               check_replicated: bool = True,
+               fold_in_worker: bool = True,
+               donate_argnums: int | tuple[int, ...] = ()) -> Callable:
   """``jax.shard_map`` of ``fn``, written for one worker.
 
   Each positional argument and each output of ``fn`` has one of three
@@ -735,6 +737,8 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
       raise ValueError(f"per_worker: {name} has {bad[0]!r}; each layout is "
                        f"one of {_LAYOUTS} (or a pytree prefix of the "
                        "argument with one at each leaf).")
+  if fold_in_worker and n > 1:
+    fn = _with_worker_keys(fn, ins, axis_name)
   checked = _replication_checked(fn, ins, outs_, single, axis_name) if (
       check_replicated and not check_vma and n > 1
       and "replicated" in jax.tree.leaves(outs_)) else fn
@@ -764,7 +768,106 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
           "argument out \"split\" if its rows are to be divided among "
           "the workers."))
     return mapped(*args)
-  return call
+  return _PlacedCall(call, mesh, axis_name, donate_argnums)
+
+
+def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:
+  """``fn`` whose ``"replicated"`` arguments' typed PRNG keys are folded
+  with the worker's index (:func:`jax.random.fold_in`): each worker draws
+  its own dropout masks from one key, and two runs draw the same. A key
+  ``fn`` returns as it was given goes out as it came in, the same on every
+  worker; one derived from a folded key differs by worker."""
+  def with_keys(*args):
+    index = lax.axis_index(axis_name)
+    given = {}
+    def fold(x):
+      if not _typed_key(x):
+        return x
+      folded = (jax.random.fold_in(x, index) if not np.ndim(x) else
+                jax.vmap(jax.random.fold_in, (0, None))(
+                    x.reshape(-1), index).reshape(np.shape(x)))
+      given[id(folded)] = (folded, x)
+      return folded
+    args = [jax.tree.map(fold, a) if k == "replicated" else
+            _map_layout(a, k, "replicated", fold) for a, k in zip(args, ins)]
+    def unfold(x):
+      folded, original = given.get(id(x), (None, None))
+      return original if folded is x else x
+    return jax.tree.map(unfold, fn(*args))
+  return with_keys
+
+
+def _typed_key(leaf) -> bool:
+  return jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
+
+
+def _map_layout(tree: Any, layout: Any, which: str, fn: Callable) -> Any:
+  """``fn`` applied to the leaves of the parts of ``tree`` laid out
+  ``which`` (``layout`` a layout or a prefix of ``tree``)."""
+  return jax.tree.map(
+      lambda k, sub: jax.tree.map(fn, sub) if k == which else sub,
+      layout, tree)
+
+
+class _PlacedCall:
+  """:func:`per_worker`'s function. Traced inside a caller's ``jax.jit``
+  it is the mapped function as is; called on arrays it is jitted, once a
+  placement of its arguments, with each output that updates an argument
+  (the same pytree of the same shapes) placed as that argument. On the
+  mesh's Auto axes the compiler would otherwise pick its own placement
+  for the new params and state (replicated params come back sharded)."""
+
+  def __init__(self, call: Callable, mesh: Mesh, axis_name,
+               donate_argnums):
+    functools.update_wrapper(self, call)
+    self._call, self._mesh, self._axis = call, mesh, axis_name
+    self._donate = donate_argnums
+    self._jitted = {}
+
+  def __call__(self, *args):
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+      return self._call(*args)
+    return self._for(args)(*args)
+
+  def trace(self, *args):
+    return self._for(args).trace(*args)
+
+  def lower(self, *args):
+    return self._for(args).lower(*args)
+
+  def _for(self, args) -> Callable:
+    shardings = tuple(getattr(x, "sharding", None)
+                      for x in jax.tree.leaves(args))
+    key = (jax.tree.structure(args), shardings)
+    if key not in self._jitted:
+      auto = any(t == jax.sharding.AxisType.Auto for a, t in zip(
+          self._mesh.axis_names, self._mesh.axis_types)
+                 if a not in _names(self._axis))
+      self._jitted[key] = jax.jit(
+          self._call, donate_argnums=self._donate,
+          out_shardings=_placed_like(self._call, args) if auto else None)
+    return self._jitted[key]
+
+
+def _placed_like(fn: Callable, args: tuple) -> Any:
+  """For each output of ``fn(*args)`` (each element of a tuple, or the
+  one output), the shardings of the first argument of the same pytree
+  structure, leaf shapes and dtypes, all of them placed; None for the
+  others (the compiler's choice)."""
+  out = jax.eval_shape(fn, *args)
+  outs = out if isinstance(out, tuple) else (out,)
+  def like(o):
+    for a in args:
+      a_leaves, o_leaves = jax.tree.leaves(a), jax.tree.leaves(o)
+      if (jax.tree.structure(a) == jax.tree.structure(o)
+          and all(np.shape(x) == y.shape and jnp.result_type(x) == y.dtype
+                  and isinstance(getattr(x, "sharding", None),
+                                 NamedSharding)
+                  for x, y in zip(a_leaves, o_leaves))):
+        return jax.tree.map(lambda x: x.sharding, a)
+    return None
+  placed = tuple(like(o) for o in outs)
+  return placed if isinstance(out, tuple) else placed[0]
 
 
 def _rows(tree: Any, layout: Any, row: Callable, check=None) -> Any:
