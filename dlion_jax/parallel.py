@@ -694,11 +694,25 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   returns worker 0's copy without looking at the others. With
   ``check_replicated`` (and no ``check_vma``, more than one worker) ``fn``
   is traced once more to check that: a value computed from a ``"split"``
-  argument, or from a floating-point leaf of a ``"stacked"`` one, must pass
+  argument, or from a ``"stacked"`` one that differs by worker, must pass
   through a reduction over the axis (``psum``, ``pmean``, ``all_gather``,
-  ...). Integer and bool leaves of ``"stacked"`` arguments are taken as
-  equal on every worker (step counters every worker advances alike); PRNG
-  keys are not.
+  ...). A ``"stacked"`` leaf that ``fn`` returns updated, at the same
+  place of a ``"stacked"`` output of the same structure (an optimizer
+  state), is taken as differing by worker only where its new value does:
+  every worker's rows start alike (:func:`init_worker_states`,
+  :func:`stack_for_workers`), so the moments of a global optimizer after
+  :func:`pmean_gradients` or an injected hyperparameter stay alike, while
+  Distributed Lion's momenta differ. Integer scalars (step counts) are
+  alike; PRNG keys, typed or raw, differ.
+
+  With ``fold_in_worker`` each worker's index is folded into the typed PRNG
+  keys (``jax.random.key``, what ``nnx.Rngs`` holds) of ``"replicated"``
+  arguments before ``fn`` sees them (:func:`jax.random.fold_in`): from one
+  replicated key each worker draws its own dropout masks, the same in
+  every run. A key ``fn`` returns as it was given goes out as it came in;
+  one ``fn`` derives from it differs by worker. Raw ``uint32`` keys
+  (``jax.random.PRNGKey``) cannot be told from data: fold them yourself,
+  ``jax.random.fold_in(key, jax.lax.axis_index(axis_name))``.
 
   Args:
     fn: one worker's computation; it may use collectives over ``axis_name``.
@@ -712,11 +726,22 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
       of the replicated outputs).
     check_replicated: check the ``"replicated"`` outputs as above; turn it
       off for a value that is equal on every worker by construction.
+    fold_in_worker: give each worker its own stream of the typed PRNG keys
+      of ``"replicated"`` arguments (above); False gives every worker the
+      same key.
+    donate_argnums: the arguments whose buffers a call on arrays donates
+      (as :func:`jax.jit`'s).
 
   Returns:
-    The mapped function (not jitted) on the global arrays. It raises a
-    ValueError for a ``"stacked"`` argument whose leading axis is not ``N``
-    and for a ``"replicated"`` output that differs between workers.
+    The mapped function on the global arrays. Called on arrays it compiles
+    itself (:func:`jax.jit`, once a placement of its arguments), and each
+    output that updates an argument (the same pytree, shapes and dtypes)
+    keeps that argument's placement: on Auto axes the compiler would pick
+    its own for the new params and state. Traced inside a ``jax.jit`` (or
+    ``nnx.jit``) of yours it is traced as it is, and there, on Auto axes,
+    pin ``out_shardings`` yourself. It raises a ValueError for a
+    ``"stacked"`` argument whose leading axis is not ``N`` and for a
+    ``"replicated"`` output that differs between workers.
 
   Example:
     >>> import jax, jax.numpy as jnp
