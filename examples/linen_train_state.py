@@ -64,11 +64,10 @@ def main(steps: int = 20, seed: int = 0) -> dict:
 
   layout = state.replace(step="replicated", params="replicated",
                          opt_state="stacked")
-  placed = jax.tree.map(lambda x: x.sharding, state)
-  step = jax.jit(
-      parallel.per_worker(train_step, mesh, ins=(layout, "split"),
-                          outs=(layout, "replicated")),
-      out_shardings=(placed, NamedSharding(mesh, P())), donate_argnums=0)
+  # Called on arrays, per_worker's step compiles itself and keeps the new
+  # state placed as the old (on Auto axes the compiler would pick).
+  step = parallel.per_worker(train_step, mesh, ins=(layout, "split"),
+                             outs=(layout, "replicated"), donate_argnums=0)
   step = parallel.limit_in_flight(step, devices=mesh.devices.flat)
 
   rng = np.random.default_rng(seed)

@@ -75,14 +75,12 @@ def main(steps: int = 20, seed: int = 0) -> dict:
     return (nnx.state(model), nnx.state(optimizer),
             jax.lax.pmean(loss, "data"))
 
-  placed = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
-  step = jax.jit(
-      parallel.per_worker(train_step, mesh,
-                          ins=("replicated", "stacked", "split"),
-                          outs=("replicated", "stacked", "replicated")),
-      out_shardings=(placed(model_state), placed(opt_state),
-                     NamedSharding(mesh, P())),
-      donate_argnums=(0, 1))
+  # Called on arrays, per_worker's step compiles itself and keeps the new
+  # states placed as the old (on Auto axes the compiler would pick).
+  step = parallel.per_worker(train_step, mesh,
+                             ins=("replicated", "stacked", "split"),
+                             outs=("replicated", "stacked", "replicated"),
+                             donate_argnums=(0, 1))
   step = parallel.limit_in_flight(step, devices=mesh.devices.flat)
 
   rng = np.random.default_rng(seed)
