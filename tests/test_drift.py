@@ -168,3 +168,29 @@ def test_pmap_step_refuses_a_mean_over_groups_of_workers():
     step(parallel.replicate_for_pmap(params, N),
          parallel.init_pmap_states(tx, params, N), jnp.ones((N, 2, 3)))
   assert_names(e, "axis 'data'", "['a'], ['b'] (2 of 2)")
+
+
+def test_optax_apply_if_finite_is_told_apart_from_a_forgotten_axis():
+  """optax.apply_if_finite around an optimizer that does vote decides per
+  worker whether to apply the vote. Was: "exchanges nothing over axis
+  'data' ... Build the optimizer ... with axis_name='data'", which it is."""
+  tx = optax.apply_if_finite(
+      optax.chain(optax.clip_by_global_norm(1.0),
+                  dlion(weight_decay=1e-2)), 3)
+  mesh = parallel.data_mesh(N)
+  params, batch = _problem(mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  step = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
+  with pytest.raises(ValueError) as e:
+    step(params, state, batch)
+  assert_names(e, "optax.apply_if_finite", "dl.apply_if_finite(",
+               "axis_name='data'", "['a'], ['b'] (2 of 2)")
+  assert "exchanges nothing" not in str(e.value)
+  assert "Build the optimizer" not in str(e.value)
+  fixed = dl.apply_if_finite(
+      optax.chain(optax.clip_by_global_norm(1.0), dlion(weight_decay=1e-2)),
+      3)
+  step = parallel.make_train_step(loss_fn, fixed, mesh, donate=False)
+  new, _, _ = step(params, parallel.init_worker_states(fixed, params, mesh),
+                   batch)
+  assert all(_spread(leaf) == 0 for leaf in jax.tree.leaves(new))

@@ -147,3 +147,103 @@ def test_state_restored_without_a_target_says_how_to_restore(tmp_path):
       tmp_path / "state", parallel.init_worker_states(tx, params, mesh))
   chex.assert_trees_all_equal(restored, state)
   step(params, restored, batch)
+
+
+def _step_problem(n=4):
+  """A linear model's replicated params and a batch over n workers."""
+  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
+  mesh = parallel.data_mesh(n)
+  k = jax.random.split(jax.random.key(0), 2)
+  params = parallel.replicate({"w": jax.random.normal(k[0], (16,)),
+                               "b": jnp.zeros(())}, mesh)
+  x = jax.random.normal(k[1], (8 * n, 16))
+  batch = parallel.shard_batch({"x": x, "y": x @ jnp.linspace(-1, 1, 16)},
+                               mesh)
+  return mesh, params, batch
+
+
+def _loss(params, batch):
+  return jnp.mean((batch["x"] @ params["w"] + params["b"] - batch["y"]) ** 2)
+
+
+def test_injected_hyperparameter_set_to_one_value_names_the_recipe():
+  """state.hyperparams["learning_rate"] = 3e-4 on a per-worker state. Was:
+  "Build it with parallel.init_worker_states(tx, params, mesh), not
+  tx.init(params)", which the user had done."""
+  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
+  mesh, params, batch = _step_problem()
+  tx = optax.inject_hyperparams(dl.distributed_lion)(learning_rate=1e-2,
+                                                     axis_name="data")
+  state = parallel.init_worker_states(tx, params, mesh)
+  state.hyperparams["learning_rate"] = 3e-4
+  step = parallel.make_train_step(_loss, tx, mesh, donate=False)
+  with pytest.raises(ValueError) as e:
+    step(params, state, batch)
+  assert_names(e, "'learning_rate'", "optax.inject_hyperparams",
+               "jax.device_put(jnp.full_like(", "value.sharding")
+  assert "not tx.init(params)" not in str(e.value)
+
+  def worker_step(params, state, batch):    # the same state in per_worker
+    updates, state = tx.update(jax.grad(_loss)(params, batch), state, params)
+    return optax.apply_updates(params, updates), state
+  mapped = parallel.per_worker(worker_step, mesh,
+                               ins=("replicated", "stacked", "split"),
+                               outs=("replicated", "stacked"))
+  with pytest.raises(ValueError) as e:
+    jax.jit(mapped)(params, state, batch)
+  assert_names(e, '"stacked"', "'learning_rate'",
+               "jax.device_put(jnp.full_like(")
+
+
+@pytest.mark.parametrize("n", [4, 3])
+def test_hand_written_step_without_the_row_names_s0(n):
+  """A shard_map step given the stacked state (in_specs P("data")) that
+  forgets ``s[0]``: each worker's block has a leading axis of 1. Was:
+  "the state was built from params already stacked per worker (e.g.
+  init_pmap_states ...)", which it was not."""
+  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
+  mesh, params, batch = _step_problem(n)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(1e-2, weight_decay=1e-2,
+                                       axis_name="data"))
+
+  @jax.jit
+  @jax.shard_map(mesh=mesh, in_specs=(jax.P(), jax.P("data"), jax.P("data")),
+                 out_specs=(jax.P(), jax.P("data"), jax.P()))
+  def step(params, state, batch):
+    local = jax.lax.pcast(params, "data", to="varying")
+    loss, grads = jax.value_and_grad(_loss)(local, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(
+        loss, "data")
+  with pytest.raises(ValueError) as e:
+    step(params, parallel.init_worker_states(tx, params, mesh), batch)
+  assert_names(e, "leading axis of 1", "jax.tree.map(lambda s: s[0], state)",
+               "s[None]")
+  assert "init_pmap_states" not in str(e.value)
+
+
+def test_per_worker_state_laid_out_replicated_names_stacked():
+  """per_worker given every worker's stacked state laid out "replicated":
+  each worker sees all rows. Was: the stacked-params message only."""
+  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
+  mesh, params, batch = _step_problem()
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+
+  def step(params, state, batch):
+    loss, grads = jax.value_and_grad(_loss)(params, batch)
+    updates, state = tx.update(grads, state, params)
+    return optax.apply_updates(params, updates), state, jax.lax.pmean(
+        loss, "data")
+  wrong = parallel.per_worker(step, mesh,
+                              ins=("replicated", "replicated", "split"),
+                              outs=("replicated", "replicated", "replicated"))
+  state = parallel.init_worker_states(tx, params, mesh)
+  with pytest.raises(ValueError) as e:
+    jax.jit(wrong)(params, state, batch)
+  assert_names(e, "(4 rows, one per worker)", '"stacked"', '"replicated"',
+               "parallel.per_worker")
+  right = parallel.per_worker(step, mesh,
+                              ins=("replicated", "stacked", "split"),
+                              outs=("replicated", "stacked", "replicated"))
+  jax.jit(right)(params, state, batch)
