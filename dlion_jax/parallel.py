@@ -327,8 +327,8 @@ def _drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
         "the workers' updates equal.")
   what = (f"The optimizer exchanges over axis {axis_name!r}, but params "
           "leaves "
-          f"{named} ({count}) would still silently differ from worker to "
-          f"worker of its {num_workers}")
+          f"{named} ({count}) would still silently differ between its "
+          f"{num_workers} workers")
   if any(isinstance(x, optax.ApplyIfFiniteState) for x in jax.tree.leaves(
       state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState))):
     return ValueError(
@@ -1353,7 +1353,7 @@ def _mean_of_workers(tree: Any, axis_name) -> Any:
 
 
 def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
-                        fix: str) -> None:
+                        fix: str, pmap: bool = False) -> None:
   """Raises a ValueError naming the first leaf without a leading axis n
   (and, for an injected hyperparameter, how to set one)."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
@@ -1363,7 +1363,7 @@ def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
       raise ValueError(
           f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
           f"{shape}; the step wants {wants} on a leading axis of size {n}. "
-          + (fix if name is None else _set_hyperparameter(name, n)))
+          + (fix if name is None else _set_hyperparameter(name, n, pmap)))
 
 
 def _hyperparameter(path) -> str | None:
@@ -1376,13 +1376,16 @@ def _hyperparameter(path) -> str | None:
   return None
 
 
-def _set_hyperparameter(name: str, n: int) -> str:
+def _set_hyperparameter(name: str, n: int, pmap: bool) -> str:
+  value = f"state.hyperparams[{name!r}]"
+  how = (f"{value} = jnp.full_like({value}, new_value)" if pmap else
+         f"value = {value}; {value} = jax.device_put(jnp.full_like(value, "
+         "new_value), value.sharding)")
   return (
       f"It is the hyperparameter {name!r} of optax.inject_hyperparams, "
       f"which every worker's state holds, one row per worker ({n}): set "
-      "every row, keeping the leaf's sharding: value = "
-      f"state.hyperparams[{name!r}]; state.hyperparams[{name!r}] = "
-      "jax.device_put(jnp.full_like(value, new_value), value.sharding).")
+      + ("every row: " if pmap else
+         "every row, keeping the leaf's sharding: ") + how + ".")
 
 
 def _check_worker_states(state: Any, n: int, devices: int) -> None:
@@ -1416,6 +1419,12 @@ def _key(leaf) -> bool:
   dtype = jnp.result_type(leaf)
   return jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) or (
       np.ndim(leaf) > 0 and jnp.issubdtype(dtype, jnp.unsignedinteger))
+
+
+def _auto_axes(mesh) -> tuple:
+  """The Auto axes of more than one device of an abstract mesh."""
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1)
 
 
 def _differentiable(leaf) -> bool:
@@ -1463,9 +1472,14 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
           f"micro_batches={micro_batches} must divide the batch each call "
           f"of loss_fn sees, which has {rows} rows.")
     spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-    if not spec or spec[0] is None:
-      return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
     mesh = jax.sharding.get_abstract_mesh()
+    if not spec or spec[0] is None:
+      if not _auto_axes(mesh):
+        return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
+      # Rows the compiler may have sharded over Auto axes, unseen here: the
+      # strided split keeps each device's share of each micro-batch on it.
+      x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:])
+      return jnp.moveaxis(x, 1, 0)
     k = math.prod(mesh.shape[a] for a in _names(spec[0]))
     if (rows // micro_batches) % k:
       raise ValueError(
@@ -1561,7 +1575,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         f"Build it with parallel.replicate_for_pmap(params, {n}).")
     _check_leading_axis(state, n, "optimizer state", stacked,
                         "Build it with parallel.init_pmap_states(tx, params, "
-                        f"{n}).")
+                        f"{n}).", pmap=True)
     _check_leading_axis(batch, n, "batch", "each device's batch",
                         f"Reshape it to [{n}, local_batch, ...].")
     return step(params, state, batch)
