@@ -1028,3 +1028,69 @@ def test_per_worker_follows_carried_state_to_a_fixed_point():
   with pytest.raises(ValueError) as e:
     step(parallel.replicate(params, mesh), rows, batch)
   assert_names(e, "output 0", "differs from worker to worker")
+
+
+def test_per_worker_keeps_the_placement_of_what_it_updates():
+  """A per_worker step called on arrays on an Auto ("data", "fsdp",
+  "model") mesh returns the params and state placed as they came, with no
+  out_shardings pinned (was: P('fsdp', 'model') came back
+  P(('fsdp', 'model'),), P('model', None) came back P())."""
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"),
+                       axis_types=(AxisType.Auto,) * 3)
+  tx = readme_tx()
+  k = jax.random.split(jax.random.key(5), 3)
+  params = {
+      "a": jax.device_put(jax.random.normal(k[0], (4, 4)),
+                          jax.NamedSharding(mesh, jax.P("fsdp", "model"))),
+      "b": jax.device_put(jax.random.normal(k[1], (4, 4)),
+                          jax.NamedSharding(mesh, jax.P("model", None)))}
+  state = parallel.init_worker_states(tx, params, mesh)
+  placed = lambda tree: [x.sharding.spec for x in jax.tree.leaves(tree)]
+  before = placed((params, state))
+
+  def step(p, s, batch):
+    grads = jax.grad(lambda p: jnp.mean((batch @ p["a"] @ p["b"]) ** 2))(p)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+  mapped = parallel.per_worker(step, mesh, ins=("replicated", "stacked",
+                                                "split"),
+                               outs=("replicated", "stacked"))
+  batch = jax.device_put(jax.random.normal(k[2], (8, 4)),
+                         jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
+  new_params, new_state = mapped(params, state, batch)
+  assert placed((new_params, new_state)) == before
+  # Under a jit of the caller's, the compiler places them (and may
+  # partition the gradient otherwise: the same values to rounding).
+  jitted = jax.jit(mapped)(params, state, batch)
+  chex.assert_trees_all_close(jitted, (new_params, new_state), rtol=1e-5,
+                              atol=1e-6)
+
+
+def test_per_worker_gives_each_worker_its_own_key_stream():
+  """A typed key laid out "replicated": each worker draws from its own
+  stream (the worker's index folded in), the same in every run, and the
+  key goes back as given. fold_in_worker=False: one stream for all."""
+  mesh = parallel.data_mesh(N)
+  key = parallel.replicate(jax.random.key(0), mesh)
+
+  def draw(key, x):
+    return key, jax.random.bernoulli(key, 0.5, x.shape)
+  x = jnp.zeros((N, 32))
+  for fold in (True, False):
+    mapped = parallel.per_worker(draw, mesh, ins=("replicated", "split"),
+                                 outs=("replicated", "split"),
+                                 fold_in_worker=fold)
+    back, masks = mapped(key, x)
+    rows = {tuple(r) for r in np.asarray(masks)}
+    assert len(rows) == (N if fold else 1)
+    assert np.array_equal(jax.random.key_data(back), jax.random.key_data(
+        jax.random.key(0)))
+    _, again = jax.jit(mapped)(key, x)
+    np.testing.assert_array_equal(again, masks)
+
+  def derive(key, x):   # a new key from the folded one differs by worker
+    return jax.random.split(key)[0], x
+  with pytest.raises(ValueError) as e:
+    parallel.per_worker(derive, mesh, ins=("replicated", "split"),
+                        outs=("replicated", "split"))(key, x)
+  assert_names(e, "output 0", "differs from worker to worker")
