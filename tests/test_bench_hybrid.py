@@ -1,6 +1,10 @@
 """bench.hybrid: what each device sends over each axis of a flat and a
 hybrid mesh, read off the compiled GPT step."""
 
+import pathlib
+import re
+import sys
+
 import jax
 import pytest
 
@@ -60,3 +64,43 @@ def test_report_lists_every_layout():
                  "2 nodes x 2, shard_axis zero3", "2 nodes x 2, zero2",
                  "2 nodes x 2, zero3"):
     assert text.count(f"| {layout} |") == 2
+
+
+def test_report_shows_each_compilation_as_it_ends(monkeypatch, capsys):
+  """Where tqdm is absent, a line on stderr before each compilation (tqdm,
+  where installed, draws a bar there instead): the run shows it is alive."""
+  monkeypatch.setitem(sys.modules, "tqdm", None)     # import tqdm fails
+  jobs = len(hybrid.layouts(4)) * len(hybrid.optimizers())
+  seen = []
+
+  def measure(tx, mesh, placement):
+    seen.append(capsys.readouterr().err)
+    return {"data": 1.0, "fsdp": 0.5}, {"arguments": 1.0,
+                                        "temporaries": 2.0}, 100
+  monkeypatch.setattr(hybrid, "measure", measure)
+  hybrid.report(4)
+  assert len(seen) == jobs
+  for i, err in enumerate(seen):
+    assert f"compiling: {i}/{jobs}" in err
+  assert f"compiling: {jobs}/{jobs}" in capsys.readouterr().err
+
+
+def test_help_says_how_long_the_default_run_takes(capsys):
+  """--help gives the measured time of the default run and the number of
+  compilations it makes; the module's docs give the same."""
+  with pytest.raises(SystemExit):
+    hybrid.main(["--help"])
+  out = " ".join(capsys.readouterr().out.split())
+  jobs = len(hybrid.layouts(8)) * len(hybrid.optimizers())
+  assert f"Compiles the step {jobs} times at --workers 8" in out
+  assert hybrid.DURATION in out
+  assert re.search(r"\d+ min \d+ s on \d+ CPU cores", hybrid.DURATION)
+  doc = " ".join(hybrid.__doc__.split())
+  assert f"{jobs} times at the default 8 workers: " in doc
+  assert hybrid.DURATION.split(",")[0] in doc
+  benchmarks = pathlib.Path(__file__).resolve().parents[1] / "docs" / (
+      "benchmarks.md")
+  section = benchmarks.read_text().split("(`dlion_jax.bench.hybrid`)")[1]
+  section = " ".join(section[:section.index("|")].split())
+  assert f"compiles the step {jobs} times" in section
+  assert f"took {hybrid.DURATION.split(' (')[0]}" in section
