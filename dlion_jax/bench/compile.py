@@ -23,8 +23,9 @@ Each variant is traced and lowered (``jit(...).lower``), then compiled
 (``.compile()``), in a fresh ``jit`` so that nothing is cached, ``--reps``
 times (the fastest trace+lower and the fastest compilation are kept); the
 variants of one size take turns, so that the ratios compare times taken
-under the same load. Also reports the compiled HLO's size (lines) and
-the bytes each worker sends per step, read off it.
+under the same load. Also reports the compiled HLO's size (lines, less
+the tables of Python stack frames it begins with: ``program_lines``)
+and the bytes each worker sends per step, read off it.
 
 Usage::
 
@@ -114,8 +115,29 @@ def _time(step, args, leaves: int, name: str) -> Timing:
   finally:
     gc.enable()
   text = compiled.as_text()
-  return Timing(leaves, name, traced, compiled_s, text.count("\n"),
+  return Timing(leaves, name, traced, compiled_s, program_lines(text),
                 dl.collective_bytes(text))
+
+
+# The tables of Python source locations that head the compiled HLO's text,
+# which its instructions' metadata point into.
+STACK_TABLES = ("FileNames", "FunctionNames", "FileLocations", "StackFrames")
+
+
+def program_lines(hlo_text: str) -> int:
+  """Lines of a compiled HLO module's text less its tables of Python stack
+  frames (``FileNames`` ... ``StackFrames``, each up to a blank line),
+  whose length depends on the call stack that traced the step (the same
+  step traced under pytest has more frames): the program's size."""
+  count, skipping = 0, False
+  for line in hlo_text.splitlines():
+    if line in STACK_TABLES:
+      skipping = True
+    elif skipping and not line.strip():
+      skipping = False
+    elif not skipping:
+      count += 1
+  return count
 
 
 def gpt_problem():
