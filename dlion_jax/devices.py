@@ -186,8 +186,9 @@ def fsdp_spec(shape: tuple[int, ...], num_shards: int,
 def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
                  = "fsdp") -> Any:
   """A copy of ``tree`` sharded FSDP-style over ``axis_name``
-  (:func:`fsdp_spec` for each leaf), replicated over the mesh's other axes;
-  from host values alike on every process, as :func:`global_array`.
+  (:func:`~dlion_jax.devices.fsdp_spec` for each leaf), replicated over the
+  mesh's other axes; from host values alike on every process, as
+  :func:`global_array`.
 
   Params placed so are sharded at rest (ZeRO-3): the compiler gathers them
   for the forward pass. To keep params whole and shard only the optimizer
@@ -214,10 +215,11 @@ def stack_for_workers(tree: Any, mesh: Mesh, *,
   leading axis split over it, each leaf otherwise sharded as it was.
 
   The per-worker state of an optimizer built outside the library, e.g. a
-  ``flax.nnx.Optimizer``'s ``nnx.state(optimizer)`` or a flax
-  ``TrainState``'s ``opt_state``: laid out ``"stacked"`` for
-  :func:`dlion_jax.parallel.per_worker` (:func:`dlion_jax.parallel.
-  init_worker_states` does this for ``tx.init(params)``).
+  :class:`flax.nnx.Optimizer`'s ``nnx.state(optimizer)`` or a flax
+  :class:`~flax.training.train_state.TrainState`'s ``opt_state``: laid out
+  ``"stacked"`` for :func:`dlion_jax.parallel.per_worker`
+  (:func:`dlion_jax.parallel.init_worker_states` does this for
+  ``tx.init(params)``).
 
   Example:
     >>> import jax.numpy as jnp

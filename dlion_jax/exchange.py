@@ -23,13 +23,13 @@ Strategies (``N`` workers, wire bits per parameter per worker and step):
 * ``auto``: the one that sends the fewest bytes for the model
   (:func:`dlion_jax.message.choose_comm`).
 
-The whole pytree goes through one message (:class:`dlion_jax.message.
-MessageLayout`): each leaf starts on a word, the leaves are packed in one
-pass, and a step issues a fixed number of collectives however many leaves
-the model has. Each strategy returns ``(planes, decode)``: ``planes(first,
-words)`` the ``[m, words]`` digits of a run of the message's words, which
-read plane after plane are the run's digits in order, and ``decode`` the
-outcome of the vote from them.
+The whole pytree goes through one message
+(:class:`dlion_jax.message.MessageLayout`): each leaf starts on a word, the
+leaves are packed in one pass, and a step issues a fixed number of
+collectives however many leaves the model has. Each strategy returns
+``(planes, decode)``: ``planes(first, words)`` the ``[m, words]`` digits of
+a run of the message's words, which read plane after plane are the run's
+digits in order, and ``decode`` the outcome of the vote from them.
 """
 
 from __future__ import annotations
@@ -57,8 +57,8 @@ COMM_CHOICES = message_lib.COMM_CHOICES
 
 AxisName = Hashable | tuple[Hashable, ...]
 
-# Leaves of sign votes with this many elements or more are packed on their
-# own; smaller ones share one pass (see _message).
+#: Leaves of sign votes with this many elements or more are packed on their
+#: own; smaller ones share one pass (see ``_message``).
 OWN_PACKING = 2**14
 # On TPU a row of gathered words may grow by this fraction of its width to
 # whole lanes (see _gather_words).
@@ -388,7 +388,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   schedule them while the rest of the backward pass runs.
 
   ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
-  compute once every bucket's outcome is in (see :func:`_done`), or None
+  compute once every bucket's outcome is in (see ``_done``), or None
   where the compiler's axes share the vote.
   """
   options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,

@@ -173,7 +173,7 @@ class MessageLayout:
 
   @functools.cached_property
   def offsets(self) -> tuple[int, ...]:
-    """Digit offset of each leaf: its start, on a word boundary."""
+    """The digit offset of each leaf (its start, on a word boundary)."""
     starts, offset = [], 0
     for size in self.leaf_sizes:
       starts.append(offset)
@@ -197,7 +197,7 @@ class MessageLayout:
 
   @functools.cached_property
   def used_words(self) -> int:
-    """Words the leaves fill: the message less its tail padding."""
+    """The words the leaves fill (the message less its tail padding)."""
     return sum(-(-size // self.digits_per_word) for size in self.leaf_sizes)
 
   @functools.cached_property

@@ -14,7 +14,7 @@ machine. For each variant this reads off the TPU executable:
 * HBM per chip (``memory_analysis()``: arguments, temporaries);
 * the compile time;
 * the overlap of each asynchronous exchange with compute in the scheduled
-  ENTRY computation (:func:`async_pairs`): for every megascale (DCN)
+  ENTRY computation (``async_pairs``): for every megascale (DCN)
   ``send``/``recv`` and its ``-done``, and every ``*-start``/``*-done``
   collective, the instructions between them and the fusions holding a dot
   or convolution (the matmuls that could hide it). ``--bucket-bytes``
@@ -34,7 +34,7 @@ the step that leaves ``fsdp`` wholly to the compiler, with params and
 state replicated (``sharded-*``), the state sharded (``zero2-*``) or both
 (``zero3-*``), as :func:`dlion_jax.parallel.shard_params` places them.
 Models:
-:mod:`dlion_jax.bench.aot_models`.
+``dlion_jax.bench.aot_models``.
 
 Usage::
 

@@ -11,7 +11,7 @@ needs. Prints markdown tables of measured against
 
 ``--plot FILE.png`` also draws bits per parameter per step against N for
 every strategy, the fp32 / bf16 all-reduce and two analytic floors
-(:func:`pattern_floor_bits`, :func:`information_floor_bits`).
+(``pattern_floor_bits``, ``information_floor_bits``).
 
 Usage::
 
