@@ -367,21 +367,27 @@ class _ExchangeCheck:
   new params are equal on every worker (:mod:`dlion_jax._drift`). It reads
   the trace jit caches anyway, so the check costs no second trace."""
 
-  def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
+  def __init__(self, jitted: Callable, axis_name: str, num_workers: int,
+               grads_first: bool):
     functools.update_wrapper(self, jitted)
     self._jitted, self._axis, self._n = jitted, axis_name, num_workers
+    self._grads_first = grads_first
     self._checked = num_workers == 1
 
   def trace(self, params, state, batch):
     traced = self._jitted.trace(params, state, batch)
     if not self._checked:
-      # The update's region is the last. Its inputs are the params, the
-      # state and what differs by worker: the batch, or each worker's
-      # gradients and loss (computed before the region).
+      # The update's region is the last. Its last inputs differ by worker:
+      # the batch, or (a step that differentiates before the region) each
+      # worker's loss and float gradients, the loss also among its outputs
+      # after the params and state. (Constants it closes over come first.)
       region = [e for e in traced.jaxpr.jaxpr.eqns
                 if e.primitive.name == "shard_map"][-1]
-      varying = (len(region.invars) - len(jax.tree.leaves(params))
-                 - len(jax.tree.leaves(state)))
+      if self._grads_first:
+        varying = (len(region.outvars) - len(jax.tree.leaves(params))
+                   - len(jax.tree.leaves(state)) + len(_float_leaves(params)))
+      else:
+        varying = len(jax.tree.leaves(batch))
       _check_no_drift(region.params["jaxpr"], params, varying,
                       self._axis, self._n, state)
       self._checked = True
@@ -1164,7 +1170,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     # placed differently without a sharding type error.
     jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, tx,
                                       check_placement=shard_axis is None)
-  return limit_in_flight(_ExchangeCheck(jitted, axis_name, n),
+  grads_first = shard_axis is not None or bool(_explicit_axes(mesh, axis_name))
+  return limit_in_flight(_ExchangeCheck(jitted, axis_name, n, grads_first),
                          devices=mesh.devices.flat)
 
 
