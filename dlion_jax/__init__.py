@@ -16,6 +16,7 @@ from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import sync
 from dlion_jax import transforms
+from dlion_jax import workers
 from dlion_jax.accounting import allreduce_bits
 from dlion_jax.hlo import collective_bytes
 from dlion_jax.hlo import collective_bytes_by_axis
@@ -51,4 +52,5 @@ __all__ = (
     "sync",
     "transforms",
     "wire_bits",
+    "workers",
 )

@@ -171,14 +171,6 @@ def typed_varying_axes(x) -> frozenset:
   return frozenset(vma)
 
 
-def typed_same_on_every_worker(x):
-  """``x``, a value every worker holds alike (a step count in per-worker
-  state), typed so for ``check_vma``: its ``pmax`` over the axes it is typed
-  varying over, one small all-reduce; unchanged (no collective) elsewhere."""
-  axes = tuple(sorted(typed_varying_axes(x), key=str))
-  return jax.lax.pmax(x, axes) if axes else x
-
-
 def types_varying(axis_name) -> bool:
   """Whether values are typed by the axes they vary over here: inside a
   ``shard_map(check_vma=True)`` manual over ``axis_name`` (a worker's own

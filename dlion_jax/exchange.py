@@ -41,11 +41,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as P
 
 from dlion_jax import message as message_lib
 from dlion_jax import packing
 from dlion_jax import shards
 from dlion_jax import quantize
+from dlion_jax import workers
 from dlion_jax._checks import check_choice
 from dlion_jax.message import MessageLayout
 from dlion_jax.message import signed_sum
@@ -128,30 +130,50 @@ def _all_gather(x, axis_name, **kwargs):
 
 def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
-  all_gather the packed shard results."""
+  all_gather the packed shard results.
+
+  Under ``jax.vmap`` over a mesh axis the two collectives are stated as
+  reshards of every worker's words (:func:`dlion_jax.workers.exchanged`):
+  each device's column of all the messages, then every device's results.
+  """
   n = num_workers
   up_radix = spec.radix
   down_radix = message_lib.alltoall_down_radix(n, aggregation=aggregation,
                                               spec=spec)
-  up = message.reshape(n, -1)     # MessageLayout.word_multiple
-  mine = lax.all_to_all(up, axis_name, 0, 0)
-  code_sum = packing.sum_planes(mine, up_radix)
-  if aggregation == "avg":
-    down = code_sum                    # exact count, radix (levels-1)*N+1
-  elif down_radix == 2:
-    down = signed_sum(code_sum, n, spec) > 0      # odd N, binary: no ties
-  else:
-    down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
-  down = down.astype(packing.digit_dtype(down_radix))
-  # Each place's results of the shard fill whole words of the result's
-  # radix (MessageLayout.word_multiple), planar in its own words, the same
-  # words as packing them all together: gathered, every worker's words of
-  # one place are transposed (a fifth of the digits' bytes for radix 3),
-  # not the digits, and unpack straight into the message's order.
-  words = packing.pack_digits(down, down_radix, planar=True)
-  words = _gather_words(words, axis_name, n).swapaxes(0, 1)
-  result = packing.unpack_digits(words, down_radix, planar=True).reshape(
-      code_sum.shape[0], -1)
+
+  def tally(mine):
+    """The packed results of a shard, from every worker's words of it."""
+    code_sum = packing.sum_planes(mine, up_radix)
+    if aggregation == "avg":
+      down = code_sum                  # exact count, radix (levels-1)*N+1
+    elif down_radix == 2:
+      down = signed_sum(code_sum, n, spec) > 0    # odd N, binary: no ties
+    else:
+      down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
+    down = down.astype(packing.digit_dtype(down_radix))
+    # Each place's results of the shard fill whole words of the result's
+    # radix (MessageLayout.word_multiple), planar in its own words, the
+    # same words as packing them all together: gathered, every worker's
+    # words of one place are transposed (a fifth of the digits' bytes for
+    # radix 3), not the digits, and unpack straight into the message's
+    # order.
+    return packing.pack_digits(down, down_radix, planar=True)
+
+  def manual(message):
+    up = message.reshape(n, -1)     # MessageLayout.word_multiple
+    return _gather_words(tally(lax.all_to_all(up, axis_name, 0, 0)),
+                         axis_name, n)
+
+  def stacked(messages):
+    # [worker, shard, words]: each device takes its shard of every worker's.
+    mine = workers.place(messages.reshape(n, n, -1),
+                         P(None, axis_name, None))
+    return workers.place(jax.vmap(tally, in_axes=1)(mine), P())
+
+  words = workers.exchanged(manual, stacked, axis_name)(message)
+  places = words.shape[1]
+  result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
+                                 planar=True).reshape(places, -1)
 
   def decode(digits):
     digits = digits.astype(jnp.int32)
@@ -192,7 +214,9 @@ def _gather_words(words, axis_name, n):
 def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
-  everyone = _all_gather(message, axis_name)
+  everyone = workers.exchanged(
+      lambda m: _all_gather(m, axis_name),
+      lambda messages: workers.place(messages, P()), axis_name)(message)
   return (lambda first, size: packing.sum_planes(lax.slice_in_dim(
       everyone, first, first + size, axis=1), spec.radix)), functools.partial(
           signed_sum, num_workers=num_workers, spec=spec)
@@ -206,7 +230,7 @@ def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
   """
   del aggregation
   radix = message_lib.psum_radix(num_workers, spec)
-  total = lax.psum(message, axis_name)
+  total = workers.psum(message, axis_name)
   return (lambda first, size: packing.digit_planes(
       lax.slice(total, (first,), (first + size,)), radix)), functools.partial(
           signed_sum, num_workers=num_workers, spec=spec)
@@ -218,7 +242,7 @@ def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
   The container widens to int16/int32 when N exceeds what int8 can sum.
   """
   del num_workers, spec, aggregation
-  total = lax.psum(message, axis_name)
+  total = workers.psum(message, axis_name)
   return (lambda first, size: lax.slice(total, (first,), (first + size,))[
       None]), lambda levels: levels.astype(jnp.int32)
 
@@ -331,7 +355,7 @@ def sign_of_mean(leaves: list[jax.Array], *,
     group = [i for i, x in enumerate(leaves)
              if quantize.scale_dtype(x.dtype) == dtype]
     flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in group])
-    total = jnp.sign(lax.psum(flat, axis_name))
+    total = jnp.sign(workers.psum(flat, axis_name))
     offset = 0
     for i in group:
       x = leaves[i]
@@ -417,7 +441,10 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
   leaf_shards = leaf_shards or [None] * len(leaves)
   sizes = [x.size if s is None else s.size
            for x, s in zip(leaves, leaf_shards)]
-  out = [x if x.size == 0 else None for x in leaves]
+  # An empty leaf's update: a constant, one for all workers (not its
+  # gradient, a row per worker where the workers are a vmapped axis).
+  out = [jnp.zeros(x.shape, x.dtype) if x.size == 0 else None
+         for x in leaves]
   exact = [i for i, x in enumerate(leaves)
            if x.size > 0 and sizes[i] < min_compress_size]
   voted = [i for i, x in enumerate(leaves)

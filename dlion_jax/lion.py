@@ -15,6 +15,7 @@ from dlion_jax import message
 from dlion_jax import quantize
 from dlion_jax import shards
 from dlion_jax import sync
+from dlion_jax import workers
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
 from dlion_jax._checks import check_same_structure
@@ -35,6 +36,9 @@ class DistributedLionState(NamedTuple):
   """
   count: jax.Array
   mu: optax.Updates
+  # The transform reads its count alike on every worker where it must
+  # (dlion_jax.workers.alike_state leaves it be).
+  counts_read_alike = True
 
 
 class ErrorFeedbackState(NamedTuple):
@@ -49,6 +53,7 @@ class ErrorFeedbackState(NamedTuple):
   count: jax.Array
   mu: optax.Updates
   error: optax.Updates
+  counts_read_alike = True
 
 
 def _check_state(state, state_type):
@@ -307,7 +312,8 @@ def scale_by_distributed_lion(
     count = optax.safe_increment(state.count)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
-      mu = sync.sync_momenta(mu, flags, schedule(count), axis_name)
+      mu = sync.sync_momenta(
+          mu, flags, schedule(workers.alike(count, axis_name)), axis_name)
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -433,12 +439,14 @@ def distributed_lion(
           momentum_sync_mask=momentum_sync_mask,
           min_compress_size=min_compress_size, error_feedback=error_feedback,
           bucket_bytes=bucket_bytes),
-      optax.add_decayed_weights(_replicated_schedule(weight_decay), mask),
-      optax.scale_by_learning_rate(_replicated_schedule(learning_rate)),
+      optax.add_decayed_weights(_replicated_schedule(weight_decay, axis_name),
+                                mask),
+      optax.scale_by_learning_rate(_replicated_schedule(learning_rate,
+                                                       axis_name)),
   )
 
 
-def _replicated_schedule(value: optax.ScalarOrSchedule):
+def _replicated_schedule(value: optax.ScalarOrSchedule, axis_name):
   """A schedule whose step count is typed equal on every worker.
 
   Inside ``jax.shard_map(..., check_vma=True)`` the per-worker optimizer
@@ -447,11 +455,15 @@ def _replicated_schedule(value: optax.ScalarOrSchedule):
   the workers, although every worker holds it alike: the learning rate, and
   with it the new params, would be typed per worker and the step refused
   ("out_specs ... could not infer replication"). There the count takes its
-  maximum over those axes, one 4-byte all-reduce a step. Elsewhere
-  (``check_vma=False``, ``pmap``, ``vmap``) the schedule runs unchanged.
+  maximum over those axes, one 4-byte all-reduce a step; so it does under
+  a ``jax.vmap`` over the mesh axis ``axis_name`` (:mod:`dlion_jax.workers`),
+  where each worker's count is one row of an array. Elsewhere
+  (``check_vma=False``, ``pmap``, ``vmap`` alone) the schedule runs
+  unchanged.
   """
+  alike = lambda x: workers.alike(x, axis_name)
   if isinstance(value, jax.Array):    # traced by optax.inject_hyperparams
-    return _drift.typed_same_on_every_worker(value)
+    return alike(value)
   if not callable(value):
     return value
-  return lambda count: value(_drift.typed_same_on_every_worker(count))
+  return lambda count: value(alike(count))

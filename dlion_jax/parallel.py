@@ -52,8 +52,8 @@ from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
 from dlion_jax import devices
-from dlion_jax import lion
 from dlion_jax import shards
+from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax.devices import axis_size
 from dlion_jax.devices import data_mesh  # noqa: F401 (re-exported)
@@ -599,30 +599,7 @@ def typed_alike(state: Any) -> Any:
     >>> params["w"]
     Array([0.99, 0.99, 0.99, 0.99], dtype=float32)
   """
-  def alike(x):
-    if isinstance(x, _READ_ALIKE):
-      return x
-    if isinstance(x, optax.ApplyIfFiniteState):
-      return x._replace(inner_state=typed_alike(x.inner_state))
-    if isinstance(x, _INJECTED):
-      return type(x)(*[
-          jax.tree.map(_drift.typed_same_on_every_worker, value)
-          if field == "hyperparams" else typed_alike(value)
-          for field, value in zip(x._fields, x)])
-    if (isinstance(x, jax.Array) and not x.ndim
-        and jnp.issubdtype(x.dtype, jnp.integer)):
-      return _drift.typed_same_on_every_worker(x)
-    return x
-  return jax.tree.map(alike, state, is_leaf=lambda x: isinstance(
-      x, _READ_ALIKE + _INJECTED + (optax.ApplyIfFiniteState,)))
-
-
-# States whose counts their own transforms type alike where they read them
-# (dl.distributed_lion's schedules, dl.apply_if_finite's guard): typing
-# them here would cost an all-reduce for nothing.
-_READ_ALIKE = (lion.DistributedLionState, lion.ErrorFeedbackState)
-_INJECTED = (optax.InjectHyperparamsState,
-             optax.InjectStatefulHyperparamsState)
+  return workers.alike_state(state)
 
 
 def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
@@ -1238,27 +1215,11 @@ def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
       return value, [grads[i] for i in floats]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       rows = jax.tree_util.tree_map_with_path(
-          lambda path, x: _worker_rows(path, x, n, axis_name), batch)
+          lambda path, x: workers.worker_rows(x, n, axis_name, path), batch)
       value, grads = jax.vmap(worker_grads, spmd_axis_name=axis_name)(rows)
     return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
         params, state, value, grads)
   return step
-
-
-def _worker_rows(path, x, n: int, axis_name: str) -> jax.Array:
-  """Batch leaf ``x`` as ``[n, rows of a worker, ...]``, the workers on
-  ``axis_name`` and each worker's rows sharded as they were."""
-  if not np.ndim(x) or np.shape(x)[0] % n:
-    raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(path)} has shape {np.shape(x)}; "
-        f"its leading (global batch) axis must be divisible by the {n} "
-        f"workers of axis {axis_name!r}.")
-  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-  first = _names(spec[0]) if spec and spec[0] is not None else ()
-  rest = tuple(a for a in first if a != axis_name)
-  inner = rest[0] if len(rest) == 1 else (rest or None)
-  return x.reshape((n, x.shape[0] // n) + x.shape[1:],
-                   out_sharding=P(axis_name, inner, *spec[1:]))
 
 
 def _float_leaves(params: Any) -> list[int]:

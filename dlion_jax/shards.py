@@ -42,6 +42,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import devices
+from dlion_jax import workers
 
 
 class LeafShard(NamedTuple):
@@ -201,6 +202,8 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
     return ()
   auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  if workers.mapped_over_mesh(axis_name):
+    return _beside_workers(axis_name, mesh, auto)
   partitioned = any(mesh.shape[a] > 1 for a in auto)
   if partitioned and (not mesh.manual_axes
                       or not all(a in mesh.axis_names for a in names)):
@@ -225,6 +228,24 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
         "manual too (shard_map's axis_names) if its devices are workers "
         "with batches of their own.")
   return auto
+
+
+def _beside_workers(axis_name, mesh, auto) -> tuple[str, ...]:
+  """No axis to vote on shards over, where the workers are a ``jax.vmap``
+  axis named after mesh axes (:mod:`dlion_jax.workers`); a mesh that
+  partitions other axes is not supported there yet."""
+  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  others = [a for a in auto if a not in names and mesh.shape[a] > 1]
+  if others:
+    raise ValueError(
+        f"The vote over axis_name={axis_name!r} is traced in a jax.vmap "
+        f"over that mesh axis, and the mesh {dict(mesh.shape)} also "
+        f"partitions {others}: voting in the vmapped form on a mesh with "
+        "more axes is not supported yet (every device would pack and send "
+        "its whole node's votes). Use dl.parallel.make_train_step(loss_fn, "
+        f"tx, mesh, axis_name={axis_name!r}), which votes on each "
+        "device's own part of every leaf.")
+  return ()
 
 
 # Set while dlion_jax.parallel.make_train_step traces the optimizer update

@@ -32,6 +32,7 @@ import numpy as np
 
 from dlion_jax import _drift
 from dlion_jax import shards
+from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
@@ -163,8 +164,8 @@ def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
   A worker whose momentum went NaN or Inf (a bad gradient) would otherwise
   hand it to every worker for good; this way the sync repairs it.
   """
-  means = jax.lax.pmean([jnp.where(jnp.isfinite(x), x, 0) for x in xs],
-                        axis_name)
+  finite = [jnp.where(jnp.isfinite(x), x, 0) for x in xs]
+  means = workers.pmean(finite, axis_name)
   return _typed_like(means, xs)
 
 

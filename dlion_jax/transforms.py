@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dlion_jax import _drift
 from dlion_jax import shards
+from dlion_jax import workers
 
 
 def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
@@ -108,11 +108,10 @@ def apply_if_finite(inner: optax.GradientTransformation,
     local_ok = jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
     _check_bound(axis_name)
-    bad_workers = lax.psum((~local_ok).astype(jnp.int32),
-                           axis_name)
+    bad_workers = workers.psum((~local_ok).astype(jnp.int32), axis_name)
     isfinite = bad_workers == 0
     # Equal on every worker, but typed per worker under check_vma.
-    count = _drift.typed_same_on_every_worker(state.notfinite_count)
+    count = workers.alike(state.notfinite_count, axis_name)
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
                                 optax.safe_increment(count))
     # A select, not a lax.cond: in a branch the vote would read as sent only

@@ -17,6 +17,8 @@ ENTRIES = [
     ("api/optimizers.html", "dlion_jax.distributed_lion"),
     ("api/optimizers.html", "dlion_jax.scale_by_distributed_lion"),
     ("api/optimizers.html", "dlion_jax.apply_if_finite"),
+    ("api/workers.html", "dlion_jax.workers.value_and_grad"),
+    ("api/workers.html", "dlion_jax.workers.update"),
     ("api/parallel.html", "dlion_jax.parallel.make_train_step"),
     ("api/parallel.html", "dlion_jax.parallel.make_pmap_train_step"),
     ("api/parallel.html", "dlion_jax.parallel.init_worker_states"),
@@ -204,7 +206,8 @@ def test_the_readme_gives_the_quickstart_figure_as_one_machines():
 PUBLIC_MODULES = ["dlion_jax", "dlion_jax.parallel", "dlion_jax.devices",
                   "dlion_jax.sync", "dlion_jax.quantize", "dlion_jax.hlo",
                   "dlion_jax.accounting", "dlion_jax.elastic",
-                  "dlion_jax.transforms", "dlion_jax.shards"]
+                  "dlion_jax.transforms", "dlion_jax.shards",
+                  "dlion_jax.workers"]
 
 
 def _public(module_name):
