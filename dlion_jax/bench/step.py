@@ -40,6 +40,11 @@ loaded machine).
 ``optax.lion`` variants with :func:`jax.profiler.trace` and lists the HLO
 instructions that take the most thread time.
 
+``--plain`` also runs each D-Lion variant in a plain ``jax.jit`` step
+(:mod:`dlion_jax.workers`: each worker's state and gradients one row of a
+leading axis on the mesh's devices, the update ``jax.vmap``-ed over it),
+named ``<variant> (plain jit)``, beside its ``shard_map`` step.
+
 ``--tpu v5e:2x4`` times nothing: it compiles every variant for that many
 TPU chips with libtpu (no TPU needed) and reports the bytes each chip's step
 reads and writes a parameter, XLA:TPU's own cost analysis, against the
@@ -50,13 +55,14 @@ Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
       [--tree mlp|two|many|large] [--grid] [--vmap] [--profile]
-      [--tpu TOPOLOGY] [--out FILE.md]
+      [--tpu TOPOLOGY] [--plain] [--out FILE.md]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import math
 import os
@@ -81,6 +87,7 @@ from dlion_jax import bench
 from dlion_jax import exchange
 from dlion_jax import parallel
 from dlion_jax import quantize
+from dlion_jax import workers
 from dlion_jax.bench import aot
 from dlion_jax.bench import reporting
 
@@ -105,6 +112,9 @@ TREES = {
 BASELINE = "global lion"
 FLOOR = "local lion"
 RENDEZVOUS = "local lion + 1 psum"
+# A D-Lion variant's name with this after it: the same optimizer in a plain
+# jax.jit step (dlion_jax.workers), not a shard_map.
+PLAIN = " (plain jit)"
 
 
 def num_params(shapes: dict) -> int:
@@ -204,6 +214,20 @@ def make_vmapped_step(tx: optax.GradientTransformation, *,
   return jax.jit(jax.vmap(local, axis_name=AXIS), donate_argnums=(0, 1))
 
 
+def make_plain_step(tx: optax.GradientTransformation) -> Callable:
+  """Like :func:`make_step` as a plain ``jax.jit`` step: the workers'
+  gradients and states one row each of a leading axis, the update mapped
+  over it (:func:`dlion_jax.workers.update`). Trace and call it under
+  ``jax.set_mesh`` of the workers' mesh."""
+
+  def step(params, states, grads):
+    updates, states = workers.update(tx, axis_name=AXIS)(grads, states,
+                                                         params)
+    return optax.apply_updates(params, updates), states
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
 def _pmean(grads):
   return lax.pmean(grads, AXIS)
 
@@ -227,8 +251,9 @@ class Runner:
   (:func:`make_vmapped_step`); ``grads`` then carry the worker axis unsharded.
   """
 
-  def __init__(self, tx, mesh, *, pmean_grads: bool, params, grads):
-    self.vmapped = mesh is None
+  def __init__(self, tx, mesh, *, pmean_grads: bool, params, grads,
+               plain: bool = False):
+    self.vmapped, self.mesh, self.plain = mesh is None, mesh, plain
     if self.vmapped:
       num_workers = jax.tree.leaves(grads)[0].shape[0]
       self.step = make_vmapped_step(tx, pmean_grads=pmean_grads)
@@ -236,32 +261,40 @@ class Runner:
           np.broadcast_to(x, (num_workers,) + x.shape)), params)
       self.states = jax.jit(jax.vmap(tx.init))(self.params)
     else:
-      self.step = make_step(tx, mesh, pmean_grads=pmean_grads)
+      self.step = (make_plain_step(tx) if plain else
+                   make_step(tx, mesh, pmean_grads=pmean_grads))
       self.params = parallel.replicate(params, mesh)
       self.states = parallel.init_worker_states(tx, self.params, mesh,
                                                 axis_name=AXIS)
     self.grads = grads
     self.times = []
 
+  def _context(self):
+    return (jax.set_mesh(self.mesh) if self.plain
+            else contextlib.nullcontext())
+
   def hlo_text(self) -> str:
     """The compiled step's HLO (compiles once more)."""
-    return self.step.lower(self.params, self.states,
-                           self.grads).compile().as_text()
+    with self._context():
+      return self.step.lower(self.params, self.states,
+                             self.grads).compile().as_text()
 
   def __call__(self) -> float:
     """Runs one step, blocked on; returns its wall time in seconds."""
-    start = time.perf_counter()
-    self.params, self.states = self.step(self.params, self.states,
-                                         self.grads)
-    jax.block_until_ready((self.params, self.states))
-    return time.perf_counter() - start
+    with self._context():
+      start = time.perf_counter()
+      self.params, self.states = self.step(self.params, self.states,
+                                           self.grads)
+      jax.block_until_ready((self.params, self.states))
+      return time.perf_counter() - start
 
 
 def build(num_workers: int, shapes: dict, *, vmap: bool = False,
-          grid: bool = False) -> dict[str, Runner]:
+          grid: bool = False, plain: bool = False) -> dict[str, Runner]:
   """A compiled, warmed-up :class:`Runner` per variant (of
   :func:`variants`), on a mesh of ``num_workers`` devices or (``vmap``)
-  vmapped on the default device."""
+  vmapped on the default device; with ``plain`` each D-Lion variant also
+  in a plain jitted step (its name + :data:`PLAIN`)."""
   params = random_tree(0, shapes)
   grads = random_tree(1, shapes, (num_workers,))
   if vmap:
@@ -272,10 +305,13 @@ def build(num_workers: int, shapes: dict, *, vmap: bool = False,
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
   runners = {}
   for name, (tx, pmean_grads) in variants(grid).items():
-    runners[name] = Runner(tx, mesh, pmean_grads=pmean_grads, params=params,
-                           grads=grads)
-    runners[name]()   # compile
-    runners[name]()   # warm
+    forms = [False, True] if plain and name.startswith("dlion ") else [False]
+    for form in forms:
+      key = name + PLAIN if form else name
+      runners[key] = Runner(tx, mesh, pmean_grads=pmean_grads,
+                            params=params, grads=grads, plain=form)
+      runners[key]()   # compile
+      runners[key]()   # warm
   return runners
 
 
@@ -324,7 +360,7 @@ def agreement(runners: dict[str, Runner]) -> str:
   groups = collections.defaultdict(list)
   for k in runners:
     if k.startswith("dlion "):
-      _, aggregation, _, *vote = k.split()
+      _, aggregation, _, *vote = k.removesuffix(PLAIN).split()
       groups[(aggregation, *vote)].append(k)
   steps = len(next(iter(runners.values())).times) + 2
   said = []
@@ -337,7 +373,7 @@ def agreement(runners: dict[str, Runner]) -> str:
         for a, b in zip(first, jax.tree.leaves(runners[k].params)))]
     which = " ".join([aggregation.capitalize() if aggregation == "avg"
                       else "MaVo", *vote])
-    said.append(f"{which} {', '.join(k.split()[2] for k in names)} are "
+    said.append(f"{which} {', '.join(_comm_of(k) for k in names)} are "
                 + ("bit for bit alike" if not differ else
                    f"NOT alike: {', '.join(differ)} differ from {names[0]}"))
   line = f"- After {steps} steps the parameters of " + "; of ".join(said) + "."
@@ -350,7 +386,13 @@ def agreement(runners: dict[str, Runner]) -> str:
   return line
 
 
+def _comm_of(name: str) -> str:
+  """A D-Lion variant's ``comm``, and its form if plain."""
+  return name.split()[2] + (PLAIN if name.endswith(PLAIN) else "")
+
+
 def _comm_bits(name: str, n: int) -> str:
+  name = name.removesuffix(PLAIN)
   if name == BASELINE:
     return f"{dl.allreduce_bits(n):.3g} (fp32 all-reduce)"
   if name == FLOOR:
@@ -436,9 +478,11 @@ def profile_table(runners: dict[str, Runner], steps: int = 5,
   return "\n".join(parts)
 
 
-def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False):
-  """:func:`make_step` compiled for the TPU chips of ``mesh`` (no chip
-  needed: libtpu compiles for a topology) on params of ``shapes``."""
+def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
+                 plain: bool = False):
+  """:func:`make_step` (or with ``plain`` :func:`make_plain_step`) compiled
+  for the TPU chips of ``mesh`` (no chip needed: libtpu compiles for a
+  topology) on params of ``shapes``."""
   n = mesh.devices.size
   def placed(shape, spec, dtype=np.float32):
     return jax.ShapeDtypeStruct(shape, dtype,
@@ -450,15 +494,19 @@ def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False):
   states = jax.tree.map(
       lambda s: placed(s.shape, P(AXIS) if s.ndim else P(), s.dtype),
       jax.eval_shape(jax.vmap(tx.init), grads))
+  if plain:
+    with jax.set_mesh(mesh):
+      return make_plain_step(tx).lower(params, states, grads).compile()
   return make_step(tx, mesh, pmean_grads=pmean_grads).lower(
       params, states, grads).compile()
 
 
-def tpu_bytes(tx, mesh, shapes: dict, *,
-              pmean_grads: bool = False) -> tuple[float, int]:
+def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
+              plain: bool = False) -> tuple[float, int]:
   """``(bytes accessed, fusions)`` of a chip's :func:`tpu_compiled` step,
   from XLA:TPU's own cost analysis."""
-  compiled = tpu_compiled(tx, mesh, shapes, pmean_grads=pmean_grads)
+  compiled = tpu_compiled(tx, mesh, shapes, pmean_grads=pmean_grads,
+                          plain=plain)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   entry = compiled.as_text().split("\nENTRY", 1)[1]
@@ -466,7 +514,7 @@ def tpu_bytes(tx, mesh, shapes: dict, *,
 
 
 def tpu_table(num_workers: int, shapes: dict, topology: str, *,
-              grid: bool = False) -> str:
+              grid: bool = False, plain: bool = False) -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
   chip reads and writes, against the floor's (see :func:`tpu_bytes`)."""
   devices = aot.tpu_devices(topology, 1)[:num_workers]
@@ -479,9 +527,13 @@ def tpu_table(num_workers: int, shapes: dict, topology: str, *,
   per_param = {}
   rows = []
   for name, (tx, pmean_grads) in variants(grid).items():
-    nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads)
-    per_param[name] = nbytes / num_params(shapes)
-    rows.append([name, f"{per_param[name]:.1f}", None, str(fusions)])
+    forms = [False, True] if plain and name.startswith("dlion ") else [False]
+    for form in forms:
+      key = name + PLAIN if form else name
+      nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads,
+                                  plain=form)
+      per_param[key] = nbytes / num_params(shapes)
+      rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
   for row in rows:
     row[2] = f"{per_param[row[0]] / per_param[FLOOR]:.2f}x"
   return reporting.markdown_table(
@@ -512,8 +564,15 @@ def main(argv=None) -> str:
   parser.add_argument("--grid", action="store_true",
                       help="every aggregation x comm x vote, not only MaVo's "
                       "comms and Avg auto with binary votes")
+  parser.add_argument("--plain", action="store_true",
+                      help="also run each D-Lion variant in a plain jax.jit "
+                      "step (dl.workers: the update vmapped over the "
+                      "workers' axis), beside its shard_map step")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
+  if args.plain and args.vmap:
+    parser.error("--plain maps the workers over the mesh's devices; leave "
+                 "out --vmap")
   if args.tpu:
     if args.vmap or args.profile:
       parser.error("--tpu compiles the step and times nothing; leave out "
@@ -527,7 +586,8 @@ def main(argv=None) -> str:
   load = os.getloadavg()[0]
   start = time.perf_counter()
   shapes = TREES[args.tree]
-  runners = build(args.workers, shapes, vmap=args.vmap, grid=args.grid)
+  runners = build(args.workers, shapes, vmap=args.vmap, grid=args.grid,
+                  plain=args.plain)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
   timed = time.perf_counter()
@@ -563,7 +623,8 @@ def _tpu_report(parser, args) -> str:
   shapes = TREES[args.tree]
   start = time.perf_counter()
   try:
-    table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid)
+    table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid,
+                         plain=args.plain)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([
