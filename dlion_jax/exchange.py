@@ -306,7 +306,8 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
                       leaf_sizes=sizes, gathers=gathers)
   layout = MessageLayout(tuple(sizes), num_workers, spec, aggregation, comm,
                          _runs(rows, len(alone)))
-  message = _message(rows, combine, alone, layout, spec)
+  message = _message(rows, combine, alone, layout, spec,
+                     batched=workers.mapped_over_mesh(axis_name))
   planes, decode = _EXCHANGES[comm](message, axis_name=axis_name,
                                     num_workers=num_workers, spec=spec,
                                     aggregation=aggregation)
@@ -565,7 +566,8 @@ def _runs(rows, num_alone: int) -> tuple[int, ...]:
                or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
 
 
-def _message(rows, combine, alone, layout, spec) -> jax.Array:
+def _message(rows, combine, alone, layout, spec, *,
+             batched: bool = False) -> jax.Array:
   """The packed message: ``combine(*row)``'s vote codes at each row's offset.
 
   The first ``len(alone)`` rows (big leaves, or every leaf of an
@@ -578,7 +580,16 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
   run: a few operations however many leaves there are, since compile time
   grows with the number of operations. Each run is packed planar
   (:meth:`MessageLayout.pack`).
+
+  ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each
+  of the message) concatenates the runs and their padding instead: the
+  partitioned in-place write of each run into the batched message cost
+  XLA:CPU a pass over the whole message a run (the step of 100 leaves took
+  7.5x the step without exchange, 1.4x with the concatenate).
   """
+  if batched:
+    return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,
+                                            spec))
   # Behind a barrier XLA cannot rewrite the first write into these zeros
   # as a pad of that run, which XLA:CPU fuses with the run's encoding and
   # packing into one loop over the whole message, a bounds check per word
@@ -590,6 +601,21 @@ def _message(rows, combine, alone, layout, spec) -> jax.Array:
         message, _run_words(rows, first, end, combine, alone, layout, spec),
         (layout.offsets[first] // layout.digits_per_word,))
   return message
+
+
+def _laid_end_to_end(rows, combine, alone, layout, spec) -> list[jax.Array]:
+  """Each run's packed words, and zero words for the padding around them:
+  the message in order."""
+  parts, at = [], 0
+  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
+    offset = layout.offsets[first] // layout.digits_per_word
+    if offset > at:
+      parts.append(jnp.zeros(offset - at, layout.word_dtype))
+    parts.append(_run_words(rows, first, end, combine, alone, layout, spec))
+    at = offset + parts[-1].shape[0]
+  if layout.words > at:
+    parts.append(jnp.zeros(layout.words - at, layout.word_dtype))
+  return parts
 
 
 def _run_words(rows, first, end, combine, alone, layout, spec) -> jax.Array:

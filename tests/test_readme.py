@@ -48,6 +48,32 @@ def test_readme_example_runs_with_a_schedule(tmp_path):
   assert float(re.search(r"loss (\S+);", out.stdout).group(1)) < 5.0
 
 
+def test_readme_plain_step_runs_after_the_example(tmp_path):
+  """The README's plain jitted step (dl.workers), run from the Example's
+  params on: it trains on, and sends what the Example's step sends."""
+  blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                      re.S)
+  example, plain = blocks[0], blocks[1]
+  assert "dl.workers.update(tx)" in plain
+  check = (
+      "\nprint(f'plain loss {float(loss):.4f}')\n"
+      "with jax.set_mesh(mesh):\n"
+      "  plain_sent = dl.collective_bytes(\n"
+      "      plain_step.lower(params, state, x, y).compile())\n"
+      "print(f'plain sent {plain_sent:.0f}')\n")
+  script = tmp_path / "plain.py"
+  script.write_text(example + "\n" + plain + check)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(re.search(r"plain loss (\S+)", out.stdout).group(1)) < 1.0
+  first = float(re.search(r"sent (\S+) bits/param/step", out.stdout).group(1))
+  plain_sent = float(re.search(r"plain sent (\S+)", out.stdout).group(1))
+  # The votes' bytes, and each step's mean of its 8 losses (7 bytes by a
+  # pmean, 28 by the plain step's gather): within 0.25 bits/param.
+  assert abs(8 * plain_sent / 1024 - first) < 0.25, out.stdout
+
+
 def _clone_folder(readme: str) -> str:
   """The folder the README's ``git clone ... && cd ...`` line creates."""
   line = re.search(r"^git clone .*$", readme, re.M).group(0)

@@ -13,6 +13,9 @@ this times the jitted ``shard_map`` step of :mod:`dlion_jax.bench.step`
 * ``dlion mavo auto`` and ``dlion avg auto``:
   :func:`dlion_jax.distributed_lion`.
 
+``--plain`` also times the two D-Lion steps written as a plain
+``jax.jit`` step (:mod:`dlion_jax.workers`).
+
 ``--gpt`` also times the whole training step users wait for before their
 first step: :func:`dlion_jax.parallel.make_train_step` of the train CLI's
 ``charlm_gpt`` model (a 4-layer byte-level GPT, forward and backward
@@ -30,7 +33,7 @@ and the bytes each worker sends per step, read off it.
 Usage::
 
   python -m dlion_jax.bench.compile [--leaves 100 400 1000] [--reps 2]
-      [--gpt] [--workers 8] [--out FILE.md]
+      [--gpt] [--workers 8] [--plain] [--out FILE.md]
 """
 
 from __future__ import annotations
@@ -75,19 +78,26 @@ def leaf_sizes(num_leaves: int, seed: int = 0) -> list[int]:
   return [int(s) for s in rng.integers(low, high + 1, num_leaves)]
 
 
-def variants() -> dict[str, tuple[optax.GradientTransformation, bool]]:
-  """name -> (optimizer, whether gradients are pmean-ed first)."""
+def variants(plain: bool = False
+             ) -> dict[str, tuple[optax.GradientTransformation, bool]]:
+  """name -> (optimizer, whether gradients are pmean-ed first); with
+  ``plain`` each D-Lion variant in a plain jitted step too."""
   lr = step_bench.LEARNING_RATE
-  return {
+  out = {
       BASELINE: (optax.lion(lr), True),
       "dlion mavo auto": (dl.distributed_lion(lr, axis_name=AXIS), False),
       "dlion avg auto": (dl.distributed_lion(lr, axis_name=AXIS,
                                              aggregation="avg"), False),
   }
+  if plain:
+    out.update({name + step_bench.PLAIN: variant
+                for name, variant in out.items() if name != BASELINE})
+  return out
 
 
 def time_one(name, tx, pmean_grads, mesh, sizes) -> Timing:
-  """Traces, lowers and compiles one variant's step from scratch."""
+  """Traces, lowers and compiles one variant's step from scratch (a name
+  ending in :data:`dlion_jax.bench.step.PLAIN`: its plain jitted step)."""
   params = {f"leaf_{i:04d}": jnp.zeros(s) for i, s in enumerate(sizes)}
   params = parallel.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
@@ -95,6 +105,10 @@ def time_one(name, tx, pmean_grads, mesh, sizes) -> Timing:
   grads = jax.device_put(
       jax.tree.map(lambda x: jnp.ones((n,) + x.shape, x.dtype), params),
       NamedSharding(mesh, P(AXIS)))
+  if name.endswith(step_bench.PLAIN):
+    with jax.set_mesh(mesh):
+      return _time(step_bench.make_plain_step(tx), (params, states, grads),
+                   len(sizes), name)
   step = step_bench.make_step(tx, mesh, pmean_grads=pmean_grads)
   return _time(step, (params, states, grads), len(sizes), name)
 
@@ -205,6 +219,9 @@ def main(argv=None) -> str:
   parser.add_argument("--gpt", action="store_true",
                       help="also time the train CLI's GPT training step")
   parser.add_argument("--workers", type=int, default=8)
+  parser.add_argument("--plain", action="store_true",
+                      help="also the D-Lion steps in a plain jax.jit step "
+                      "(dl.workers)")
   parser.add_argument("--out", help="also write the report to this file")
   args = parser.parse_args(argv)
   if args.gpt:
@@ -215,7 +232,7 @@ def main(argv=None) -> str:
   jobs = [((n, name), functools.partial(time_one, name, tx, pmean, mesh,
                                         leaf_sizes(n)))
           for n in args.leaves for _ in range(args.reps)
-          for name, (tx, pmean) in variants().items()]
+          for name, (tx, pmean) in variants(args.plain).items()]
   if args.gpt:
     jobs += [(("gpt", name), functools.partial(time_gpt_step, name, tx, mesh))
              for _ in range(args.reps)
