@@ -89,3 +89,22 @@ def test_the_grid_checks_each_group_of_strategies():
   assert "of Avg ternary auto, alltoall, allgather, psum, psum_int8 are NOT" \
       " alike: dlion avg allgather ternary differ" in line, line
   assert line.count("bit for bit alike") == 3
+
+
+def test_plain_steps_run_beside_the_shard_map_steps_and_agree():
+  """``--plain``: each D-Lion variant also as a plain jitted step
+  (dl.workers), the same parameters bit for bit, its wire bits named as
+  its shard_map step's, and the agreement line lists both forms."""
+  runners = step.build(8, SHAPES, plain=True)
+  plain = [k for k in runners if k.endswith(step.PLAIN)]
+  assert len(plain) == len([k for k in runners if k.startswith("dlion")]) / 2
+  for name in plain:
+    for a, b in zip(jax.tree.leaves(runners[name].params),
+                    jax.tree.leaves(runners[name.removesuffix(
+                        step.PLAIN)].params)):
+      np.testing.assert_array_equal(a, b)
+    assert step._comm_bits(name, 8) == step._comm_bits(
+        name.removesuffix(step.PLAIN), 8)
+  line = step.agreement(runners)
+  assert "auto (plain jit)" in line and "NOT" not in line
+  assert line.count("bit for bit alike") == 2
