@@ -844,9 +844,9 @@ class _PlacedCall:
     return self._for(args).lower(*args)
 
   def _for(self, args) -> Callable:
-    shardings = tuple(getattr(x, "sharding", None)
-                      for x in jax.tree.leaves(args))
-    key = (jax.tree.structure(args), shardings)
+    placed = tuple((np.shape(x), getattr(x, "sharding", None))
+                   for x in jax.tree.leaves(args))
+    key = (jax.tree.structure(args), placed)
     if key not in self._jitted:
       auto = any(t == jax.sharding.AxisType.Auto for a, t in zip(
           self._mesh.axis_names, self._mesh.axis_types)
@@ -1202,7 +1202,7 @@ def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
   batch over the Explicit axes (jax 0.10), so that each device would
   differentiate all its node's rows.
   """
-  n = mesh.shape[axis_name]
+  n = axis_size(mesh, axis_name)
 
   def step(params, state, batch):
     floats = _float_leaves(params)

@@ -26,6 +26,7 @@ all-gather). The result is the same on every worker, bit for bit the
 
 from __future__ import annotations
 
+import math
 from typing import Any, Callable, Hashable
 
 import jax
@@ -41,12 +42,20 @@ from dlion_jax import _drift
 def mapped_over_mesh(axis_name: Hashable | tuple) -> bool:
   """Whether ``axis_name`` is a ``jax.vmap`` axis named after axes of the
   enclosing mesh (``spmd_axis_name``), rather than a ``shard_map``'s
-  manual axis or a ``vmap`` on its own."""
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual axis, a ``vmap`` on its own or no axis bound at all."""
   mesh = jax.sharding.get_abstract_mesh()
-  return (not mesh.empty
-          and all(a in mesh.axis_names and a not in mesh.manual_axes
-                  for a in names))
+  if mesh.empty or not all(a in mesh.axis_names and a not in mesh.manual_axes
+                           for a in _names(axis_name)):
+    return False
+  try:
+    lax.axis_size(axis_name)
+  except NameError:
+    return False
+  return True
+
+
+def _names(axis_name) -> tuple:
+  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 
 
 def place(x: jax.Array, spec: P) -> jax.Array:
@@ -76,7 +85,6 @@ def exchanged(manual: Callable[[Any], Any], stacked: Callable[[Any], Any],
   between the workers' devices."""
   if not mapped_over_mesh(axis_name):
     return manual
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
   n = _mesh_size(axis_name)
 
   def run(rows):
@@ -88,7 +96,7 @@ def exchanged(manual: Callable[[Any], Any], stacked: Callable[[Any], Any],
     # On Auto axes a sharding constraint leaves the compiler free to gather
     # more than the placement asks: the workers' axes are made Explicit for
     # the exchange.
-    return jax.sharding.explicit_axes(stacked, axes=names,
+    return jax.sharding.explicit_axes(stacked, axes=_names(axis_name),
                                       in_sharding=specs)(rows)
 
   def broadcast(x, batched):
@@ -234,7 +242,25 @@ def update(tx, *, axis_name: str = "data") -> Callable:
     ``f(grads, state, params) -> (updates, state)``: ``grads`` and
     ``state`` with one row per worker on a leading axis (from
     :func:`value_and_grad` and :func:`dlion_jax.parallel.init_worker_states`),
-    ``params`` and ``updates`` the same for every worker.
+    ``params`` and ``updates`` the same for every worker. The state's
+    step counts and injected hyperparameters are made one value first
+    (:func:`alike_state`), so that a schedule read after the vote gives
+    one update.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
+    >>> mesh = jax.make_mesh((2,), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> tx = dl.distributed_lion(0.1, weight_decay=0.0, axis_name="data")
+    >>> with jax.set_mesh(mesh):
+    ...   params = jnp.zeros(3)
+    ...   state = dl.parallel.init_worker_states(tx, params, mesh)
+    ...   grads = jax.device_put(jnp.array([[1., -1., 2.], [1., 3., -2.]]),
+    ...                          jax.P("data"))     # worker 0's, worker 1's
+    ...   updates, state = jax.jit(dl.workers.update(tx))(grads, state,
+    ...                                                  params)
+    >>> updates          # MaVo of 2 workers: a tie moves nothing
+    Array([-0.1, -0. , -0. ], dtype=float32)
   """
   def each_worker(grads, state, params):
     return tx.update(grads, alike_state(state, axis_name), params)
@@ -243,19 +269,17 @@ def update(tx, *, axis_name: str = "data") -> Callable:
 
 
 def _mesh_size(axis_name) -> int:
+  """The number of workers: the size of the mesh axes ``axis_name``."""
   mesh = jax.sharding.get_abstract_mesh()
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  missing = [a for a in names if mesh.empty or a not in mesh.axis_names]
+  missing = [a for a in _names(axis_name)
+             if mesh.empty or a not in mesh.axis_names]
   if missing:
     raise ValueError(
         f"axis_name={axis_name!r} is not an axis of the enclosing mesh "
         f"({'none' if mesh.empty else dict(mesh.shape)}): the workers lie "
         "on a mesh axis. Trace the step under jax.set_mesh(mesh) with that "
         "axis, e.g. jax.make_mesh((8,), ('data',)).")
-  size = 1
-  for a in names:
-    size *= mesh.shape[a]
-  return size
+  return math.prod(mesh.shape[a] for a in _names(axis_name))
 
 
 def worker_rows(x: jax.Array, n: int, axis_name, path=()) -> jax.Array:
@@ -268,9 +292,7 @@ def worker_rows(x: jax.Array, n: int, axis_name, path=()) -> jax.Array:
         f"the {n} workers of axis {axis_name!r}.")
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
   first = spec[0] if spec and spec[0] is not None else ()
-  first = first if isinstance(first, tuple) else (first,)
-  names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  rest = tuple(a for a in first if a not in names)
+  rest = tuple(a for a in _names(first) if a not in _names(axis_name))
   inner = rest[0] if len(rest) == 1 else (rest or None)
   out = P(axis_name, inner, *spec[1:])
   shape = (n, x.shape[0] // n) + x.shape[1:]

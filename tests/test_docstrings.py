@@ -16,11 +16,12 @@ from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import sync
 from dlion_jax import transforms
+from dlion_jax import workers
 
 
 @pytest.mark.parametrize("module", [accounting, devices, elastic, hlo, lion,
                                     message, packing, parallel, quantize,
-                                    sync, transforms],
+                                    sync, transforms, workers],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)
