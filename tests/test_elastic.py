@@ -247,10 +247,11 @@ def explicit(mesh):
 
 
 @pytest.mark.parametrize("old,new,shard_axis", [
-    (8, 4, None), (4, 4, None), (2, 8, None),
-    ((2, 4), (2, 4), None), ((4, 2), (2, 4), None),
-    ((2, 4), (2, 4), "fsdp"), ((4, 2), (2, 4), "fsdp"),
-    ((2, 4), (4, 2), "fsdp")], ids=str)
+    (8, 4, None), (4, 4, None), ((4, 2), (2, 4), None),
+    ((2, 4), (4, 2), "fsdp")] + [   # the rest under -m slow
+        pytest.param(*c, marks=pytest.mark.slow) for c in [
+            (2, 8, None), ((2, 4), (2, 4), None), ((2, 4), (2, 4), "fsdp"),
+            ((4, 2), (2, 4), "fsdp")]], ids=str)
 def test_explicit_meshes_resize_as_auto_ones(old, new, shard_axis):
   """On an Explicit mesh (data only; data x fsdp with and without a
   shard_axis) the resized state is the Auto mesh's, bit for bit, placed as

@@ -44,9 +44,16 @@ def two_steps(mesh, shard_axis, zero3, check_vma):
   return params, state
 
 
-@pytest.mark.parametrize("kind,shard_axis,zero3", list(itertools.product(
-    (AxisType.Auto, AxisType.Explicit), (None, "fsdp"), (False, True))),
-    ids=str)
+# Every axis type x shard_axis x params at rest; a covering half in the
+# core tier (each value twice), the rest under -m slow.
+CORE = {(AxisType.Auto, None, False), (AxisType.Explicit, "fsdp", True),
+        (AxisType.Explicit, None, True), (AxisType.Auto, "fsdp", False)}
+LAYOUTS = [pytest.param(*c, marks=() if c in CORE else pytest.mark.slow)
+           for c in itertools.product((AxisType.Auto, AxisType.Explicit),
+                                      (None, "fsdp"), (False, True))]
+
+
+@pytest.mark.parametrize("kind,shard_axis,zero3", LAYOUTS, ids=str)
 def test_momentum_sync_with_check_vma_on_two_axes(kind, shard_axis, zero3):
   """A 2 x 4 ("data", "fsdp") mesh, Auto or Explicit, with or without
   shard_axis, params replicated or sharded at rest: check_vma=True gives
@@ -64,9 +71,7 @@ def test_momentum_sync_with_check_vma_on_two_axes(kind, shard_axis, zero3):
     np.testing.assert_array_equal(mu[0], mu[1])     # synced at step 2
 
 
-@pytest.mark.parametrize("kind,shard_axis,zero3", list(itertools.product(
-    (AxisType.Auto, AxisType.Explicit), (None, "fsdp"), (False, True))),
-    ids=str)
+@pytest.mark.parametrize("kind,shard_axis,zero3", LAYOUTS, ids=str)
 def test_apply_if_finite_reads_whole_leaves_on_two_axes(kind, shard_axis,
                                                         zero3):
   """As dl.apply_if_finite's docstring says: the check reads whole logical
