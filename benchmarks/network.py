@@ -204,8 +204,8 @@ def namespace(rate: str, name: str | None = None) -> Iterator[list[str]]:
 def _start_jax(timeout_s: float):
   """Joins the processes (gloo over TCP), one CPU device per process."""
   import jax  # pylint: disable=g-import-not-at-top
-  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
-  devices.start_processes(1, init_timeout=timeout_s)
+  from dlion_jax import processes  # pylint: disable=g-import-not-at-top
+  processes.start_processes(1, init_timeout=timeout_s)
   return jax
 
 

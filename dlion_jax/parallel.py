@@ -55,6 +55,7 @@ from dlion_jax import devices
 from dlion_jax import shards
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
+from dlion_jax._deprecations import moved
 from dlion_jax.devices import axis_size
 from dlion_jax.devices import data_mesh  # noqa: F401 (re-exported)
 from dlion_jax.devices import global_array  # noqa: F401
@@ -65,12 +66,14 @@ from dlion_jax.devices import shard_batch  # noqa: F401
 from dlion_jax.devices import shard_params  # noqa: F401
 from dlion_jax.devices import stack_for_workers  # noqa: F401
 from dlion_jax.devices import stacked_sharding
-from dlion_jax.devices import start_processes  # noqa: F401
 from dlion_jax.devices import use_cpu_devices  # noqa: F401
 from dlion_jax.transforms import apply_if_finite  # noqa: F401
 from dlion_jax.transforms import pmean_gradients  # noqa: F401
 
 LossFn = Callable[[Any, Any], jax.Array]
+
+# Process start-up moved to dlion_jax.processes.
+__getattr__ = moved(__name__, {"start_processes": "dlion_jax.processes"})
 
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.

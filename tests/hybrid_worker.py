@@ -59,8 +59,9 @@ def run(mesh, layout="shard_axis"):
 
 def main(out, layout):
   from dlion_jax import devices  # pylint: disable=g-import-not-at-top
+  from dlion_jax import processes  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
-  devices.start_processes(PER_NODE, init_timeout=60)
+  processes.start_processes(PER_NODE, init_timeout=60)
   mesh = devices.hybrid_mesh()
   assert jax.process_count() == NODES and dict(mesh.shape) == {
       "data": NODES, "fsdp": PER_NODE}, mesh

@@ -25,6 +25,7 @@ ENTRIES = [
     ("api/parallel.html", "dlion_jax.parallel.shard_batch"),
     ("api/parallel.html", "dlion_jax.parallel.hybrid_mesh"),
     ("api/parallel.html", "dlion_jax.parallel.limit_in_flight"),
+    ("api/processes.html", "dlion_jax.processes.start_processes"),
     ("api/accounting.html", "dlion_jax.hlo.collective_bytes_by_axis"),
     ("api/accounting.html", "dlion_jax.accounting.wire_bits"),
     ("api/elastic.html", "dlion_jax.elastic.resize_worker_states"),
@@ -207,7 +208,7 @@ PUBLIC_MODULES = ["dlion_jax", "dlion_jax.parallel", "dlion_jax.devices",
                   "dlion_jax.sync", "dlion_jax.quantize", "dlion_jax.hlo",
                   "dlion_jax.accounting", "dlion_jax.elastic",
                   "dlion_jax.transforms", "dlion_jax.shards",
-                  "dlion_jax.workers"]
+                  "dlion_jax.workers", "dlion_jax.processes"]
 
 
 def _public(module_name):

@@ -139,7 +139,7 @@ def parse_args(argv=None) -> argparse.Namespace:
   return parser.parse_args(argv)
 
 
-# How the multi-process arguments of devices.start_processes are spelled
+# How the multi-process arguments of processes.start_processes are spelled
 # here, so that its errors name the flags.
 _FLAGS = {"num_processes": "--num-processes", "process_id": "--process-id",
           "coordinator": "--coordinator", "init_timeout": "--init-timeout",
@@ -148,15 +148,16 @@ _FLAGS = {"num_processes": "--num-processes", "process_id": "--process-id",
 
 def _start_jax(cfg, args) -> None:
   """Multi-process start-up and device count, before jax's backend starts."""
-  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
+  from dlion_jax import processes  # pylint: disable=g-import-not-at-top
   n, address = args.num_processes, args.coordinator
   if cfg.workers % n:
     raise ConfigError(f"workers={cfg.workers} must be divisible by "
                       f"--num-processes={n}.")
   if n > 1:
     try:
-      devices.check_processes(n, args.process_id, address, args.init_timeout,
-                              args.heartbeat_timeout, names=_FLAGS)
+      processes.check_processes(n, args.process_id, address,
+                                args.init_timeout, args.heartbeat_timeout,
+                                names=_FLAGS)
     except ValueError as e:
       raise ConfigError(str(e)) from None
   hint = (f"Start the others with --coordinator {address} --num-processes "
@@ -164,11 +165,11 @@ def _start_jax(cfg, args) -> None:
           if args.process_id == 0 else
           f"Is process 0 running with --coordinator {address}, and reachable "
           "from here?")
-  devices.start_processes(cfg.workers // n, num_processes=n,
-                          process_id=args.process_id, coordinator=address,
-                          init_timeout=args.init_timeout,
-                          heartbeat_timeout=args.heartbeat_timeout,
-                          timeout_hint=hint)
+  processes.start_processes(cfg.workers // n, num_processes=n,
+                            process_id=args.process_id, coordinator=address,
+                            init_timeout=args.init_timeout,
+                            heartbeat_timeout=args.heartbeat_timeout,
+                            timeout_hint=hint)
 
 
 def main(argv=None) -> int:
