@@ -47,11 +47,10 @@ import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh
-from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
-from dlion_jax import devices
+from dlion_jax import _placement
 from dlion_jax import shards
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
@@ -78,10 +77,6 @@ __getattr__ = moved(__name__, {"start_processes": "dlion_jax.processes"})
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
 MAX_IN_FLIGHT = 8
-
-
-def _names(axes) -> tuple:
-  return axes if isinstance(axes, tuple) else (axes,)
 
 
 def _size(mesh: Mesh, axes) -> int:
@@ -111,21 +106,6 @@ def _check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
   axis_size(mesh, shard_axis, name="shard_axis")
 
 
-def _cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:
-  """``params`` as abstract arrays, each leaf not sharded over
-  ``shard_axis`` placed over it as :func:`shard_params` would (its
-  largest dimension the axis divides not sharded otherwise): where
-  :func:`init_worker_states` puts a ZeRO-2 state."""
-  k = mesh.shape[shard_axis]
-  def cut(x):
-    spec = devices.spec_on(x, mesh)
-    if shard_axis not in shards.spec_axes(spec):
-      spec = devices.fsdp_spec(np.shape(x), k, shard_axis, placed=spec)
-    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
-                                sharding=NamedSharding(mesh, spec))
-  return jax.tree.map(cut, params)
-
-
 def init_worker_states(tx: optax.GradientTransformation, params: Any,
                        mesh: Mesh, *, axis_name: str = "data",
                        shard_axis: str | None = None) -> Any:
@@ -147,7 +127,7 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
     placed so that worker ``i`` holds row ``i``.
   """
   _check_shard_axis(axis_name, shard_axis, mesh)
-  _check_not_over(params, axis_name)
+  _placement.check_not_over(params, axis_name)
   init = per_worker(tx.init, mesh, axis_name=axis_name,
                     ins=("replicated",), outs="stacked")
   try:
@@ -174,8 +154,8 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
       each hold every param; a momentum cannot be split over them twice).
   """
   if shard_axis is not None:
-    params = _cut_over(params, mesh, shard_axis)
-  _check_not_over(params, axis_name)
+    params = _placement.cut_over(params, mesh, shard_axis)
+  _placement.check_not_over(params, axis_name)
 
   def like(leaf, param=None):
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
@@ -291,7 +271,7 @@ def _drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
   outputs of ``jaxpr``, one worker's step) varies over ``axis_name`` (an
   axis or a tuple of them) when the batch (its last ``num_batch_leaves``
   inputs) does; empty leaves cannot drift."""
-  axes = frozenset(_names(axis_name))
+  axes = frozenset(_placement.names(axis_name))
   inputs = _drift.open_jaxpr(jaxpr).invars
   fixed = len(inputs) - num_batch_leaves
   new = _drift.varying_outputs(
@@ -313,7 +293,8 @@ def _drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
   named = ", ".join(leaves[:4]) + (
       f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
   count = f"{len(leaves)} of {len(jax.tree.leaves(params))}"
-  exchanged = _drift.exchanged_outputs(jaxpr, frozenset(_names(axis_name)))
+  exchanged = _drift.exchanged_outputs(
+      jaxpr, frozenset(_placement.names(axis_name)))
   if not any(exchanged[i] for i, _ in drifting):
     return ValueError(
         f"The optimizer exchanges nothing over axis {axis_name!r} for params "
@@ -408,162 +389,6 @@ class _ExchangeCheck:
     return getattr(self._jitted, name)
 
 
-def _ids(mesh) -> list[int]:
-  return np.asarray(mesh.device_ids).ravel().tolist()
-
-
-def _same_mesh(a, b) -> bool:
-  return (a.shape_tuple == b.shape_tuple
-          and np.array_equal(a.device_ids, b.device_ids))
-
-
-class _OutputsPlacedLikeInputs:
-  """A step built for the placement of its params and state over the
-  compiler's axes (``build((params' specs, state rows' specs),
-  out_shardings)``), one compilation per placement; traced arguments get
-  the plain ``jitted``.
-
-  The new params and state keep the caller's shardings (on Auto axes the
-  compiler would pick its own: replicated params come back sharded), and on
-  Auto axes the optimizer update is told how they are placed
-  (:func:`_placement`).
-  """
-
-  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx, *,
-               check_placement: bool = True):
-    functools.update_wrapper(self, jitted)
-    self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
-    self._check = check_placement
-    self._by_placement = {}
-
-  def _for(self, params, state) -> Callable:
-    leaves = jax.tree_util.tree_leaves_with_path({"params": params,
-                                                  "state": state})
-    shardings = [getattr(x, "sharding", None) for _, x in leaves]
-    for (path, _), s in zip(leaves, shardings):
-      if isinstance(s, NamedSharding) and not _same_mesh(s.mesh, self._mesh):
-        raise ValueError(
-            f"{jax.tree_util.keystr(path)} is placed on the mesh "
-            f"{dict(s.mesh.shape)} (devices {_ids(s.mesh)}), not on the "
-            f"step's {dict(self._mesh.shape)} (devices {_ids(self._mesh)}). "
-            "Place params and "
-            "state on the mesh given to make_train_step: "
-            "parallel.replicate(params, mesh) or parallel.shard_params("
-            "params, mesh), and parallel.init_worker_states(tx, params, "
-            "mesh).")
-    if not all(isinstance(s, NamedSharding) for s in shardings):
-      return self._jitted
-    treedef = jax.tree.structure((params, state))
-    key = (treedef, tuple(shardings))
-    if key not in self._by_placement:
-      placed = jax.tree.unflatten(treedef, shardings)
-      specs = jax.tree.map(lambda s: s.spec, placed)
-      if self._check:
-        _check_placement(self._tx, specs, self._mesh)
-      rows = jax.tree.map(lambda spec: P(*spec[1:]), specs[1],
-                          is_leaf=lambda x: isinstance(x, P))
-      self._by_placement[key] = self._build(
-          (specs[0], rows), placed + (NamedSharding(self._mesh, P()),))
-    return self._by_placement[key]
-
-  def trace(self, params, state, batch):
-    return self._for(params, state).trace(params, state, batch)
-
-  def lower(self, params, state, batch):
-    return self._for(params, state).lower(params, state, batch)
-
-  def __call__(self, params, state, batch):
-    return self._for(params, state)(params, state, batch)
-
-  def __getattr__(self, name):
-    return getattr(self._jitted, name)
-
-
-def _placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
-  """For each params leaf (by key path), the most sharded of its own
-  placement and that of the state leaves shaped like it (a ZeRO-2
-  momentum): how the optimizer update is to cut it (:func:`dlion_jax.
-  shards.placed`)."""
-  out = {}
-  def note(spec, param_spec, path):
-    best = out.get(path, param_spec)
-    if isinstance(spec, P) and len(shards.spec_axes(spec)) > len(
-        shards.spec_axes(best)):
-      best = spec
-    out[path] = best
-  _each_param_leaf(tx, note, params_specs, params_specs)
-  _each_param_leaf(tx, note, state_specs, params_specs)   # else params only
-  return out
-
-
-def _each_param_leaf(tx, fn: Callable, state_specs: Any,
-                     params_specs: Any) -> bool:
-  """``fn(state spec, param spec, param key path)`` for every leaf of the
-  state shaped like a param (``state_specs`` may be the params' own);
-  False where optax cannot tell those leaves."""
-  paths = jax.tree_util.tree_map_with_path(
-      lambda path, _: jax.tree_util.keystr(path), params_specs,
-      is_leaf=lambda x: isinstance(x, P))
-  if state_specs is params_specs:
-    jax.tree.map(fn, state_specs, params_specs, paths,
-                 is_leaf=lambda x: isinstance(x, P))
-    return True
-  try:
-    optax.tree_utils.tree_map_params(
-        tx, fn, state_specs, params_specs, paths,
-        transform_non_params=lambda _: None,
-        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
-  except (ValueError, TypeError):
-    return False
-  return True
-
-
-def _check_placement(tx, specs: Any, mesh: Mesh) -> None:
-  """Raises a ValueError naming a state leaf sharded over the mesh's
-  Explicit axes otherwise than its param, unless the param is whole (a
-  ZeRO-2 state): optax would add them, a sharding type error."""
-  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
-              if t == jax.sharding.AxisType.Explicit}
-  params_specs, state_specs = specs
-  conflicts = []
-  def check(spec, param_spec, path):
-    if not isinstance(spec, P):
-      return
-    mine, theirs = P(*spec[1:]), param_spec
-    pad = max(len(mine), len(theirs))
-    if (shards.spec_axes(theirs) & explicit
-        and shards.spec_axes(mine) & explicit
-        and tuple(mine) + (None,) * (pad - len(mine))
-        != tuple(theirs) + (None,) * (pad - len(theirs))):
-      conflicts.append((path, mine, theirs))
-  _each_param_leaf(tx, check, state_specs, params_specs)
-  if conflicts:
-    path, mine, theirs = conflicts[0]
-    raise ValueError(
-        f"The optimizer state's leaf for params {path} is sharded {mine} "
-        f"but the param is sharded {theirs} (Explicit axes): the optimizer "
-        "would add arrays sharded differently. Build the state from the "
-        "params as you place them: parallel.init_worker_states(tx, params, "
-        "mesh), or from parallel.shard_params(params, mesh) for whole "
-        "params and a sharded state (ZeRO-2).")
-
-
-def _check_not_over(params: Any, axis_name: str) -> None:
-  """Raises a ValueError naming a params leaf sharded over the vote's axis
-  (each worker holds every param)."""
-  for path, x in jax.tree_util.tree_leaves_with_path(params):
-    sharding = getattr(x, "sharding", None)
-    if (isinstance(sharding, NamedSharding)
-        and axis_name in shards.spec_axes(sharding.spec)):
-      raise ValueError(
-          f"params leaf {jax.tree_util.keystr(path)} is sharded "
-          f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
-          "workers vote over: each worker holds every param. Shard params "
-          "over the mesh's other axes only (parallel.shard_params(params, "
-          f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
-          "vote over another axis.")
-
-
 def typed_alike(state: Any) -> Any:
   """One worker's optimizer state with what every worker holds alike typed
   so, for a step you write with ``jax.shard_map(check_vma=True)``.
@@ -622,8 +447,8 @@ def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
 def _update(tx, placement=None):
   """One worker's optimizer step, ``(grads, state, params) -> (new params,
   state)``, the new params typed like the old. With a ``placement`` (Auto
-  axes beside the workers', :func:`_placement`) the update knows how each
-  leaf is placed (:func:`dlion_jax.shards.placed`)."""
+  axes beside the workers', :func:`dlion_jax._placement.placement`) the
+  update knows how each leaf is placed (:func:`dlion_jax.shards.placed`)."""
   def update(grads, state, params):
     state = typed_alike(state)          # check_vma: see there
     with (contextlib.nullcontext() if placement is None
@@ -764,7 +589,7 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   out_specs = tuple(map(spec, outs_))
   mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
                          out_specs=out_specs[0] if single else out_specs,
-                         axis_names=set(_names(axis_name)),
+                         axis_names=set(_placement.names(axis_name)),
                          check_vma=check_vma)
   def call(*args):
     if len(args) != len(ins):
@@ -779,7 +604,7 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
           "argument out \"split\" if its rows are to be divided among "
           "the workers."))
     return mapped(*args)
-  return _PlacedCall(call, mesh, axis_name, donate_argnums)
+  return _placement.PlacedCall(call, mesh, axis_name, donate_argnums)
 
 
 def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:
@@ -820,67 +645,6 @@ def _map_layout(tree: Any, layout: Any, which: str, fn: Callable) -> Any:
       layout, tree)
 
 
-class _PlacedCall:
-  """:func:`per_worker`'s function. Traced inside a caller's ``jax.jit``
-  it is the mapped function as is; called on arrays it is jitted, once a
-  placement of its arguments, with each output that updates an argument
-  (the same pytree of the same shapes) placed as that argument. On the
-  mesh's Auto axes the compiler would otherwise pick its own placement
-  for the new params and state (replicated params come back sharded)."""
-
-  def __init__(self, call: Callable, mesh: Mesh, axis_name,
-               donate_argnums):
-    functools.update_wrapper(self, call)
-    self._call, self._mesh, self._axis = call, mesh, axis_name
-    self._donate = donate_argnums
-    self._jitted = {}
-
-  def __call__(self, *args):
-    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      return self._call(*args)
-    return self._for(args)(*args)
-
-  def trace(self, *args):
-    return self._for(args).trace(*args)
-
-  def lower(self, *args):
-    return self._for(args).lower(*args)
-
-  def _for(self, args) -> Callable:
-    placed = tuple((np.shape(x), getattr(x, "sharding", None))
-                   for x in jax.tree.leaves(args))
-    key = (jax.tree.structure(args), placed)
-    if key not in self._jitted:
-      auto = any(t == jax.sharding.AxisType.Auto for a, t in zip(
-          self._mesh.axis_names, self._mesh.axis_types)
-                 if a not in _names(self._axis))
-      self._jitted[key] = jax.jit(
-          self._call, donate_argnums=self._donate,
-          out_shardings=_placed_like(self._call, args) if auto else None)
-    return self._jitted[key]
-
-
-def _placed_like(fn: Callable, args: tuple) -> Any:
-  """For each output of ``fn(*args)`` (each element of a tuple, or the
-  one output), the shardings of the first argument of the same pytree
-  structure, leaf shapes and dtypes, all of them placed; None for the
-  others (the compiler's choice)."""
-  out = jax.eval_shape(fn, *args)
-  outs = out if isinstance(out, tuple) else (out,)
-  def like(o):
-    for a in args:
-      a_leaves, o_leaves = jax.tree.leaves(a), jax.tree.leaves(o)
-      if (jax.tree.structure(a) == jax.tree.structure(o)
-          and all(np.shape(x) == y.shape and jnp.result_type(x) == y.dtype
-                  and isinstance(getattr(x, "sharding", None),
-                                 NamedSharding)
-                  for x, y in zip(a_leaves, o_leaves))):
-        return jax.tree.map(lambda x: x.sharding, a)
-    return None
-  placed = tuple(like(o) for o in outs)
-  return placed if isinstance(out, tuple) else placed[0]
-
-
 def _rows(tree: Any, layout: Any, row: Callable, check=None) -> Any:
   """``row`` applied to every leaf of the ``"stacked"`` parts of ``tree``
   (``layout`` a layout or a prefix of ``tree``); ``check`` sees each
@@ -916,7 +680,7 @@ def _outputs(out, outs: tuple[str, ...]) -> tuple:
 def _replication_checked(fn, ins, outs, single, axis_name) -> Callable:
   """``fn``, traced once to check that its ``"replicated"`` outputs are
   equal on every worker (:mod:`dlion_jax._drift`)."""
-  axes = frozenset(_names(axis_name))
+  axes = frozenset(_placement.names(axis_name))
   def checked(*args):
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     shapes = (shape,) if single else _outputs(shape, outs)
@@ -1111,20 +875,21 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   check_vma = check_vma and n > 1
   auto = any(t == jax.sharding.AxisType.Auto
              for a, t in zip(mesh.axis_names, mesh.axis_types)
-             if a not in _names(axis_name))
+             if a not in _placement.names(axis_name))
 
   def build(specs=None, out_shardings=None):
     if shard_axis is not None:
       step = _hybrid_step(loss_fn, tx, mesh, axis_name, shard_axis, specs,
                           has_aux=has_aux, micro_batches=micro_batches,
                           check_vma=check_vma)
-    elif _explicit_axes(mesh, axis_name):
+    elif _placement.explicit_axes(mesh, axis_name):
       step = _explicit_step(loss_fn, tx, mesh, axis_name, specs,
                             has_aux=has_aux, micro_batches=micro_batches,
                             check_vma=check_vma)
     else:
-      learn = _learn(loss_fn, tx, has_aux, micro_batches,
-                     _placement(tx, *specs) if specs and auto else None)
+      learn = _learn(
+          loss_fn, tx, has_aux, micro_batches,
+          _placement.placement(tx, *specs) if specs and auto else None)
 
       def local_step(params, state, batch):
         local_params = (lax.pcast(params, axis_name, to="varying")
@@ -1148,18 +913,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   if len(mesh.axis_names) > 1:
     # A shard_axis step updates on Auto axes, where optax adds leaves
     # placed differently without a sharding type error.
-    jitted = _OutputsPlacedLikeInputs(build, jitted, mesh, tx,
-                                      check_placement=shard_axis is None)
-  grads_first = shard_axis is not None or bool(_explicit_axes(mesh, axis_name))
-  return limit_in_flight(_ExchangeCheck(jitted, axis_name, n, grads_first),
-                         devices=mesh.devices.flat)
-
-
-def _explicit_axes(mesh: Mesh, axis_name) -> tuple:
-  """The mesh's Explicit axes beside ``axis_name``."""
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if a not in _names(axis_name)
-               and t == jax.sharding.AxisType.Explicit)
+    jitted = _placement.OutputsPlacedLikeInputs(
+        build, jitted, mesh, tx, check_placement=shard_axis is None)
+  grads_first = shard_axis is not None or bool(
+      _placement.explicit_axes(mesh, axis_name))
+  return limit_in_flight(
+      _ExchangeCheck(jitted, axis_name, n, grads_first),
+      devices=mesh.devices.flat)
 
 
 def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
@@ -1168,12 +928,13 @@ def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
   """:func:`make_train_step`'s step with a ``shard_axis``: each node's mean
   gradient by :func:`dlion_jax.shards.node_mean_grads` (manual over both
   axes), then the update of :func:`_voted`, each leaf's gradient and vote
-  in the blocks :func:`_blocks` gives it."""
+  in the blocks :func:`dlion_jax._placement.blocks` gives it."""
   def step(params, state, batch):
     paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
     floats = _float_leaves(params)
-    param_specs, blocks = _blocks(tx, specs, params, mesh, shard_axis)
+    param_specs, blocks = _placement.blocks(tx, specs, params, mesh,
+                                            shard_axis)
 
     def device_grads(params, batch):
       value, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
@@ -1209,7 +970,7 @@ def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
 
   def step(params, state, batch):
     floats = _float_leaves(params)
-    _, blocks = _blocks(tx, specs, params, mesh, None)
+    _, blocks = _placement.blocks(tx, specs, params, mesh, None)
 
     def worker_grads(rows):
       value, grads = _loss_and_grads(loss_fn, params, rows, has_aux,
@@ -1246,7 +1007,7 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
   0.10), which would gather every gradient and momentum; the update is
   told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
   """
-  explicit = _explicit_axes(mesh, axis_name)
+  explicit = _placement.explicit_axes(mesh, axis_name)
   update = _update(tx, blocks)
 
   def local_update(params, state, value, float_grads):
@@ -1278,35 +1039,6 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
           out_sharding=(typed(params), typed(state), P()))(
               params, state, value, grads)
   return voted
-
-
-def _blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
-  """Each params leaf's spec (from ``specs``, the placement of the call's
-  params and state, else the leaf's type), and by key path the blocks its
-  gradient and vote take: the most sharded of its param's and its state's
-  placement, cut over ``shard_axis`` (if any) as :func:`shard_params`
-  would where neither is."""
-  leaves = jax.tree_util.tree_leaves_with_path(params)
-  if specs is None:
-    param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
-                   for _, x in leaves]
-    merged = {jax.tree_util.keystr(p): s
-              for (p, _), s in zip(leaves, param_specs)}
-  else:
-    param_specs = jax.tree.leaves(specs[0],
-                                  is_leaf=lambda x: isinstance(x, P))
-    merged = _placement(tx, *specs)
-  if shard_axis is None:
-    return param_specs, merged
-  k = mesh.shape[shard_axis]
-  blocks = {}
-  for path, x in leaves:
-    key = jax.tree_util.keystr(path)
-    spec = merged[key]
-    if shard_axis not in shards.spec_axes(spec):
-      spec = devices.fsdp_spec(x.shape, k, shard_axis, placed=spec)
-    blocks[key] = spec
-  return param_specs, blocks
 
 
 def _mean_of_workers(tree: Any, axis_name) -> Any:
@@ -1392,12 +1124,6 @@ def _key(leaf) -> bool:
       np.ndim(leaf) > 0 and jnp.issubdtype(dtype, jnp.unsignedinteger))
 
 
-def _auto_axes(mesh) -> tuple:
-  """The Auto axes of more than one device of an abstract mesh."""
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1)
-
-
 def _differentiable(leaf) -> bool:
   try:
     return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
@@ -1445,13 +1171,13 @@ def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
     spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
     mesh = jax.sharding.get_abstract_mesh()
     if not spec or spec[0] is None:
-      if not _auto_axes(mesh):
+      if not _placement.auto_axes(mesh):
         return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
       # Rows the compiler may have sharded over Auto axes, unseen here: the
       # strided split keeps each device's share of each micro-batch on it.
       x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:])
       return jnp.moveaxis(x, 1, 0)
-    k = math.prod(mesh.shape[a] for a in _names(spec[0]))
+    k = math.prod(mesh.shape[a] for a in _placement.names(spec[0]))
     if (rows // micro_batches) % k:
       raise ValueError(
           f"micro_batches={micro_batches} leaves {rows // micro_batches} "

@@ -1,0 +1,308 @@
+"""Where each leaf, its momentum and the batch live: the spec arithmetic of
+the steps of :mod:`dlion_jax.parallel`.
+
+A param's placement over the compiler's axes (its ``NamedSharding``'s
+spec); its momentum's (each worker's row of the stacked state placed like
+the param, or cut over a ``shard_axis`` as
+:func:`dlion_jax.devices.shard_params` would cut it, for ZeRO-2), checked
+against the param's; the blocks each leaf's gradient and vote take; and
+the calls that return the new params and state placed as they came in (on
+Auto axes the compiler would pick a placement of its own).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dlion_jax import devices
+from dlion_jax import shards
+
+
+def names(axes) -> tuple:
+  """The axes of ``axes``, one mesh axis or a tuple of them, as a tuple."""
+  return axes if isinstance(axes, tuple) else (axes,)
+
+
+def cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:
+  """``params`` as abstract arrays, each leaf not sharded over
+  ``shard_axis`` placed over it as :func:`dlion_jax.devices.shard_params`
+  would (its largest dimension the axis divides not sharded otherwise):
+  where :func:`dlion_jax.parallel.init_worker_states` puts a ZeRO-2
+  state."""
+  k = mesh.shape[shard_axis]
+  def cut(x):
+    spec = devices.spec_on(x, mesh)
+    if shard_axis not in shards.spec_axes(spec):
+      spec = devices.fsdp_spec(np.shape(x), k, shard_axis, placed=spec)
+    return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
+                                sharding=NamedSharding(mesh, spec))
+  return jax.tree.map(cut, params)
+
+
+def check_not_over(params: Any, axis_name: str) -> None:
+  """Raises a ValueError naming a params leaf sharded over the vote's axis
+  (each worker holds every param)."""
+  for path, x in jax.tree_util.tree_leaves_with_path(params):
+    sharding = getattr(x, "sharding", None)
+    if (isinstance(sharding, NamedSharding)
+        and axis_name in shards.spec_axes(sharding.spec)):
+      raise ValueError(
+          f"params leaf {jax.tree_util.keystr(path)} is sharded "
+          f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
+          "workers vote over: each worker holds every param. Shard params "
+          "over the mesh's other axes only (parallel.shard_params(params, "
+          f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
+          "vote over another axis.")
+
+
+def _ids(mesh) -> list[int]:
+  return np.asarray(mesh.device_ids).ravel().tolist()
+
+
+def _same_mesh(a, b) -> bool:
+  return (a.shape_tuple == b.shape_tuple
+          and np.array_equal(a.device_ids, b.device_ids))
+
+
+class OutputsPlacedLikeInputs:
+  """A step built for the placement of its params and state over the
+  compiler's axes (``build((params' specs, state rows' specs),
+  out_shardings)``), one compilation per placement; traced arguments get
+  the plain ``jitted``.
+
+  The new params and state keep the caller's shardings (on Auto axes the
+  compiler would pick its own: replicated params come back sharded), and on
+  Auto axes the optimizer update is told how they are placed
+  (:func:`placement`).
+  """
+
+  def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx, *,
+               check_placement: bool = True):
+    functools.update_wrapper(self, jitted)
+    self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
+    self._check = check_placement
+    self._by_placement = {}
+
+  def _for(self, params, state) -> Callable:
+    leaves = jax.tree_util.tree_leaves_with_path({"params": params,
+                                                  "state": state})
+    shardings = [getattr(x, "sharding", None) for _, x in leaves]
+    for (path, _), s in zip(leaves, shardings):
+      if isinstance(s, NamedSharding) and not _same_mesh(s.mesh, self._mesh):
+        raise ValueError(
+            f"{jax.tree_util.keystr(path)} is placed on the mesh "
+            f"{dict(s.mesh.shape)} (devices {_ids(s.mesh)}), not on the "
+            f"step's {dict(self._mesh.shape)} (devices {_ids(self._mesh)}). "
+            "Place params and "
+            "state on the mesh given to make_train_step: "
+            "parallel.replicate(params, mesh) or parallel.shard_params("
+            "params, mesh), and parallel.init_worker_states(tx, params, "
+            "mesh).")
+    if not all(isinstance(s, NamedSharding) for s in shardings):
+      return self._jitted
+    treedef = jax.tree.structure((params, state))
+    key = (treedef, tuple(shardings))
+    if key not in self._by_placement:
+      placed = jax.tree.unflatten(treedef, shardings)
+      specs = jax.tree.map(lambda s: s.spec, placed)
+      if self._check:
+        check_placement(self._tx, specs, self._mesh)
+      rows = jax.tree.map(lambda spec: P(*spec[1:]), specs[1],
+                          is_leaf=lambda x: isinstance(x, P))
+      self._by_placement[key] = self._build(
+          (specs[0], rows), placed + (NamedSharding(self._mesh, P()),))
+    return self._by_placement[key]
+
+  def trace(self, params, state, batch):
+    return self._for(params, state).trace(params, state, batch)
+
+  def lower(self, params, state, batch):
+    return self._for(params, state).lower(params, state, batch)
+
+  def __call__(self, params, state, batch):
+    return self._for(params, state)(params, state, batch)
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
+
+
+def placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
+  """For each params leaf (by key path), the most sharded of its own
+  placement and that of the state leaves shaped like it (a ZeRO-2
+  momentum): how the optimizer update is to cut it (:func:`dlion_jax.
+  shards.placed`)."""
+  out = {}
+  def note(spec, param_spec, path):
+    best = out.get(path, param_spec)
+    if isinstance(spec, P) and len(shards.spec_axes(spec)) > len(
+        shards.spec_axes(best)):
+      best = spec
+    out[path] = best
+  _each_param_leaf(tx, note, params_specs, params_specs)
+  _each_param_leaf(tx, note, state_specs, params_specs)   # else params only
+  return out
+
+
+def _each_param_leaf(tx, fn: Callable, state_specs: Any,
+                     params_specs: Any) -> bool:
+  """``fn(state spec, param spec, param key path)`` for every leaf of the
+  state shaped like a param (``state_specs`` may be the params' own);
+  False where optax cannot tell those leaves."""
+  paths = jax.tree_util.tree_map_with_path(
+      lambda path, _: jax.tree_util.keystr(path), params_specs,
+      is_leaf=lambda x: isinstance(x, P))
+  if state_specs is params_specs:
+    jax.tree.map(fn, state_specs, params_specs, paths,
+                 is_leaf=lambda x: isinstance(x, P))
+    return True
+  try:
+    optax.tree_utils.tree_map_params(
+        tx, fn, state_specs, params_specs, paths,
+        transform_non_params=lambda _: None,
+        is_leaf=lambda x: isinstance(x, (P, optax.MaskedNode)))
+  except (ValueError, TypeError):
+    return False
+  return True
+
+
+def check_placement(tx, specs: Any, mesh: Mesh) -> None:
+  """Raises a ValueError naming a state leaf sharded over the mesh's
+  Explicit axes otherwise than its param, unless the param is whole (a
+  ZeRO-2 state): optax would add them, a sharding type error."""
+  explicit = {a for a, t in zip(mesh.axis_names, mesh.axis_types)
+              if t == jax.sharding.AxisType.Explicit}
+  params_specs, state_specs = specs
+  conflicts = []
+  def check(spec, param_spec, path):
+    if not isinstance(spec, P):
+      return
+    mine, theirs = P(*spec[1:]), param_spec
+    pad = max(len(mine), len(theirs))
+    if (shards.spec_axes(theirs) & explicit
+        and shards.spec_axes(mine) & explicit
+        and tuple(mine) + (None,) * (pad - len(mine))
+        != tuple(theirs) + (None,) * (pad - len(theirs))):
+      conflicts.append((path, mine, theirs))
+  _each_param_leaf(tx, check, state_specs, params_specs)
+  if conflicts:
+    path, mine, theirs = conflicts[0]
+    raise ValueError(
+        f"The optimizer state's leaf for params {path} is sharded {mine} "
+        f"but the param is sharded {theirs} (Explicit axes): the optimizer "
+        "would add arrays sharded differently. Build the state from the "
+        "params as you place them: parallel.init_worker_states(tx, params, "
+        "mesh), or from parallel.shard_params(params, mesh) for whole "
+        "params and a sharded state (ZeRO-2).")
+
+
+def explicit_axes(mesh: Mesh, axis_name) -> tuple:
+  """The mesh's Explicit axes beside ``axis_name``."""
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if a not in names(axis_name)
+               and t == jax.sharding.AxisType.Explicit)
+
+
+def auto_axes(mesh) -> tuple:
+  """The Auto axes of more than one device of an abstract mesh."""
+  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
+               if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1)
+
+
+def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
+  """Each params leaf's spec (from ``specs``, the placement of the call's
+  params and state, else the leaf's type), and by key path the blocks its
+  gradient and vote take: the most sharded of its param's and its state's
+  placement, cut over ``shard_axis`` (if any) as
+  :func:`dlion_jax.devices.shard_params` would where neither is."""
+  leaves = jax.tree_util.tree_leaves_with_path(params)
+  if specs is None:
+    param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
+                   for _, x in leaves]
+    merged = {jax.tree_util.keystr(p): s
+              for (p, _), s in zip(leaves, param_specs)}
+  else:
+    param_specs = jax.tree.leaves(specs[0],
+                                  is_leaf=lambda x: isinstance(x, P))
+    merged = placement(tx, *specs)
+  if shard_axis is None:
+    return param_specs, merged
+  k = mesh.shape[shard_axis]
+  blocks = {}
+  for path, x in leaves:
+    key = jax.tree_util.keystr(path)
+    spec = merged[key]
+    if shard_axis not in shards.spec_axes(spec):
+      spec = devices.fsdp_spec(x.shape, k, shard_axis, placed=spec)
+    blocks[key] = spec
+  return param_specs, blocks
+
+
+class PlacedCall:
+  """:func:`dlion_jax.parallel.per_worker`'s function. Traced inside a
+  caller's ``jax.jit`` it is the mapped function as is; called on arrays
+  it is jitted, once a placement of its arguments, with each output that
+  updates an argument (the same pytree of the same shapes) placed as that
+  argument. On the mesh's Auto axes the compiler would otherwise pick its
+  own placement for the new params and state (replicated params come back
+  sharded)."""
+
+  def __init__(self, call: Callable, mesh: Mesh, axis_name,
+               donate_argnums):
+    functools.update_wrapper(self, call)
+    self._call, self._mesh, self._axis = call, mesh, axis_name
+    self._donate = donate_argnums
+    self._jitted = {}
+
+  def __call__(self, *args):
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+      return self._call(*args)
+    return self._for(args)(*args)
+
+  def trace(self, *args):
+    return self._for(args).trace(*args)
+
+  def lower(self, *args):
+    return self._for(args).lower(*args)
+
+  def _for(self, args) -> Callable:
+    placed = tuple((np.shape(x), getattr(x, "sharding", None))
+                   for x in jax.tree.leaves(args))
+    key = (jax.tree.structure(args), placed)
+    if key not in self._jitted:
+      auto = any(t == jax.sharding.AxisType.Auto for a, t in zip(
+          self._mesh.axis_names, self._mesh.axis_types)
+                 if a not in names(self._axis))
+      self._jitted[key] = jax.jit(
+          self._call, donate_argnums=self._donate,
+          out_shardings=_placed_like(self._call, args) if auto else None)
+    return self._jitted[key]
+
+
+def _placed_like(fn: Callable, args: tuple) -> Any:
+  """For each output of ``fn(*args)`` (each element of a tuple, or the
+  one output), the shardings of the first argument of the same pytree
+  structure, leaf shapes and dtypes, all of them placed; None for the
+  others (the compiler's choice)."""
+  out = jax.eval_shape(fn, *args)
+  outs = out if isinstance(out, tuple) else (out,)
+  def like(o):
+    for a in args:
+      a_leaves, o_leaves = jax.tree.leaves(a), jax.tree.leaves(o)
+      if (jax.tree.structure(a) == jax.tree.structure(o)
+          and all(np.shape(x) == y.shape and jnp.result_type(x) == y.dtype
+                  and isinstance(getattr(x, "sharding", None),
+                                 NamedSharding)
+                  for x, y in zip(a_leaves, o_leaves))):
+        return jax.tree.map(lambda x: x.sharding, a)
+    return None
+  placed = tuple(like(o) for o in outs)
+  return placed if isinstance(out, tuple) else placed[0]
