@@ -35,7 +35,6 @@ here, where the step builders' users look for them.
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import math
 from typing import Any, Callable
@@ -51,6 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _drift
 from dlion_jax import _placement
+from dlion_jax import _worker_step
 from dlion_jax import shards
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
@@ -369,7 +369,8 @@ class _ExchangeCheck:
                 if e.primitive.name == "shard_map"][-1]
       if self._grads_first:
         varying = (len(region.outvars) - len(jax.tree.leaves(params))
-                   - len(jax.tree.leaves(state)) + len(_float_leaves(params)))
+                   - len(jax.tree.leaves(state))
+                   + len(_worker_step.float_leaves(params)))
       else:
         varying = len(jax.tree.leaves(batch))
       _check_no_drift(region.params["jaxpr"], params, varying,
@@ -442,32 +443,6 @@ def _require_exchange(fn: Callable, axis_name: str, num_workers: int,
                     axis_name, num_workers, args[-2])
   flat = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
   return jax.tree.unflatten(jax.tree.structure(out_shape), flat)
-
-
-def _update(tx, placement=None):
-  """One worker's optimizer step, ``(grads, state, params) -> (new params,
-  state)``, the new params typed like the old. With a ``placement`` (Auto
-  axes beside the workers', :func:`dlion_jax._placement.placement`) the
-  update knows how each leaf is placed (:func:`dlion_jax.shards.placed`)."""
-  def update(grads, state, params):
-    state = typed_alike(state)          # check_vma: see there
-    with (contextlib.nullcontext() if placement is None
-          else shards.placed(placement)):
-      updates, state = tx.update(grads, state, params)
-    new = jax.tree.map(shards.typed_like,
-                       optax.apply_updates(params, updates), params)
-    return new, state
-  return update
-
-
-def _learn(loss_fn, tx, has_aux, micro_batches, placement=None):
-  """One worker's loss, gradients and update: what must hold an exchange."""
-  update = _update(tx, placement)
-  def learn(params, local_params, state, batch):
-    loss, grads = _loss_and_grads(loss_fn, local_params, batch, has_aux,
-                                  micro_batches)
-    return *update(grads, state, params), loss
-  return learn
 
 
 _LAYOUTS = ("replicated", "stacked", "split")
@@ -887,7 +862,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                             has_aux=has_aux, micro_batches=micro_batches,
                             check_vma=check_vma)
     else:
-      learn = _learn(
+      learn = _worker_step.learn(
           loss_fn, tx, has_aux, micro_batches,
           _placement.placement(tx, *specs) if specs and auto else None)
 
@@ -895,7 +870,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         local_params = (lax.pcast(params, axis_name, to="varying")
                         if check_vma else params)
         params, state, loss = learn(params, local_params, state, batch)
-        return params, state, _mean_of_workers(loss, axis_name)
+        return params, state, _worker_step.mean_of_workers(loss, axis_name)
 
       step = per_worker(local_step, mesh, axis_name=axis_name,
                         ins=("replicated", "stacked", "split"),
@@ -932,15 +907,16 @@ def _hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
   def step(params, state, batch):
     paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
-    floats = _float_leaves(params)
+    floats = _worker_step.float_leaves(params)
     param_specs, blocks = _placement.blocks(tx, specs, params, mesh,
                                             shard_axis)
 
     def device_grads(params, batch):
-      value, grads = _loss_and_grads(loss_fn, params, batch, has_aux,
-                                     micro_batches)
+      value, grads = _worker_step.loss_and_grads(loss_fn, params, batch,
+                                                 has_aux, micro_batches)
       grads = jax.tree.leaves(grads)
-      return _mean_of_workers(value, shard_axis), [grads[i] for i in floats]
+      return (_worker_step.mean_of_workers(value, shard_axis),
+              [grads[i] for i in floats])
     value, grads = shards.node_mean_grads(
         device_grads, mesh, axis_name=axis_name, shard_axis=shard_axis,
         param_dims=[shards.axis_dim(s, shard_axis, f"params leaf {p}")
@@ -969,12 +945,12 @@ def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
   n = axis_size(mesh, axis_name)
 
   def step(params, state, batch):
-    floats = _float_leaves(params)
+    floats = _worker_step.float_leaves(params)
     _, blocks = _placement.blocks(tx, specs, params, mesh, None)
 
     def worker_grads(rows):
-      value, grads = _loss_and_grads(loss_fn, params, rows, has_aux,
-                                     micro_batches)
+      value, grads = _worker_step.loss_and_grads(loss_fn, params, rows,
+                                                 has_aux, micro_batches)
       grads = jax.tree.leaves(grads)
       return value, [grads[i] for i in floats]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
@@ -984,14 +960,6 @@ def _explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
     return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
         params, state, value, grads)
   return step
-
-
-def _float_leaves(params: Any) -> list[int]:
-  """The indices of the params leaves that get gradients: the others (an
-  integer counter) get constant zeros, which would read as differing by
-  worker when they come from a per-worker computation."""
-  return [i for i, x in enumerate(jax.tree.leaves(params))
-          if _differentiable(x)]
 
 
 def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
@@ -1008,7 +976,7 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
   told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
   """
   explicit = _placement.explicit_axes(mesh, axis_name)
-  update = _update(tx, blocks)
+  update = _worker_step.worker_update(tx, blocks)
 
   def local_update(params, state, value, float_grads):
     whole = [jnp.zeros(np.shape(x), jnp.result_type(x))
@@ -1017,7 +985,7 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
       whole[i] = g
     params, state = update(jax.tree.unflatten(jax.tree.structure(params),
                                               whole), state, params)
-    return params, state, _mean_of_workers(value, axis_name)
+    return params, state, _worker_step.mean_of_workers(value, axis_name)
 
   def region(*args):
     # The gradients come last: the exchange check reads them as varying.
@@ -1039,20 +1007,6 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
           out_sharding=(typed(params), typed(state), P()))(
               params, state, value, grads)
   return voted
-
-
-def _mean_of_workers(tree: Any, axis_name) -> Any:
-  """``pmean`` of the losses (and aux) over the workers, floats narrower
-  than float32 averaged in float32: a closer mean, and XLA:CPU aborts
-  compiling a bfloat16 all-reduce in a ``shard_map`` manual over some of
-  the mesh's axes only (jaxlib 0.10: "Invalid binary instruction opcode
-  copy")."""
-  def mean(x):
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-      return lax.pmean(x, axis_name)
-    wide = jnp.promote_types(x.dtype, jnp.float32)
-    return lax.pmean(x.astype(wide), axis_name).astype(x.dtype)
-  return jax.tree.map(mean, tree)
 
 
 def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
@@ -1124,83 +1078,6 @@ def _key(leaf) -> bool:
       np.ndim(leaf) > 0 and jnp.issubdtype(dtype, jnp.unsignedinteger))
 
 
-def _differentiable(leaf) -> bool:
-  try:
-    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
-  except TypeError:               # not an array: left to jax.grad to name
-    return True
-
-
-def _value_and_grad(loss_fn, has_aux):
-  """``jax.value_and_grad`` over the floating-point leaves of the params
-  only: the others (an integer step counter, a flag) get zero gradients of
-  their own dtype, so that an optimizer can leave them out with
-  ``optax.masked`` and they stay unchanged."""
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
-  def value_and_grad(params, batch):
-    leaves, treedef = jax.tree.flatten(params)
-    floats = [_differentiable(x) for x in leaves]
-    if all(floats):
-      return grad_fn(params, batch)
-    def on_floats(float_leaves, batch):
-      it = iter(float_leaves)
-      return loss_fn(treedef.unflatten(
-          [next(it) if f else x for x, f in zip(leaves, floats)]), batch)
-    value, grads = jax.value_and_grad(on_floats, has_aux=has_aux)(
-        [x for x, f in zip(leaves, floats) if f], batch)
-    it = iter(grads)
-    # Constants, not zeros_like: those of per-worker typed (check_vma)
-    # params would be typed per worker, and so would the unchanged leaves.
-    return value, treedef.unflatten(
-        [next(it) if f else jnp.zeros(jnp.shape(x), jnp.result_type(x))
-         for x, f in zip(leaves, floats)])
-  return value_and_grad
-
-
-def _loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
-  """``value_and_grad``, averaged over ``micro_batches`` slices of batch."""
-  grad_fn = _value_and_grad(loss_fn, has_aux)
-  if micro_batches == 1:
-    return grad_fn(params, batch)
-  def split(x):
-    rows = x.shape[0]
-    if rows % micro_batches:
-      raise ValueError(
-          f"micro_batches={micro_batches} must divide the batch each call "
-          f"of loss_fn sees, which has {rows} rows.")
-    spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-    mesh = jax.sharding.get_abstract_mesh()
-    if not spec or spec[0] is None:
-      if not _placement.auto_axes(mesh):
-        return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
-      # Rows the compiler may have sharded over Auto axes, unseen here: the
-      # strided split keeps each device's share of each micro-batch on it.
-      x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:])
-      return jnp.moveaxis(x, 1, 0)
-    k = math.prod(mesh.shape[a] for a in _placement.names(spec[0]))
-    if (rows // micro_batches) % k:
-      raise ValueError(
-          f"micro_batches={micro_batches} leaves {rows // micro_batches} "
-          f"rows of each worker's batch of {rows} a micro-batch, which the "
-          f"{k} devices its rows are sharded over ({spec[0]!r}) cannot "
-          f"share: each micro-batch must hold a multiple of {k} rows. Use "
-          f"a micro_batches that divides {rows // k}, or a larger batch.")
-    # Rows sharded over the compiler's axes: micro-batch m takes rows m,
-    # m + micro_batches, ..., so that each device keeps its share of each.
-    x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:],
-                  out_sharding=P(spec[0], None, *spec[1:]))
-    return jnp.moveaxis(x, 1, 0)
-  def body(total, micro):
-    return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
-  micro = jax.tree.map(split, batch)
-  first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
-  (value, grads), _ = lax.scan(body, first,
-                               jax.tree.map(lambda x: x[1:], micro))
-  mean = lambda x: x / micro_batches
-  return jax.tree.map(mean, value), jax.tree.map(
-      lambda g: mean(g) if _differentiable(g) else g, grads)
-
-
 def init_pmap_states(tx: optax.GradientTransformation, params: Any,
                      num_devices: int | None = None) -> Any:
   """Per-device optimizer states for :func:`make_pmap_train_step`.
@@ -1252,7 +1129,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     ``[N]`` (equal entries).
   """
 
-  learn = _learn(loss_fn, tx, has_aux, micro_batches)
+  learn = _worker_step.learn(loss_fn, tx, has_aux, micro_batches)
 
   def local_step(params, state, batch):
     params, state, loss = _require_exchange(
