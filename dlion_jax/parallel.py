@@ -46,6 +46,7 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax import _replication
 from dlion_jax import _worker_step
@@ -75,11 +76,6 @@ __getattr__ = moved(__name__, {"start_processes": "dlion_jax.processes"})
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
 MAX_IN_FLIGHT = 8
-
-
-def _size(mesh: Mesh, axes) -> int:
-  """Devices along one mesh axis or the product over a tuple of them."""
-  return axis_size(mesh, axes)
 
 
 def _check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
@@ -304,9 +300,6 @@ def typed_alike(state: Any) -> Any:
   return workers.alike_state(state)
 
 
-_LAYOUTS = ("replicated", "stacked", "split")
-
-
 def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
                ins: tuple[Any, ...], outs: tuple[Any, ...] | Any,
                check_vma: bool = False,
@@ -398,99 +391,10 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     >>> jax.jit(fn)(jnp.ones(2), jnp.ones((1, 2)))
     Array([2., 2.], dtype=float32)
   """
-  n = _size(mesh, axis_name)
-  single = not isinstance(outs, (tuple, list))
-  ins, outs_ = tuple(ins), (outs,) if single else tuple(outs)
-  for name, layouts in (("ins", ins), ("outs", outs_)):
-    bad = [x for x in jax.tree.leaves(layouts) if x not in _LAYOUTS]
-    if bad:
-      raise ValueError(f"per_worker: {name} has {bad[0]!r}; each layout is "
-                       f"one of {_LAYOUTS} (or a pytree prefix of the "
-                       "argument with one at each leaf).")
-  if fold_in_worker and n > 1:
-    fn = _with_worker_keys(fn, ins, axis_name)
-  checked = _replication.replication_checked(
-      fn, ins, outs_, single, axis_name) if (
-          check_replicated and not check_vma and n > 1
-          and "replicated" in jax.tree.leaves(outs_)) else fn
-  spec = lambda layout: jax.tree.map(
-      lambda k: P() if k == "replicated" else P(axis_name), layout)
-  def local(*args):
-    args = [_rows(a, k, lambda x: x[0]) for a, k in zip(args, ins)]
-    out = checked(*args)
-    out = (out,) if single else _replication.outputs(out, outs_)
-    out = tuple(_rows(o, k, lambda x: x[None]) for o, k in zip(out, outs_))
-    return out[0] if single else out
-  out_specs = tuple(map(spec, outs_))
-  mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
-                         out_specs=out_specs[0] if single else out_specs,
-                         axis_names=set(_placement.names(axis_name)),
-                         check_vma=check_vma)
-  def call(*args):
-    if len(args) != len(ins):
-      raise TypeError(
-          f"per_worker: the function got {len(args)} positional arguments "
-          f"but ins gives {len(ins)} layouts {ins}; give one layout per "
-          "argument.")
-    for i, (arg, layout) in enumerate(zip(args, ins)):
-      _rows(arg, layout, lambda x: x, lambda sub: _check_leading_axis(
-          sub, n, f"per_worker argument {i} (\"stacked\")",
-          "one row per worker", "Stack one row per worker, or lay the "
-          "argument out \"split\" if its rows are to be divided among "
-          "the workers."))
-    return mapped(*args)
-  return _placement.PlacedCall(call, mesh, axis_name, donate_argnums)
-
-
-def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:
-  """``fn`` whose ``"replicated"`` arguments' typed PRNG keys are folded
-  with the worker's index (:func:`jax.random.fold_in`): each worker draws
-  its own dropout masks from one key, and two runs draw the same. A key
-  ``fn`` returns as it was given goes out as it came in, the same on every
-  worker; one derived from a folded key differs by worker."""
-  def with_keys(*args):
-    index = lax.axis_index(axis_name)
-    given = {}
-    def fold(x):
-      if not _typed_key(x):
-        return x
-      folded = (jax.random.fold_in(x, index) if not np.ndim(x) else
-                jax.vmap(jax.random.fold_in, (0, None))(
-                    x.reshape(-1), index).reshape(np.shape(x)))
-      given[id(folded)] = (folded, x)
-      return folded
-    args = [jax.tree.map(fold, a) if k == "replicated" else
-            _map_layout(a, k, "replicated", fold) for a, k in zip(args, ins)]
-    def unfold(x):
-      folded, original = given.get(id(x), (None, None))
-      return original if folded is x else x
-    return jax.tree.map(unfold, fn(*args))
-  return with_keys
-
-
-def _typed_key(leaf) -> bool:
-  return jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
-
-
-def _map_layout(tree: Any, layout: Any, which: str, fn: Callable) -> Any:
-  """``fn`` applied to the leaves of the parts of ``tree`` laid out
-  ``which`` (``layout`` a layout or a prefix of ``tree``)."""
-  return jax.tree.map(
-      lambda k, sub: jax.tree.map(fn, sub) if k == which else sub,
-      layout, tree)
-
-
-def _rows(tree: Any, layout: Any, row: Callable, check=None) -> Any:
-  """``row`` applied to every leaf of the ``"stacked"`` parts of ``tree``
-  (``layout`` a layout or a prefix of ``tree``); ``check`` sees each
-  stacked part first."""
-  def part(k, sub):
-    if k != "stacked":
-      return sub
-    if check is not None:
-      check(sub)
-    return jax.tree.map(row, sub)
-  return jax.tree.map(part, layout, tree)
+  return _per_worker.per_worker(
+      fn, mesh, axis_name=axis_name, ins=ins, outs=outs, check_vma=check_vma,
+      check_replicated=check_replicated, fold_in_worker=fold_in_worker,
+      donate_argnums=donate_argnums)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -623,7 +527,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                         check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
-      _check_worker_states(state, n, mesh.devices.size)
+      _per_worker.check_worker_states(state, n, mesh.devices.size)
       return step(params, state, batch)
 
     return jax.jit(checked_step, out_shardings=out_shardings,
@@ -754,58 +658,6 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
   return voted
 
 
-def _check_leading_axis(tree: Any, n: int, what: str, wants: str,
-                        fix: str, pmap: bool = False) -> None:
-  """Raises a ValueError naming the first leaf without a leading axis n
-  (and, for an injected hyperparameter, how to set one)."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    shape = np.shape(leaf)
-    if not shape or shape[0] != n:
-      name = _hyperparameter(path)
-      raise ValueError(
-          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-          f"{shape}; the step wants {wants} on a leading axis of size {n}. "
-          + (fix if name is None else _set_hyperparameter(name, n, pmap)))
-
-
-def _hyperparameter(path) -> str | None:
-  """The name of the :func:`optax.inject_hyperparams` hyperparameter at
-  ``path`` in a state, or None."""
-  keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-  for field, key in zip(keys, keys[1:]):
-    if field == "hyperparams":
-      return key
-  return None
-
-
-def _set_hyperparameter(name: str, n: int, pmap: bool) -> str:
-  value = f"state.hyperparams[{name!r}]"
-  how = (f"{value} = jnp.full_like({value}, new_value)" if pmap else
-         f"value = {value}; {value} = jax.device_put(jnp.full_like(value, "
-         "new_value), value.sharding)")
-  return (
-      f"It is the hyperparameter {name!r} of optax.inject_hyperparams, "
-      f"which every worker's state holds, one row per worker ({n}): set "
-      + ("every row: " if pmap else
-         "every row, keeping the leaf's sharding: ") + how + ".")
-
-
-def _check_worker_states(state: Any, n: int, devices: int) -> None:
-  """Raises a ValueError naming the first state leaf not stacked for the
-  ``n`` workers of the step, and the call that builds the state (a state
-  with a row per device of the mesh was built for a step whose workers
-  are every device)."""
-  rows = {np.shape(x)[0] for x in jax.tree.leaves(state) if np.ndim(x)}
-  fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
-         "not tx.init(params).")
-  if devices != n and rows == {devices}:
-    fix = (f"It has a row per device of the mesh ({devices}); this step's "
-           f"workers are the {n} rows of the data axis, each voting for "
-           "its node. " + fix)
-  _check_leading_axis(state, n, "optimizer state",
-                      "every worker's state stacked", fix)
-
-
 def init_pmap_states(tx: optax.GradientTransformation, params: Any,
                      num_devices: int | None = None) -> Any:
   """Per-device optimizer states for :func:`make_pmap_train_step`.
@@ -872,14 +724,16 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   @functools.wraps(step)          # keeps pmap's lower, trace, ...
   def checked_step(params, state, batch):
     stacked = "a copy for each of its devices stacked"
-    _check_leading_axis(
+    _per_worker.check_leading_axis(
         params, n, "params", stacked,
         f"Build it with parallel.replicate_for_pmap(params, {n}).")
-    _check_leading_axis(state, n, "optimizer state", stacked,
-                        "Build it with parallel.init_pmap_states(tx, params, "
-                        f"{n}).", pmap=True)
-    _check_leading_axis(batch, n, "batch", "each device's batch",
-                        f"Reshape it to [{n}, local_batch, ...].")
+    _per_worker.check_leading_axis(
+        state, n, "optimizer state", stacked,
+        "Build it with parallel.init_pmap_states(tx, params, "
+        f"{n}).", pmap=True)
+    _per_worker.check_leading_axis(
+        batch, n, "batch", "each device's batch",
+        f"Reshape it to [{n}, local_batch, ...].")
     return step(params, state, batch)
 
   return limit_in_flight(checked_step, devices=devices)
