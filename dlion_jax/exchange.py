@@ -341,7 +341,14 @@ def _finalize(outcome: jax.Array, num_workers: int, aggregation: str,
   top = num_workers * spec.max_level
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
   quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
-  return jnp.asarray(quotients, dtype)[outcome.astype(jnp.int32) + top]
+  index = outcome.astype(jnp.int32) + top
+  # Typed on Explicit axes (blocks of sharded leaves), the gather must be
+  # told its result lies as its indices do (under a mesh: a spec is
+  # refused without one).
+  spec = getattr(jax.typeof(index).sharding, "spec", None)
+  if jax.sharding.get_abstract_mesh().empty:
+    spec = None
+  return jnp.asarray(quotients, dtype).at[index].get(out_sharding=spec)
 
 
 def sign_of_mean(leaves: list[jax.Array], *,

@@ -527,6 +527,8 @@ def _module_text(value, where: tuple[str, str]) -> str:
     return value
   if isinstance(value, jax.stages.Compiled):
     return value.as_text()
+  if isinstance(getattr(value, "compiled", None), jax.stages.Compiled):
+    return value.compiled.as_text()       # nnx.jit(f).lower(...).compile()
   function, arg = where
   if isinstance(value, jax.stages.Lowered):
     name, fix = "a jax.stages.Lowered", "lowered.compile()"

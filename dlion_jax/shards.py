@@ -7,7 +7,10 @@ compiler; a leaf is sharded over them as its type says. The vote then runs
 in a nested region manual over those axes: each device encodes, packs and
 exchanges across the data axis only its own block of each leaf, cut once
 more over the axes the leaf is replicated on, and gathers the update back
-over the fast links.
+over the fast links. In a plain jitted step whose workers are a
+``jax.vmap`` axis (:mod:`dlion_jax.workers`) the same blocks are the rows
+of ``[F, width]`` arrays the compiler keeps on their devices
+(:class:`BlockCut`).
 
 **Data parallel inside a node** (:func:`node_mean_grads`,
 ``make_train_step(..., shard_axis=)``). Where a fast axis only splits each
@@ -186,6 +189,8 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
   traced: those of the enclosing mesh (or, under a bare ``jax.jit``, of
   the ``leaves``' Explicit shardings) that are not manual. Empty under
   ``pmap``, ``vmap`` alone and a ``shard_map`` manual over every axis.
+  Where the workers are a ``jax.vmap`` axis named after mesh axes
+  (:mod:`dlion_jax.workers`), the other axes that partition the mesh.
 
   Raises:
     ValueError: the vote is traced on a mesh without a ``shard_map`` manual
@@ -231,21 +236,12 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
 
 
 def _beside_workers(axis_name, mesh, auto) -> tuple[str, ...]:
-  """No axis to vote on shards over, where the workers are a ``jax.vmap``
-  axis named after mesh axes (:mod:`dlion_jax.workers`); a mesh that
-  partitions other axes is not supported there yet."""
+  """The axes beside the workers' that partition the mesh, where the
+  workers are a ``jax.vmap`` axis named after mesh axes
+  (:mod:`dlion_jax.workers`): each device votes on its own block of every
+  leaf over them (:func:`on_own_shards`)."""
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  others = [a for a in auto if a not in names and mesh.shape[a] > 1]
-  if others:
-    raise ValueError(
-        f"The vote over axis_name={axis_name!r} is traced in a jax.vmap "
-        f"over that mesh axis, and the mesh {dict(mesh.shape)} also "
-        f"partitions {others}: voting in the vmapped form on a mesh with "
-        "more axes is not supported yet (every device would pack and send "
-        "its whole node's votes). Use dl.parallel.make_train_step(loss_fn, "
-        f"tx, mesh, axis_name={axis_name!r}), which votes on each "
-        "device's own part of every leaf.")
-  return ()
+  return tuple(a for a in auto if a not in names and mesh.shape[a] > 1)
 
 
 # Set while dlion_jax.parallel.make_train_step traces the optimizer update
@@ -310,9 +306,13 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
   :class:`LeafShard` over ``axes`` per leaf (a whole-leaf statistic sums
   over them; padding adds zero), and returns the update of each chunk; the
   chunks are gathered back over the replicated axes (the fast links) and
-  the padding cut off. A leaf's blocks are those of the most sharded of
-  its arrays across ``trees`` (a ZeRO-2 momentum beside a whole
-  gradient); the result is typed like the first tree's leaf, as an optax
+  the padding cut off. Where the workers are a ``jax.vmap`` axis (no
+  manual axes: :mod:`dlion_jax.workers`) there is no region: each leaf is
+  laid out as one block a device (:class:`BlockCut`, the same chunks) and
+  ``fn`` runs on the blocks under a ``jax.vmap`` of their own
+  (:func:`dlion_jax.workers.blockwise`). A leaf's blocks are those of the
+  most sharded of its arrays across ``trees`` (a ZeRO-2 momentum beside a
+  whole gradient); the result is typed like the first tree's leaf, as an optax
   update must be (``optax.MultiSteps`` puts it in a ``lax.cond`` beside
   zeros of the gradient's type). Traced values ``fn`` needs beside the
   trees (an ``optax.inject_hyperparams`` rate) go in ``constants``: a
@@ -359,6 +359,17 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
     return whole(fn(*chunks, leaf_shards=shards_, constants=constants),
                  gathers)
 
+  if not jax.sharding.get_abstract_mesh().manual_axes:
+    # The workers are a jax.vmap axis (dlion_jax.workers): no region.
+    cuts = [BlockCut(x.shape, spec, axes, sizes)
+            for x, spec in zip(leaves, specs)]
+    blocks = [treedef.unflatten([cut.blocks(x) for cut, x in zip(
+        cuts, treedef.flatten_up_to(t))]) for t in trees]
+    shards_ = [LeafShard(workers.BLOCKS, int(x.size)) for x in leaves]
+    out = workers.blockwise(lambda *trees: fn(
+        *trees, leaf_shards=shards_, constants=constants), axes)(*blocks)
+    return treedef.unflatten([typed_like(cut.whole(d), x) for cut, d, x in zip(
+        cuts, treedef.flatten_up_to(out), leaves)])
   in_specs = (P(),) + tuple(treedef.unflatten(specs) for _ in trees)
   out = jax.shard_map(local, in_specs=in_specs,
                       out_specs=treedef.unflatten(specs),
@@ -366,6 +377,93 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
                                                              *trees)
   return treedef.unflatten([typed_like(d, x) for d, x in zip(
       treedef.flatten_up_to(out), leaves)])
+
+
+class BlockCut:
+  """A leaf of ``shape``, sharded as ``spec`` over the mesh axes ``axes``,
+  as one block for each of their devices (``[F, width]``, the blocks over
+  ``axes``), where the workers are a ``jax.vmap`` axis and the vote runs
+  on the blocks in a ``jax.vmap`` of its own (:func:`on_own_shards`).
+
+  A device's block is its own shard of the leaf, flattened and cut once
+  more over the axes the leaf is replicated on (zero-padded to equal
+  chunks): :meth:`blocks` moves nothing between devices, and
+  :meth:`whole` gathers the chunks back over those axes (the fast links).
+  """
+
+  def __init__(self, shape: tuple[int, ...], spec: P, axes: tuple[str, ...],
+               sizes: dict[str, int]):
+    mesh = jax.sharding.get_abstract_mesh()
+    self.explicit = all(
+        mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit
+        for a in axes)
+    self.shape, self.spec, self.axes = tuple(shape), spec, tuple(axes)
+    # Each sharded dimension split into a dimension per axis and the rest.
+    self.split, self.labels = [], []
+    for d, n in enumerate(shape):
+      names = _entry_names(spec[d]) if d < len(spec) else ()
+      self.split += [sizes[a] for a in names] + [
+          n // math.prod(sizes[a] for a in names)]
+      self.labels += list(names) + [None]
+    labelled = sorted((i for i, a in enumerate(self.labels) if a),
+                      key=lambda i: axes.index(self.labels[i]))
+    self.order = labelled + [i for i, a in enumerate(self.labels) if not a]
+    self.sharded = [self.labels[i] for i in labelled]
+    self.tail = [self.split[i] for i in self.order[len(labelled):]]
+    self.free = [a for a in axes if a not in self.sharded]
+    self.rest = math.prod(self.tail)
+    self.parts = math.prod(sizes[a] for a in self.free)
+    self.width = -(-self.rest // self.parts)
+    self.lead = self.sharded + self.free
+    self.to_axes = sorted(range(len(self.lead)),
+                          key=lambda i: axes.index(self.lead[i]))
+    self.sizes = sizes
+
+  def _shaped(self, x, shape, labels):
+    """``x`` reshaped, its dimensions sharded over ``labels``."""
+    spec = P(*labels)
+    if self.explicit:
+      return x.reshape(shape, out_sharding=spec)
+    return lax.with_sharding_constraint(x.reshape(shape), spec)
+
+  def _placed(self, x, labels):
+    spec = P(*labels)
+    if self.explicit:
+      return jax.sharding.reshard(x, spec)
+    return lax.with_sharding_constraint(x, spec)
+
+  def blocks(self, x: jax.Array) -> jax.Array:
+    """``x`` as ``[F, width]``, block ``i`` on device ``i`` of ``axes``."""
+    k = [self.sizes[a] for a in self.sharded]
+    y = self._shaped(x, self.split, self.labels).transpose(self.order)
+    y = self._shaped(y, k + [self.rest], self.sharded + [None])
+    y = jnp.pad(y, [(0, 0)] * len(k) + [(0, self.parts * self.width
+                                         - self.rest)])
+    y = self._shaped(y, k + [self.sizes[a] for a in self.free] + [self.width],
+                     self.sharded + [None] * (len(self.free) + 1))
+    y = self._placed(y, self.lead + [None])
+    y = y.transpose(self.to_axes + [len(self.lead)])
+    return self._shaped(y, (math.prod(self.sizes[a] for a in self.axes),
+                            self.width), [self.axes, None])
+
+  def whole(self, b: jax.Array) -> jax.Array:
+    """The leaf from its blocks (:meth:`blocks`' inverse)."""
+    k = [self.sizes[a] for a in self.sharded]
+    y = self._shaped(b, [self.sizes[a] for a in self.axes] + [self.width],
+                     list(self.axes) + [None])
+    y = y.transpose(list(np.argsort(self.to_axes)) + [len(self.lead)])
+    y = self._placed(y, self.sharded + [None] * (len(self.free) + 1))
+    y = self._shaped(y, k + [self.parts * self.width], self.sharded + [None])
+    y = self._shaped(y[..., :self.rest], k + self.tail,
+                     self.sharded + [None] * len(self.tail))
+    y = y.transpose(list(np.argsort(self.order)))
+    return self._shaped(y, self.shape, list(self.spec) + [None] * (
+        len(self.shape) - len(self.spec)))
+
+
+def _entry_names(entry) -> tuple:
+  return () if entry is None else entry if isinstance(entry, tuple) else (
+      entry,)
 
 
 def typed_like(d: jax.Array, x: jax.Array) -> jax.Array:

@@ -42,9 +42,9 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
     del params
     axes = shards.compiler_axes(axis_name, jax.tree.leaves(updates))
     if not axes:
-      return lax.pmean(updates, axis_name), state
+      return workers.pmean(updates, axis_name), state
     return shards.on_own_shards(
-        lambda g, **_: lax.pmean(g, axis_name), (updates,),
+        lambda g, **_: workers.pmean(g, axis_name), (updates,),
         axes), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)

@@ -22,10 +22,18 @@ batching rule of its own, which states it as placement instead: the
 every worker's words (one all-to-all), and the tally resharded whole (one
 all-gather). The result is the same on every worker, bit for bit the
 ``shard_map`` step's; so is what a device sends.
+
+On a mesh with more axes (``("data", "fsdp", "model")``) the params and
+momenta stay sharded over the others as the user placed them (FSDP,
+tensor parallel), and each device votes on its own block of every leaf
+(:func:`blockwise`, :class:`dlion_jax.shards.BlockCut`): it packs and
+sends across ``"data"`` only that block's votes, and the update is
+gathered back over the fast axes where a leaf is replicated on them.
 """
 
 from __future__ import annotations
 
+import contextvars
 import math
 from typing import Any, Callable, Hashable
 
@@ -82,39 +90,87 @@ def exchanged(manual: Callable[[Any], Any], stacked: Callable[[Any], Any],
   ``stacked`` instead, given every worker's ``x`` as arrays with a leading
   axis of workers and returning the result once. ``stacked`` says with
   :func:`place` where its arrays lie, so that the compiler moves them
-  between the workers' devices."""
+  between the workers' devices.
+
+  Inside :func:`blockwise` (each device of the fast axes voting on its own
+  block of the leaves) ``stacked`` runs block by block: every worker's
+  words of a block lie on the devices of that block, and move across the
+  workers' axis only."""
   if not mapped_over_mesh(axis_name):
     return manual
   n = _mesh_size(axis_name)
+  blocks = _BLOCK_AXES.get()
 
-  def run(rows):
-    specs = jax.tree.map(lambda r: P(axis_name, *(None,) * (r.ndim - 1)),
-                         rows)
+  def run(rows, blocked):
+    lead = (axis_name, blocks) if blocked else (axis_name,)
+    specs = jax.tree.map(
+        lambda r: P(*lead, *(None,) * (r.ndim - len(lead))), rows)
+    fn = jax.vmap(stacked, in_axes=1,
+                  spmd_axis_name=blocks) if blocked else stacked
     if all(_explicit(s) for s in jax.tree.leaves(
         specs, is_leaf=lambda s: isinstance(s, P))):
-      return stacked(rows)
+      return fn(rows)
     # On Auto axes a sharding constraint leaves the compiler free to gather
-    # more than the placement asks: the workers' axes are made Explicit for
-    # the exchange.
-    return jax.sharding.explicit_axes(stacked, axes=_names(axis_name),
-                                      in_sharding=specs)(rows)
+    # more than the placement asks: the axes are made Explicit for the
+    # exchange.
+    return jax.sharding.explicit_axes(
+        fn, axes=tuple(a for entry in lead for a in _names(entry)),
+        in_sharding=(specs,))(rows)
 
-  def broadcast(x, batched):
+  def broadcast(x, batched, size):
     return jax.tree.map(
         lambda leaf, b: leaf if b else jnp.broadcast_to(
-            leaf, (n,) + leaf.shape),
-        x, batched)
+            leaf, (size,) + leaf.shape), x, batched)
 
-  # Not batched (the same on every worker already), x is every row.
-  exchange = jax.custom_batching.custom_vmap(
-      lambda x: run(broadcast(x, jax.tree.map(lambda _: False, x))))
+  def over_workers(blocked):
+    # Not batched (the same on every worker already), x is every row.
+    f = jax.custom_batching.custom_vmap(lambda x: run(
+        broadcast(x, jax.tree.map(lambda _: False, x), n), blocked))
 
-  @exchange.def_vmap
-  def _(axis_size, in_batched, x):
-    del axis_size
-    out = run(broadcast(x, in_batched[0]))
-    return out, jax.tree.map(lambda _: False, out)
-  return exchange
+    @f.def_vmap
+    def _(axis_size, in_batched, x):
+      del axis_size
+      out = run(broadcast(x, in_batched[0], n), blocked)
+      return out, jax.tree.map(lambda _: False, out)
+    return f
+  if blocks is None:
+    return over_workers(False)
+
+  # The block's index, batched over the blocks, makes the innermost batching
+  # rule the blocks' even where x is the same for every block: this rule
+  # hands every block's x to the workers' rule at once.
+  over_blocks = jax.custom_batching.custom_vmap(
+      lambda x, index: over_workers(False)(x))
+
+  @over_blocks.def_vmap
+  def _(axis_size, in_batched, x, index):
+    del index
+    out = over_workers(True)(broadcast(x, in_batched[0], axis_size))
+    return out, jax.tree.map(lambda _: True, out)
+  return lambda x: over_blocks(x, lax.axis_index(BLOCKS))
+
+
+# The jax.vmap axis of the blocks in blockwise, and the mesh axes they lie
+# on while it is traced.
+BLOCKS = "dlion_jax.blocks"
+_BLOCK_AXES = contextvars.ContextVar("block_axes", default=None)
+
+
+def blockwise(fn: Callable, axes: tuple[str, ...]) -> Callable:
+  """``fn`` mapped over a leading axis of blocks, one block on each device
+  of the mesh axes ``axes`` (``jax.vmap`` named :data:`BLOCKS`), where
+  the workers are a ``jax.vmap`` axis too: its exchanges
+  (:func:`exchanged`) move each block between the workers' devices of
+  that block only (see :func:`dlion_jax.shards.on_own_shards`)."""
+  mapped = jax.vmap(fn, axis_name=BLOCKS, spmd_axis_name=axes)
+
+  def run(*args):
+    token = _BLOCK_AXES.set(tuple(axes))
+    try:
+      return mapped(*args)
+    finally:
+      _BLOCK_AXES.reset(token)
+  return run
 
 
 def psum(x: Any, axis_name) -> Any:
@@ -264,8 +320,95 @@ def update(tx, *, axis_name: str = "data") -> Callable:
   """
   def each_worker(grads, state, params):
     return tx.update(grads, alike_state(state, axis_name), params)
-  return jax.vmap(each_worker, in_axes=(0, 0, None), out_axes=(None, 0),
-                  axis_name=axis_name, spmd_axis_name=axis_name)
+  mapped = jax.vmap(each_worker, in_axes=(0, 0, None), out_axes=(None, 0),
+                    axis_name=axis_name, spmd_axis_name=axis_name)
+
+  def run(grads, state, params):
+    try:
+      return mapped(grads, state, params)
+    except ValueError as e:
+      if "mapped output" not in str(e):
+        raise
+      raise ValueError(
+          "tx's updates differ from worker to worker in the vmapped form "
+          f"over axis_name={axis_name!r}: each worker computes them from "
+          "state of its own that no exchange makes one (e.g. "
+          "optax.chain(dl.parallel.pmean_gradients(...), optax.adam(...)): "
+          "each worker's Adam moments). Vote with tx (dl.distributed_lion), "
+          "or keep such an optimizer's state once for all the workers and "
+          "call tx.update on the averaged gradients "
+          "(dl.workers.pmean(grads, axis_name)) outside dl.workers.update."
+      ) from None
+  return run
+
+
+def stacked(tx: optax.GradientTransformation, *,
+            axis_name: str = "data") -> optax.GradientTransformation:
+  """``tx`` with its state held once per worker, for code that calls
+  ``tx.init`` and ``tx.update`` itself: :class:`flax.nnx.Optimizer`, a
+  Linen ``TrainState``.
+
+  ``init`` stacks ``tx.init(params)`` over the workers of ``axis_name``
+  (each row on its worker's devices, each momentum sharded over the other
+  axes like its param); ``update`` is :func:`update`: ``grads`` a row per
+  worker (:func:`value_and_grad`), ``updates`` the same for every worker.
+  Both run under ``jax.set_mesh(mesh)``. On Auto axes, where a traced
+  array's type does not say how it is sharded, the params' placement read
+  by ``init`` tells the vote where each leaf's blocks lie, so the update
+  comes back placed as the params are (no reshard over the fast links).
+
+  Args:
+    tx: the optimizer, voting over ``axis_name``.
+    axis_name: the mesh axis of the workers.
+
+  Example:
+    >>> import jax, jax.numpy as jnp, dlion_jax as dl
+    >>> from flax import nnx
+    >>> mesh = jax.make_mesh((2,), ("data",),
+    ...                      axis_types=(jax.sharding.AxisType.Explicit,))
+    >>> tx = dl.distributed_lion(0.1, weight_decay=0.0, axis_name="data")
+    >>> with jax.set_mesh(mesh):
+    ...   model = nnx.Linear(3, 1, rngs=nnx.Rngs(0))
+    ...   optimizer = nnx.Optimizer(model, dl.workers.stacked(tx),
+    ...                             wrt=nnx.Param)
+    >>> optimizer.opt_state[0].mu["kernel"].shape   # a row per worker
+    (2, 3, 1)
+  """
+  placement = []
+
+  def init_fn(params):
+    n = _mesh_size(axis_name)
+    placement[:] = [_spec_of(x) for x in jax.tree.leaves(params)]
+    return jax.tree.map(lambda x: _stacked_rows(x, n, axis_name),
+                        tx.init(params))
+
+  def update_fn(grads, state, params=None):
+    from dlion_jax import shards     # imports this module
+    paths = [jax.tree_util.keystr(p) for p, _ in
+             jax.tree_util.tree_flatten_with_path(grads)[0]]
+    known = dict(zip(paths, placement)) if len(paths) == len(
+        placement) else {}
+    with shards.placed({k: v for k, v in known.items() if v is not None}):
+      return update(tx, axis_name=axis_name)(grads, state, params)
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _spec_of(x) -> P | None:
+  """Where ``x`` lies: its type's spec, or a concrete array's."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if not spec and isinstance(x, jax.Array) and not isinstance(
+      x, jax.core.Tracer):
+    spec = getattr(x.sharding, "spec", None)
+  return spec
+
+
+def _stacked_rows(x, n: int, axis_name) -> jax.Array:
+  """``n`` copies of ``x`` on a leading axis over ``axis_name``, sharded
+  over the other axes as ``x`` is."""
+  spec = tuple(_spec_of(x) or ())
+  spec += (None,) * (jnp.ndim(x) - len(spec))
+  return place(jnp.broadcast_to(x, (n,) + jnp.shape(x)),
+               P(axis_name, *spec))
 
 
 def _mesh_size(axis_name) -> int:
