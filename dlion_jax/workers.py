@@ -39,6 +39,7 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import AxisType
@@ -245,21 +246,38 @@ _INJECTED = (optax.InjectHyperparamsState,
 
 
 def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
+                   rows_over: tuple[str, ...] | None = None,
                    has_aux: bool = False) -> Callable:
   """Each worker's loss and gradients, in a plain jitted step.
 
+  On a mesh with more axes, a worker's rows are split again over
+  ``rows_over`` (FSDP): each of those devices differentiates its own rows,
+  and the worker's loss and gradients are the mean over them, each term
+  scaled by ``1/k`` before the sum as
+  :func:`dlion_jax.parallel.make_train_step`'s ``shard_axis`` step does
+  (the compiler reduces it over the fast links, scattered where the vote
+  takes blocks of the leaves). Left to the compiler, a model's gradient
+  may be computed on every device of a node from its whole batch, or
+  partitioned like the vote's blocks, gathering activations.
+
   Args:
     loss_fn: ``loss_fn(params, batch) -> loss`` (or ``(loss, aux)`` with
-      ``has_aux``) of one worker's rows.
+      ``has_aux``) of one worker's rows (of one device's, with
+      ``rows_over``).
     axis_name: the mesh axis of the workers (the vote's).
-    has_aux: as in :func:`jax.value_and_grad`.
+    rows_over: the mesh axes beside ``axis_name`` whose devices split a
+      worker's rows; ``()`` for none. By default those the batch is
+      sharded over on Explicit axes, and on Auto axes (whose types do not
+      say) every other axis of more than one device.
+    has_aux: as in :func:`jax.value_and_grad` (``aux`` averaged over
+      ``rows_over`` like the loss).
 
   Returns:
     ``f(params, batch) -> (values, grads)``: ``batch``'s leaves split on
     their leading axis into one block of rows per worker, and for each
     worker its loss (``[N]``, with ``aux``) and its gradients (each leaf
     ``[N, *param.shape]``, the workers on ``axis_name``'s devices). No
-    gradient all-reduce is issued.
+    gradient all-reduce over ``axis_name`` is issued.
 
   Example:
     >>> import jax, jax.numpy as jnp, dlion_jax as dl
@@ -279,11 +297,71 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
 
   def each_worker(params, batch):
     n = _mesh_size(axis_name)
+    groups = _row_groups(batch, axis_name, rows_over)
     rows = jax.tree_util.tree_map_with_path(
-        lambda path, x: worker_rows(x, n, axis_name, path), batch)
-    return jax.vmap(grad_fn, in_axes=(None, 0),
+        lambda path, x: worker_rows(x, n, axis_name, path, groups), batch)
+    if not groups:
+      return jax.vmap(grad_fn, in_axes=(None, 0),
+                      spmd_axis_name=axis_name)(params, rows)
+    k = _mesh_size(groups)
+
+    def one_worker(params, rows):
+      whole = jax.tree.map(lambda x: _gathered(x, groups), params)
+      values, grads = jax.vmap(grad_fn, in_axes=(None, 0),
+                               spmd_axis_name=groups)(whole, rows)
+      return (jax.tree.map(lambda v: _mean_of_groups(v, k), values),
+              jax.tree.map(lambda g, x: _mean_of_groups(g, k, like=x),
+                           grads, params))
+    return jax.vmap(one_worker, in_axes=(None, 0),
                     spmd_axis_name=axis_name)(params, rows)
   return each_worker
+
+
+def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
+  """The mesh axes whose devices split each worker's rows (see
+  :func:`value_and_grad`)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if rows_over is not None:
+    groups = tuple(_names(rows_over))
+  elif mesh.empty or mesh.are_all_axes_explicit:
+    specs = [tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+             for x in jax.tree.leaves(batch)]
+    groups = next((tuple(a for a in _names(s[0]) if a not in _names(
+        axis_name)) for s in specs if s and s[0] is not None), ())
+  else:
+    groups = tuple(a for a in mesh.axis_names if a not in _names(
+        axis_name) and mesh.shape[a] > 1)
+  return tuple(a for a in groups if mesh.shape[a] > 1)
+
+
+def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
+  """``x`` whole over ``axes`` (FSDP's gather of a param sharded over
+  them), where its type says it is sharded over them (Explicit axes; on
+  Auto axes the compiler gathers what it needs)."""
+  spec = getattr(jax.typeof(x).sharding, "spec", None)
+  if spec is None or not any(a in axes for entry in spec
+                             for a in _names(entry or ())):
+    return x
+  keep = [tuple(a for a in _names(entry or ()) if a not in axes)
+          for entry in spec]
+  return jax.sharding.reshard(x, P(*[
+      None if not e else e[0] if len(e) == 1 else e for e in keep]))
+
+
+def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
+  """The mean over ``v``'s leading axis of ``k`` row groups: each term
+  scaled by ``1/k``, then summed (``make_train_step``'s order); sharded
+  as ``like``'s type says (on Explicit axes: a reduce-scatter, where a
+  sum typed replicated would all-reduce)."""
+  if not jnp.issubdtype(v.dtype, jnp.floating):
+    return jnp.mean(v, axis=0)
+  mean = lambda v: (v * np.dtype(v.dtype).type(1 / k)).sum(0, dtype=v.dtype)
+  spec = None if like is None else getattr(jax.typeof(like).sharding,
+                                           "spec", None)
+  axes = tuple(a for entry in spec or () for a in _names(entry or ()))
+  if not axes:
+    return mean(v)
+  return jax.sharding.auto_axes(mean, axes=axes, out_sharding=spec)(v)
 
 
 def update(tx, *, axis_name: str = "data") -> Callable:
@@ -378,9 +456,17 @@ def stacked(tx: optax.GradientTransformation, *,
 
   def init_fn(params):
     n = _mesh_size(axis_name)
-    placement[:] = [_spec_of(x) for x in jax.tree.leaves(params)]
-    return jax.tree.map(lambda x: _stacked_rows(x, n, axis_name),
-                        tx.init(params))
+    # Flax NNX's Variables read as their values: nnx.Optimizer would lay
+    # out the stacked rows by a Variable's sharding metadata, the param's.
+    params = jax.tree.map(lambda v: v.get_value(), params,
+                          is_leaf=lambda v: hasattr(v, "get_value"))
+    leaves, treedef = jax.tree.flatten(params)
+    placement[:] = [_spec_of(x) for x in leaves]
+    # Each momentum placed like its param (an eager zeros_like is not).
+    return optax.tree_utils.tree_map_params(
+        tx, lambda x, i: _stacked_rows(x, n, axis_name, placement[i]),
+        tx.init(params), treedef.unflatten(range(len(leaves))),
+        transform_non_params=lambda x: _stacked_rows(x, n, axis_name))
 
   def update_fn(grads, state, params=None):
     from dlion_jax import shards     # imports this module
@@ -396,16 +482,18 @@ def stacked(tx: optax.GradientTransformation, *,
 def _spec_of(x) -> P | None:
   """Where ``x`` lies: its type's spec, or a concrete array's."""
   spec = getattr(jax.typeof(x).sharding, "spec", None)
-  if not spec and isinstance(x, jax.Array) and not isinstance(
-      x, jax.core.Tracer):
+  named = spec is not None and any(entry is not None for entry in spec)
+  if not named and isinstance(x, jax.Array) and not isinstance(
+      x, jax.core.Tracer):      # on Auto axes only a concrete array says
     spec = getattr(x.sharding, "spec", None)
   return spec
 
 
-def _stacked_rows(x, n: int, axis_name) -> jax.Array:
+def _stacked_rows(x, n: int, axis_name, spec: P | None = None
+                  ) -> jax.Array:
   """``n`` copies of ``x`` on a leading axis over ``axis_name``, sharded
-  over the other axes as ``x`` is."""
-  spec = tuple(_spec_of(x) or ())
+  over the other axes as ``spec`` says (by default, as ``x`` is)."""
+  spec = tuple((_spec_of(x) if spec is None else spec) or ())
   spec += (None,) * (jnp.ndim(x) - len(spec))
   return place(jnp.broadcast_to(x, (n,) + jnp.shape(x)),
                P(axis_name, *spec))
@@ -425,15 +513,30 @@ def _mesh_size(axis_name) -> int:
   return math.prod(mesh.shape[a] for a in _names(axis_name))
 
 
-def worker_rows(x: jax.Array, n: int, axis_name, path=()) -> jax.Array:
+def worker_rows(x: jax.Array, n: int, axis_name, path=(),
+                groups: tuple[str, ...] = ()) -> jax.Array:
   """Batch leaf ``x`` (at ``path``) as ``[n, rows of a worker, ...]``, the
-  workers on ``axis_name`` and each worker's rows placed as they were."""
-  if not x.ndim or x.shape[0] % n:
+  workers on ``axis_name`` and each worker's rows placed as they were;
+  with ``groups`` (mesh axes), ``[n, k, rows of a device, ...]``, a
+  worker's rows split over the ``k`` devices of ``groups``."""
+  k = _mesh_size(groups) if groups else 1
+  if not x.ndim or x.shape[0] % (n * k):
+    split = (f"the {n} workers of axis {axis_name!r}" if k == 1 else
+             f"{n} workers x {k} devices (axis {axis_name!r} and "
+             f"rows_over={groups!r}; pass rows_over=() to differentiate a "
+             "worker's rows whole)")
     raise ValueError(
         f"batch leaf {jax.tree_util.keystr(tuple(path))} has shape "
         f"{x.shape}; its leading (global batch) axis must be divisible by "
-        f"the {n} workers of axis {axis_name!r}.")
+        f"{split}.")
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+  if groups:
+    out = P(axis_name, groups if len(groups) > 1 else groups[0], None,
+            *spec[1:])
+    shape = (n, k, x.shape[0] // (n * k)) + x.shape[1:]
+    if _explicit(out):
+      return x.reshape(shape, out_sharding=out)
+    return place(x.reshape(shape), out)
   first = spec[0] if spec and spec[0] is not None else ()
   rest = tuple(a for a in _names(first) if a not in _names(axis_name))
   inner = rest[0] if len(rest) == 1 else (rest or None)

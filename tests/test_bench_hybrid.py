@@ -63,10 +63,24 @@ LAYOUT_ROWS = ("flat, 4 voters", "2 nodes x 2, shard_axis",
                "2 nodes x 2, zero3")
 
 
+def test_the_plain_step_sends_no_more_than_make_train_steps():
+  """bench.hybrid --plain's measurement: D-Lion's plain jitted step on a
+  2 x 4 mesh with params sharded at rest (ZeRO-3) sends over data what
+  make_train_step sends, and no more over fsdp (each device differentiates
+  its own rows; the node's mean gradient reduced over fsdp)."""
+  mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:8])
+  dlion = hybrid.optimizers()["dlion mavo auto"]
+  theirs, _, _ = hybrid.measure(dlion, mesh, "zero3")
+  mine, _, _ = hybrid.measure(dlion, mesh, "zero3", plain=True)
+  assert mine["data"] == pytest.approx(theirs["data"], rel=1e-6)
+  assert mine["data"] == pytest.approx(dl.wire_bits(2) / 4, rel=0.01)
+  assert mine["fsdp"] <= theirs["fsdp"]
+
+
 def test_report_lists_every_layout(monkeypatch):
   """A row per layout and optimizer (each measured step stubbed: the two
   tests above compile the layouts)."""
-  monkeypatch.setattr(hybrid, "measure", lambda tx, mesh, placement: (
+  monkeypatch.setattr(hybrid, "measure", lambda *args, **kwargs: (
       {"data": 1.0, "fsdp": 0.5}, {"arguments": 1.0, "temporaries": 2.0},
       100))
   text = hybrid.report(4)
@@ -88,7 +102,7 @@ def test_report_shows_each_compilation_as_it_ends(monkeypatch, capsys):
   jobs = len(hybrid.layouts(4)) * len(hybrid.optimizers())
   seen = []
 
-  def measure(tx, mesh, placement):
+  def measure(tx, mesh, placement, plain=False):
     seen.append(capsys.readouterr().err)
     return {"data": 1.0, "fsdp": 0.5}, {"arguments": 1.0,
                                         "temporaries": 2.0}, 100

@@ -24,7 +24,11 @@ more on a loaded machine. A progress bar on stderr (tqdm, from the
 
 Usage::
 
-  python -m dlion_jax.bench.hybrid [--workers 8] [--out FILE.md]
+  python -m dlion_jax.bench.hybrid [--workers 8] [--plain] [--out FILE.md]
+
+``--plain`` compiles Distributed Lion's step in plain ``jax.jit`` form
+(:mod:`dlion_jax.workers`) beside ``make_train_step``'s on the flat mesh
+and each layout whose ``fsdp`` axis the compiler owns (14 compilations).
 """
 
 from __future__ import annotations
@@ -67,9 +71,21 @@ PLACEMENTS = ("flat", "shard_axis", "shard_axis zero3", "replicated",
               "zero2", "zero3")
 
 
-def measure(tx, mesh, placement) -> tuple[dict, dict, int]:
+def plain_step(loss_fn, tx):
+  """The step in plain ``jax.jit`` form (:mod:`dlion_jax.workers`): each
+  worker's gradients under ``jax.vmap(..., spmd_axis_name="data")``, the
+  update vmapped the same way; ``fsdp`` is the compiler's."""
+  def step(params, state, batch):
+    loss, grads = dl.workers.value_and_grad(loss_fn)(params, batch)
+    updates, state = dl.workers.update(tx)(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss.mean()
+  return jax.jit(step)
+
+
+def measure(tx, mesh, placement, plain=False) -> tuple[dict, dict, int]:
   """Bits per parameter each device sends a step, by axis; the compiled
-  step's memory per device (MB); the param count."""
+  step's memory per device (MB); the param count. ``plain``: the step of
+  :func:`plain_step` instead of ``make_train_step``'s."""
   loss_fn, params, make_batch = compile_bench.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
   shard_axis = "fsdp" if placement.startswith("shard_axis") else None
@@ -82,8 +98,11 @@ def measure(tx, mesh, placement) -> tuple[dict, dict, int]:
                          NamedSharding(mesh, P(axes)))
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
   at_rest = placement.endswith("zero3")
-  compiled = step.lower(sharded if at_rest else whole, states,
-                        batch).compile()
+  if plain:
+    step = plain_step(loss_fn, tx)
+  with jax.set_mesh(mesh):
+    compiled = step.lower(sharded if at_rest else whole, states,
+                          batch).compile()
   sent = dl.collective_bytes_by_axis(compiled, mesh)
   memory = compiled.memory_analysis()
   mb = {"arguments": memory.argument_size_in_bytes / 1e6,
@@ -132,6 +151,36 @@ def report(workers: int) -> str:
           f"compiled step's memory:\n\n{table}")
 
 
+def plain_report(workers: int) -> str:
+  """Distributed Lion's step in plain ``jax.jit`` form beside
+  ``make_train_step``'s, on each layout whose fast axis the compiler
+  owns."""
+  tx = optimizers()["dlion mavo auto"]
+  jobs = [(layout, nodes, placement, plain)
+          for layout, nodes, placement in layouts(workers)
+          if not placement.startswith("shard_axis")
+          for plain in (False, True)]
+  rows = []
+  for layout, nodes, placement, plain in bench.progress(
+      jobs, len(jobs), "compiling"):
+    if nodes is None:
+      mesh = parallel.data_mesh(workers)
+    else:
+      mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:workers])
+    bits, mb, count = measure(tx, mesh, placement, plain=plain)
+    rows.append([layout, "plain jit" if plain else "make_train_step",
+                 f"{bits['data']:.3f}", f"{bits.get('fsdp', 0.0):.3f}",
+                 f"{mb['arguments']:.2f}", f"{mb['temporaries']:.1f}"])
+  header = ["layout", "step", "bits/param over data (slow)",
+            "bits/param over fsdp (fast)", "arguments MB/device",
+            "temporaries MB/device"]
+  table = reporting.markdown_table(header, rows)
+  return (f"{bench.machine_line()}\n\nThe CLI's GPT ({count:,} params), "
+          f"{workers} devices, D-Lion (MaVo, comm='auto'): each device's "
+          f"sends per step and the compiled step's memory, the plain jitted "
+          f"step (dl.workers) beside make_train_step:\n\n{table}")
+
+
 def main(argv=None) -> str:
   parser = argparse.ArgumentParser(
       prog="python -m dlion_jax.bench.hybrid",
@@ -141,11 +190,16 @@ def main(argv=None) -> str:
       "stderr shows each compilation as it ends.")
   parser.add_argument("--workers", type=int, default=8)
   parser.add_argument("--out", help="also write the report to this file")
+  parser.add_argument(
+      "--plain", action="store_true",
+      help="D-Lion's plain jitted step (dl.workers) beside make_train_step "
+      "on the layouts whose fsdp axis the compiler owns")
   args = parser.parse_args(argv)
   bench.require_examples(parser, "dlion_jax.train.models",
                          "the train CLI's GPT")
   bench.use_cpu_devices(args.workers)
-  return reporting.emit(report(args.workers), args.out)
+  make = plain_report if args.plain else report
+  return reporting.emit(make(args.workers), args.out)
 
 
 if __name__ == "__main__":
