@@ -458,8 +458,9 @@ def stacked(tx: optax.GradientTransformation, *,
     n = _mesh_size(axis_name)
     # Flax NNX's Variables read as their values: nnx.Optimizer would lay
     # out the stacked rows by a Variable's sharding metadata, the param's.
-    params = jax.tree.map(lambda v: v.get_value(), params,
-                          is_leaf=lambda v: hasattr(v, "get_value"))
+    variable = lambda v: hasattr(v, "get_value")
+    params = jax.tree.map(lambda v: v.get_value() if variable(v) else v,
+                          params, is_leaf=variable)
     leaves, treedef = jax.tree.flatten(params)
     placement[:] = [_spec_of(x) for x in leaves]
     # Each momentum placed like its param (an eager zeros_like is not).

@@ -1,16 +1,17 @@
 """A Flax Linen model and ``flax.training.train_state.TrainState`` trained
-with Distributed Lion: 2 nodes x 4 devices, params sharded FSDP-style
-inside each node.
+with Distributed Lion in a plain ``jax.jit`` step: 2 nodes x 4 devices,
+params sharded FSDP-style inside each node.
 
 ``TrainState`` holds the step, the params and the optimizer state together.
-Under Distributed Lion the optimizer state is each worker's own, so the step
-lays the state out by field: ``state.replace(step="replicated",
-params="replicated", opt_state="stacked")`` tells ``dl.parallel.per_worker``
-that every worker holds the same step and params and its own row of the
-optimizer state (built by ``dl.parallel.stack_for_workers``). The params are
-sharded over ``"fsdp"`` at rest (``dl.parallel.shard_params``); the compiler
-gathers them for the forward pass, and each device votes across ``"data"``
-on its own shard.
+Under Distributed Lion the optimizer state is each worker's own: built
+with ``dl.workers.stacked(tx)``, it holds a row per worker (on the
+``"data"`` devices) while the step and the params are one.
+``dl.workers.value_and_grad`` gives each worker the gradients of its own
+rows (split again over ``"fsdp"``: each device differentiates its own),
+and ``state.apply_gradients`` applies the one voted update. The params are
+sharded over ``"fsdp"`` at rest (``dl.parallel.shard_params``); the
+compiler gathers them for the forward pass, and each device votes across
+``"data"`` on its own shard.
 
 Run: ``python examples/linen_train_state.py`` (8 simulated CPU devices).
 """
@@ -48,38 +49,31 @@ def main(steps: int = 20, seed: int = 0) -> dict:
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    dl.distributed_lion(3e-3, weight_decay=1e-2,
                                        axis_name="data"))
-  state = train_state.TrainState.create(
-      apply_fn=model.apply, params=parallel.shard_params(params, mesh),
-      tx=tx)
-  state = state.replace(
-      step=jax.device_put(jnp.int32(0), NamedSharding(mesh, P())),
-      opt_state=parallel.stack_for_workers(state.opt_state, mesh))
+  with jax.set_mesh(mesh):
+    state = train_state.TrainState.create(
+        apply_fn=model.apply, params=parallel.shard_params(params, mesh),
+        tx=dl.workers.stacked(tx))
 
-  def train_step(state, batch):                      # one worker
-    def loss_fn(params):
-      pred = state.apply_fn({"params": params}, batch["x"])
-      return jnp.mean((pred - batch["y"]) ** 2)
-    loss, grads = jax.value_and_grad(loss_fn)(state.params)
-    return state.apply_gradients(grads=grads), jax.lax.pmean(loss, "data")
-
-  layout = state.replace(step="replicated", params="replicated",
-                         opt_state="stacked")
-  # Called on arrays, per_worker's step compiles itself and keeps the new
-  # state placed as the old (on Auto axes the compiler would pick).
-  step = parallel.per_worker(train_step, mesh, ins=(layout, "split"),
-                             outs=(layout, "replicated"), donate_argnums=0)
-  step = parallel.limit_in_flight(step, devices=mesh.devices.flat)
+  @jax.jit
+  def train_step(state, batch):                      # every worker
+    def loss_fn(params, rows):                       # one device's rows
+      pred = state.apply_fn({"params": params}, rows["x"])
+      return jnp.mean((pred - rows["y"]) ** 2)
+    losses, grads = dl.workers.value_and_grad(loss_fn)(state.params, batch)
+    return state.apply_gradients(grads=grads), losses.mean()
 
   rng = np.random.default_rng(seed)
   teacher = rng.normal(size=(16, 4)).astype(np.float32)
   spread = NamedSharding(mesh, P(("data", "fsdp")))
   losses = []
-  for _ in range(steps):
-    x = rng.normal(size=(32, 16)).astype(np.float32)
-    batch = jax.device_put({"x": x, "y": x @ teacher}, spread)
-    state, loss = step(state, batch)
-    losses.append(float(loss))
-  sent = dl.collective_bytes_by_axis(step.lower(state, batch).compile(), mesh)
+  with jax.set_mesh(mesh):                 # dl.workers reads the mesh
+    for _ in range(steps):
+      x = rng.normal(size=(32, 16)).astype(np.float32)
+      batch = jax.device_put({"x": x, "y": x @ teacher}, spread)
+      state, loss = train_step(state, batch)
+      losses.append(float(loss))
+    sent = dl.collective_bytes_by_axis(
+        train_step.lower(state, batch).compile(), mesh)
   count = sum(x.size for x in jax.tree.leaves(params))
   return {"losses": losses, "data_bits_per_param": 8 * sent["data"] / count,
           "kernel_spec": state.params["Dense_0"]["kernel"].sharding.spec,

@@ -105,8 +105,11 @@ def compiled_rows():
   if why:
     pytest.skip(f"libtpu cannot compile for TPU topologies here: {why}")
   problem = aot_models.mlp_problem()
-  return {name: aot.compile_step(problem, "v5e:2x2", 2, name)
+  rows = {name: aot.compile_step(problem, "v5e:2x2", 2, name)
           for name in ("dlion-auto", "hybrid-dlion", "zero3-dlion")}
+  rows["zero3-dlion" + aot.PLAIN] = aot.compile_step(
+      problem, "v5e:2x2", 2, "zero3-dlion", plain=True)
+  return rows
 
 
 @pytest.mark.tpu_aot
@@ -143,6 +146,19 @@ def test_zero3_votes_over_dcn_what_the_hybrid_layout_does(compiled_rows):
   assert zero3.error is None and zero3.bytes_error is None, zero3.error
   assert zero3.dcn_bytes == pytest.approx(hybrid.dcn_bytes, rel=0.05)
   assert zero3.argument_bytes < hybrid.argument_bytes
+
+
+@pytest.mark.tpu_aot
+def test_the_plain_step_votes_over_dcn_what_the_shard_map_step_does(
+    compiled_rows):
+  """--plain: the ZeRO-3 layout's step in plain jax.jit form (dl.workers)
+  sends across slices the votes of each chip's own shard, as the
+  shard_map step does, from the same arguments."""
+  zero3, _ = compiled_rows["zero3-dlion"]
+  plain, _ = compiled_rows["zero3-dlion" + aot.PLAIN]
+  assert plain.error is None and plain.bytes_error is None, plain.error
+  assert plain.dcn_bytes == pytest.approx(zero3.dcn_bytes, rel=0.05)
+  assert plain.argument_bytes == zero3.argument_bytes
 
 
 @pytest.mark.tpu_aot

@@ -332,7 +332,8 @@ def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
   """Params sharded over the fast axes (FSDP, tensor parallel): each
   device votes on its own block of every leaf, the params and states
   equal the shard_map step's bit for bit, and each device sends over the
-  workers' axis what it sends there (over the fast axes at most that)."""
+  workers' axis what it sends there (over the fast axes, at most
+  that)."""
   txs = {f"{aggregation} {comm}": dl.distributed_lion(
       LR, axis_name=AXIS, comm=comm, aggregation=aggregation)
          for aggregation in ("mavo", "avg") for comm in dl.message.COMMS}
@@ -341,8 +342,10 @@ def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
     assert_same(p1, p2, name)
     assert_same(s1, s2, name)
     assert sent1[AXIS] == sent2[AXIS] > 0, (name, sent1, sent2)
-    for axis in sent1:
-      assert sent1[axis] <= sent2.get(axis, 0), (name, axis, sent1, sent2)
+    # Over the fast axes (together: the compiler may gather over one where
+    # the region gathered over both), at most the shard_map step's.
+    fast = lambda sent: sum(v for k, v in sent.items() if k != AXIS)
+    assert fast(sent1) <= fast(sent2), (name, sent1, sent2)
 
 
 @pytest.mark.parametrize("shape", [

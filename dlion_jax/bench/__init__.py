@@ -69,3 +69,19 @@ def machine_line() -> str:
   """One line naming the jax version, backend and device count."""
   return (f"jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{jax.device_count()} devices ({jax.devices()[0].device_kind})")
+
+
+def plain_train_step(loss_fn, tx):
+  """A train step in plain ``jax.jit`` form (:mod:`dlion_jax.workers`):
+  each worker's gradients of its rows under ``jax.vmap(...,
+  spmd_axis_name="data")``, the update vmapped the same way; ``(params,
+  state, batch) -> (params, state, loss)`` as ``make_train_step``'s.
+  Trace it under ``jax.set_mesh(mesh)``."""
+  import optax  # pylint: disable=g-import-not-at-top
+  from dlion_jax import workers  # pylint: disable=g-import-not-at-top
+
+  def step(params, state, batch):
+    loss, grads = workers.value_and_grad(loss_fn)(params, batch)
+    updates, state = workers.update(tx)(grads, state, params)
+    return optax.apply_updates(params, updates), state, loss.mean()
+  return jax.jit(step)

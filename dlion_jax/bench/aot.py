@@ -40,13 +40,19 @@ Usage::
 
   JAX_PLATFORMS=cpu python -m dlion_jax.bench.aot [--model gpt]
       [--topology v5e:2x2] [--slices 2] [--variants ...]
-      [--bucket-bytes 0 1000000] [--overlap]
+      [--bucket-bytes 0 1000000] [--overlap] [--plain]
       [--json PATH] [--out FILE.md]
+
+``--plain`` also compiles each D-Lion variant whose ``fsdp`` axis the
+compiler owns (flat, ``sharded``, ``zero2``, ``zero3``) in plain
+``jax.jit`` form (:mod:`dlion_jax.workers`), named ``<variant> (plain
+jit)``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import os
@@ -82,6 +88,8 @@ VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
             + tuple(f"{layout}-{opt}" for layout in LAYOUTS
                     for opt in ("dlion", "adamw")))
 MiB = 2**20
+# A variant's row name with this after it: its step in plain jax.jit form.
+PLAIN = " (plain jit)"
 
 
 # ----------------------------------------------------------------- devices
@@ -330,8 +338,8 @@ class Row:
     flat, DCN only for hybrid rows."""
     if self.dcn_bytes is None:
       return None
-    sent = self.dcn_bytes if variant(self.variant).hybrid else (
-        self.dcn_bytes + self.ici_bytes)
+    hybrid = variant(self.variant.removesuffix(PLAIN)).hybrid
+    sent = self.dcn_bytes if hybrid else self.dcn_bytes + self.ici_bytes
     return 8 * sent / self.params
 
 
@@ -379,23 +387,33 @@ def _read_bytes(row: Row, compiled) -> None:
 
 
 def compile_step(problem: aot_models.Problem, topology: str, slices: int,
-                 name: str, bucket_bytes: int | None = None
-                 ) -> tuple[Row, str]:
+                 name: str, bucket_bytes: int | None = None,
+                 plain: bool = False) -> tuple[Row, str]:
   """Compiles one variant's training step and reads its executable: the
-  row and the scheduled HLO text (empty when the compile failed)."""
+  row and the scheduled HLO text (empty when the compile failed).
+  ``plain``: the step in plain ``jax.jit`` form
+  (:func:`dlion_jax.bench.plain_train_step`), its row named
+  ``name + PLAIN``."""
   devices = tpu_devices(topology, slices)
   v = variant(name, bucket_bytes)
   mesh = mesh_for(devices, slices, v.hybrid)
-  row = Row(problem.name, topology, slices, len(devices), name, problem.count,
+  row = Row(problem.name, topology, slices, len(devices),
+            name + PLAIN if plain else name, problem.count,
             bucket_bytes=bucket_bytes,
             analytic_bits=analytic_bits(v, slices, len(devices)))
   step = parallel.make_train_step(
       problem.loss_fn, v.tx, mesh,
       shard_axis="fsdp" if v.layout in SHARD_AXIS_LAYOUTS else None)
+  if plain:
+    step = bench.plain_train_step(problem.loss_fn, v.tx)
   gc.collect()
   try:
     tic = time.perf_counter()
-    lowered = step.lower(*abstract_args(problem, v, mesh))
+    # dl.workers reads the mesh's axes; jax.set_mesh would ask the
+    # compile-only chips for their local devices.
+    with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if plain
+          else contextlib.nullcontext()):
+      lowered = step.lower(*abstract_args(problem, v, mesh))
     row.lower_s = time.perf_counter() - tic
     tic = time.perf_counter()
     compiled = lowered.compile()
@@ -411,9 +429,18 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
 
 
 def compile_row(problem: aot_models.Problem, topology: str, slices: int,
-                name: str, bucket_bytes: int | None = None) -> Row:
+                name: str, bucket_bytes: int | None = None,
+                plain: bool = False) -> Row:
   """:func:`compile_step`'s row alone."""
-  return compile_step(problem, topology, slices, name, bucket_bytes)[0]
+  return compile_step(problem, topology, slices, name, bucket_bytes,
+                      plain)[0]
+
+
+def has_plain_form(name: str) -> bool:
+  """Whether variant ``name`` runs in plain ``jax.jit`` form: D-Lion,
+  flat or with ``fsdp`` left to the compiler (not ``shard_axis``)."""
+  v = variant(name)
+  return v.comm is not None and v.layout not in SHARD_AXIS_LAYOUTS
 
 
 def warm_up(topology: str, slices: int) -> None:
@@ -536,6 +563,10 @@ def _parser() -> argparse.ArgumentParser:
   parser.add_argument("--overlap", action="store_true",
                       help="also list every async pair and what lies "
                       "between its start and done")
+  parser.add_argument("--plain", action="store_true",
+                      help="also compile each D-Lion variant whose fsdp "
+                      "axis the compiler owns in plain jax.jit form "
+                      "(dl.workers), named '<variant> (plain jit)'")
   parser.add_argument("--json", help="also write the rows to this file")
   parser.add_argument("--out", help="also write the report to this file")
   return parser
@@ -554,14 +585,16 @@ def main(argv=None) -> str:
     parser.error(f"cannot compile for TPU topologies ({why}); install "
                  'libtpu: pip install "dlion_jax[tpu-aot]"')
   budgets = [b or None for b in args.bucket_bytes]
-  jobs = [(m, t, s, v, b) for m in args.model for t in args.topology
+  jobs = [(m, t, s, v, b, plain) for m in args.model for t in args.topology
           for s in args.slices for v in args.variants for b in budgets
+          for plain in ((False, True) if args.plain and has_plain_form(v)
+                        else (False,))
           if b is None or variant(v).comm is not None]
   problems = {m: aot_models.PROBLEMS[m]() for m in args.model}
   warm_up(args.topology[0], args.slices[0])
   rows = []
-  for m, t, s, v, b in bench.progress(jobs, len(jobs), "compiling"):
-    rows.append(compile_row(problems[m], t, s, v, b))
+  for m, t, s, v, b, plain in bench.progress(jobs, len(jobs), "compiling"):
+    rows.append(compile_row(problems[m], t, s, v, b, plain))
     reporting.write_json(args.json, [row_json(r) for r in rows], indent=1)
   return reporting.emit(report(rows, args.overlap), args.out)
 

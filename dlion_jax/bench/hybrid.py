@@ -71,21 +71,11 @@ PLACEMENTS = ("flat", "shard_axis", "shard_axis zero3", "replicated",
               "zero2", "zero3")
 
 
-def plain_step(loss_fn, tx):
-  """The step in plain ``jax.jit`` form (:mod:`dlion_jax.workers`): each
-  worker's gradients under ``jax.vmap(..., spmd_axis_name="data")``, the
-  update vmapped the same way; ``fsdp`` is the compiler's."""
-  def step(params, state, batch):
-    loss, grads = dl.workers.value_and_grad(loss_fn)(params, batch)
-    updates, state = dl.workers.update(tx)(grads, state, params)
-    return optax.apply_updates(params, updates), state, loss.mean()
-  return jax.jit(step)
-
-
 def measure(tx, mesh, placement, plain=False) -> tuple[dict, dict, int]:
   """Bits per parameter each device sends a step, by axis; the compiled
   step's memory per device (MB); the param count. ``plain``: the step of
-  :func:`plain_step` instead of ``make_train_step``'s."""
+  :func:`dlion_jax.bench.plain_train_step` instead of
+  ``make_train_step``'s."""
   loss_fn, params, make_batch = compile_bench.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
   shard_axis = "fsdp" if placement.startswith("shard_axis") else None
@@ -99,7 +89,7 @@ def measure(tx, mesh, placement, plain=False) -> tuple[dict, dict, int]:
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
   at_rest = placement.endswith("zero3")
   if plain:
-    step = plain_step(loss_fn, tx)
+    step = bench.plain_train_step(loss_fn, tx)
   with jax.set_mesh(mesh):
     compiled = step.lower(sharded if at_rest else whole, states,
                           batch).compile()
