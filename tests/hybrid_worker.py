@@ -4,8 +4,10 @@ Runs STEPS hybrid steps of Distributed Lion on ``hybrid_mesh()``: one row
 per process, this process's 4 CPU devices in it; ``layout`` is
 ``"shard_axis"`` (``shard_axis="fsdp"``, params replicated),
 ``"shard_axis_zero3"`` (the same with params sharded over ``fsdp`` at rest
-by ``parallel.shard_params``) or ``"zero3"`` (params so sharded, the step
-leaving ``fsdp`` to the compiler). Every
+by ``parallel.shard_params``), ``"zero3"`` (params so sharded, the step
+leaving ``fsdp`` to the compiler), or ``"plain"`` and ``"plain_zero3"``
+(a plain ``jax.jit`` step of ``dl.workers``, params replicated or sharded
+at rest; each device differentiates its own rows). Every
 process builds the same inputs from a seed; process 0 writes the final
 params and the whole stacked momentum to the .npz named on the command
 line. Imported by the
@@ -34,24 +36,34 @@ def run(mesh, layout="shard_axis"):
   """Final (params, momentum) as numpy, gathered onto every process."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import optax  # pylint: disable=g-import-not-at-top
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
 
   shard_axis = "fsdp" if layout.startswith("shard_axis") else None
-  def loss(p, batch):    # shard_axis: a device's row; else the node's mean
-    scale = 1.0 if shard_axis else 1.0 / PER_NODE
+  plain = layout.startswith("plain")
+  def loss(p, batch):    # shard_axis, plain: a device's row; else the node's
+    scale = 1.0 if shard_axis or plain else 1.0 / PER_NODE
     return sum(jnp.sum(p[k] * batch[k].sum(0)) for k in p) * scale
   tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
   params, batches = inputs()
   p = (parallel.global_array(params, NamedSharding(mesh, jax.P()))
-       if layout == "shard_axis" else parallel.shard_params(params, mesh))
+       if layout in ("shard_axis", "plain")
+       else parallel.shard_params(params, mesh))
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
+  if plain:
+    def plain_step(p, state, batch):
+      _, grads = dl.workers.value_and_grad(loss)(p, batch)
+      updates, state = dl.workers.update(tx)(grads, state, p)
+      return optax.apply_updates(p, updates), state, None
+    step = jax.jit(plain_step)
   split = NamedSharding(mesh, jax.P(("data", "fsdp")))
-  for batch in batches:
-    p, state, _ = step(p, state, parallel.global_array(batch, split))
+  with jax.set_mesh(mesh):
+    for batch in batches:
+      p, state, _ = step(p, state, parallel.global_array(batch, split))
   gather = lambda t: jax.tree.map(np.asarray, multihost_utils.process_allgather(
       t, tiled=True))
   return gather(p), gather(state[0].mu)

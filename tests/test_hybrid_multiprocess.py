@@ -1,8 +1,9 @@
 """A hybrid step on 2 real processes x 4 CPU devices (gloo across them)
 equals the single-process (2, 4) mesh bit for bit: params and every
 node's momentum; with shard_axis (params replicated or sharded at rest)
-and for params sharded at rest with the step leaving "fsdp" to the
-compiler."""
+for params sharded at rest with the step leaving "fsdp" to the
+compiler; and for the plain jax.jit step of dl.workers (params replicated
+or sharded at rest), which also equals the shard_axis step."""
 
 import os
 import subprocess
@@ -20,7 +21,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.mark.parametrize("layout", ["shard_axis", "shard_axis_zero3",
-                                    "zero3"])
+                                    "zero3", "plain", "plain_zero3"])
 def test_two_processes_equal_one_process(tmp_path, layout):
   out = tmp_path / "multi.npz"
   run = subprocess.run(
@@ -37,3 +38,7 @@ def test_two_processes_equal_one_process(tmp_path, layout):
     np.testing.assert_array_equal(multi[f"p_{k}"], params[k])
     np.testing.assert_array_equal(multi[f"mu_{k}"], mu[k])
   assert not np.array_equal(params["w"], hybrid_worker.inputs()[0]["w"])
+  if layout.startswith("plain"):
+    theirs, _ = hybrid_worker.run(mesh, layout.replace("plain", "shard_axis"))
+    for k in hybrid_worker.SHAPES:
+      np.testing.assert_array_equal(params[k], theirs[k])
