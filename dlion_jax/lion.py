@@ -262,8 +262,15 @@ def scale_by_distributed_lion(
   constants = () if isinstance(b1, (int, float)) else (b1,)
 
   def pre_sign(g, m, *traced_b1):
+    """``(1 - b1) g + b1 m``, ``b1 m`` in the wider dtype of the two (``b1``
+    taken in the momentum's, as JAX takes a Python scalar): as
+    :func:`moment`, a bf16 momentum's product must not round on its own
+    where a program's fusions split it from the sum (a vote flipped on
+    Explicit axes)."""
     rate = traced_b1[0] if traced_b1 else b1
-    return (1.0 - rate) * g + rate * m
+    wide = jnp.promote_types(g.dtype, m.dtype)
+    scale = rate if traced_b1 else jnp.asarray(b1, m.dtype)
+    return (1.0 - rate) * g + scale.astype(wide) * m.astype(wide)
 
   def moment(g, m):
     """``(1 - b2) g + b2 m`` in the wider dtype of the two, rounded once to

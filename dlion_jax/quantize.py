@@ -33,7 +33,6 @@ from typing import Literal, get_args
 
 import jax
 import jax.numpy as jnp
-from jax import lax
 
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import static_int
@@ -125,7 +124,7 @@ def l1_scale(c: jax.Array, shard: LeafShard | None = None) -> jax.Array:
   total = jnp.sum(jnp.where(jnp.isfinite(x), x, 0))
   size = x.size
   if shard is not None:
-    total, size = lax.psum(total, shard.axis_name), shard.size
+    total, size = shard.sum(total), shard.size
   return total * dtype.type(1.0 / max(size, 1))
 
 

@@ -55,6 +55,15 @@ class LeafShard(NamedTuple):
   axis_name: Hashable
   size: int
 
+  def sum(self, x: jax.Array) -> jax.Array:
+    """``x``, each shard's part of a statistic, summed over the shards: a
+    ``psum`` over the mesh axes, or over the blocks of
+    :func:`dlion_jax.workers.blockwise` (whose ``psum`` JAX cannot batch
+    on Explicit axes)."""
+    if self.axis_name == workers.BLOCKS:
+      return workers.sum_over_blocks(x)
+    return lax.psum(x, self.axis_name)
+
 
 def on_tpu() -> bool:
   """Whether the devices of the step being traced are TPUs."""

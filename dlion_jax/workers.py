@@ -174,6 +174,19 @@ def blockwise(fn: Callable, axes: tuple[str, ...]) -> Callable:
   return run
 
 
+def sum_over_blocks(x: jax.Array) -> jax.Array:
+  """``x`` summed over the blocks of :func:`blockwise` (inside it), one
+  value for every block: the rows of the blocks added in order."""
+  add = jax.custom_batching.custom_vmap(lambda x, index: x)
+
+  @add.def_vmap
+  def _(axis_size, in_batched, x, index):
+    del index
+    return x.sum(0) if in_batched[0] else x * axis_size, False
+  # The block's index, always batched, brings the blocks' rule first.
+  return add(x, lax.axis_index(BLOCKS))
+
+
 def psum(x: Any, axis_name) -> Any:
   """:func:`jax.lax.psum` of ``x`` (an array or a pytree) over the workers,
   in either form: batched, the sum of every worker's row in its dtype (an
@@ -268,7 +281,9 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
     rows_over: the mesh axes beside ``axis_name`` whose devices split a
       worker's rows; ``()`` for none. By default those the batch is
       sharded over on Explicit axes, and on Auto axes (whose types do not
-      say) every other axis of more than one device.
+      say) every other axis of more than one device. Where the devices of
+      an axis share their rows (tensor parallelism over ``"model"``), leave
+      it out: ``rows_over=("fsdp",)``.
     has_aux: as in :func:`jax.value_and_grad` (``aux`` averaged over
       ``rows_over`` like the loss).
 
@@ -364,13 +379,23 @@ def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
   return jax.sharding.auto_axes(mean, axes=axes, out_sharding=spec)(v)
 
 
-def update(tx, *, axis_name: str = "data") -> Callable:
+def update(tx, *, axis_name: str = "data",
+           placement: Any = None) -> Callable:
   """``tx.update`` of every worker, in a plain jitted step.
 
   Args:
     tx: the optimizer, voting over ``axis_name`` (e.g.
       ``dl.distributed_lion(lr, axis_name="data")``).
     axis_name: the mesh axis of the workers.
+    placement: on Auto axes, where a traced array's type does not say how
+      a param is sharded, the params' ``PartitionSpec``s (a pytree like
+      the params, e.g. ``jax.tree.map(lambda x: x.sharding.spec, params)``
+      of the concrete params), so that each device votes on its own shard
+      and the update comes back placed as the params are. Without it a
+      leaf is taken to lie as :func:`dlion_jax.devices.shard_params`
+      places it, and other placements cost a reshard over the fast links
+      and come back so placed. Not needed on Explicit axes, nor with
+      :func:`stacked`, which reads it when it builds the state.
 
   Returns:
     ``f(grads, state, params) -> (updates, state)``: ``grads`` and
@@ -402,22 +427,45 @@ def update(tx, *, axis_name: str = "data") -> Callable:
                     axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
+    from dlion_jax import shards     # imports this module
     try:
-      return mapped(grads, state, params)
+      with shards.placed(_by_path(grads, placement)):
+        return mapped(grads, state, params)
     except ValueError as e:
       if "mapped output" not in str(e):
         raise
       raise ValueError(
           "tx's updates differ from worker to worker in the vmapped form "
           f"over axis_name={axis_name!r}: each worker computes them from "
-          "state of its own that no exchange makes one (e.g. "
-          "optax.chain(dl.parallel.pmean_gradients(...), optax.adam(...)): "
-          "each worker's Adam moments). Vote with tx (dl.distributed_lion), "
-          "or keep such an optimizer's state once for all the workers and "
-          "call tx.update on the averaged gradients "
-          "(dl.workers.pmean(grads, axis_name)) outside dl.workers.update."
+          "values of its own (its gradients, its state) that no exchange "
+          f"over {axis_name!r} makes one. Either tx does not vote over that "
+          "axis (optax.lion; dl.distributed_lion without axis_name, or "
+          f"with another: pass axis_name={axis_name!r}), or its state keeps "
+          "per-worker values after a mean of the gradients (optax.chain("
+          "dl.parallel.pmean_gradients(...), optax.adam(...)): each "
+          "worker's Adam moments); for such an optimizer keep one state "
+          "for all the workers and call tx.update on the gradients' mean "
+          "over the workers (grads' leading axis: jax.tree.map(lambda g: "
+          "g.mean(0), grads)), not through dl.workers.update."
       ) from None
   return run
+
+
+def _by_path(grads: Any, placement: Any) -> dict[str, P]:
+  """``placement``'s specs by the key paths of ``grads``' leaves."""
+  if placement is None:
+    return {}
+  specs = jax.tree.leaves(placement, is_leaf=lambda x: x is None or
+                          isinstance(x, P))
+  paths = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(grads)[0]]
+  if len(specs) != len(paths):
+    raise ValueError(
+        f"placement has {len(specs)} leaves and the gradients {len(paths)}: "
+        "give a PartitionSpec (or None) for each params leaf, e.g. "
+        "placement=jax.tree.map(lambda x: x.sharding.spec, params) of the "
+        "concrete params.")
+  return {path: spec for path, spec in zip(paths, specs) if spec is not None}
 
 
 def stacked(tx: optax.GradientTransformation, *,
@@ -470,13 +518,8 @@ def stacked(tx: optax.GradientTransformation, *,
         transform_non_params=lambda x: _stacked_rows(x, n, axis_name))
 
   def update_fn(grads, state, params=None):
-    from dlion_jax import shards     # imports this module
-    paths = [jax.tree_util.keystr(p) for p, _ in
-             jax.tree_util.tree_flatten_with_path(grads)[0]]
-    known = dict(zip(paths, placement)) if len(paths) == len(
-        placement) else {}
-    with shards.placed({k: v for k, v in known.items() if v is not None}):
-      return update(tx, axis_name=axis_name)(grads, state, params)
+    return update(tx, axis_name=axis_name, placement=placement or None)(
+        grads, state, params)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

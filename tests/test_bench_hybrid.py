@@ -37,6 +37,7 @@ def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
   assert hybrid_dlion["fsdp"] == pytest.approx(hybrid_lion["fsdp"])
 
 
+@pytest.mark.slow       # the plain step's test below compiles ZeRO-3 too
 def test_sharded_placements_vote_on_shards_and_shrink_memory():
   """Each device votes on its half of every leaf in every layout (the
   same slow-link bits); with shard_axis the fast links carry one

@@ -62,7 +62,9 @@ def lion_temporaries():
   return update_step_memory(optax.lion(1e-3), mean_gradients=True)
 
 
-@pytest.mark.parametrize("comm", ["alltoall", "allgather", "psum"])
+@pytest.mark.parametrize("comm", [
+    "psum", pytest.param("alltoall", marks=pytest.mark.slow),
+    pytest.param("allgather", marks=pytest.mark.slow)])
 def test_vote_temporaries_stay_near_optax_lions(comm, lion_temporaries):
   """Was 102, 68 and 51 bytes a parameter against optax.lion's 1.2 (the
   interleaved digits unpacked as f32[W, m], padded to 128 lanes): a 1B
@@ -98,7 +100,8 @@ def _large_step_hlo(tx) -> str:
   return step_bench.tpu_compiled(tx, mesh, step_bench.TREES["large"]).as_text()
 
 
-@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("aggregation", [
+    "mavo", pytest.param("avg", marks=pytest.mark.slow)])
 def test_update_reaches_the_leaf_narrow(aggregation):
   """The vote's outcome is reshaped to the leaf's shape as int8 and only
   then turned into the leaf's float: XLA:TPU had relaid out a float32 D
