@@ -58,6 +58,7 @@ from dlion_jax import _worker_step
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
+from dlion_jax._per_worker import per_worker  # public here, with its layouts
 from dlion_jax.devices import axis_size
 from dlion_jax.devices import data_mesh  # noqa: F401 (re-exported)
 from dlion_jax.devices import global_array  # noqa: F401
@@ -280,103 +281,6 @@ def typed_alike(state: Any) -> Any:
     Array([0.99, 0.99, 0.99, 0.99], dtype=float32)
   """
   return workers.alike_state(state)
-
-
-def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
-               ins: tuple[Any, ...], outs: tuple[Any, ...] | Any,
-               check_vma: bool = False,
-               check_replicated: bool = True,
-               fold_in_worker: bool = True,
-               donate_argnums: int | tuple[int, ...] = ()) -> Callable:
-  """``jax.shard_map`` of ``fn``, written for one worker.
-
-  Each positional argument and each output of ``fn`` has one of three
-  layouts over the ``N`` workers of ``axis_name``:
-
-  * ``"replicated"``: the same value on every worker (``P()``), e.g. params;
-  * ``"stacked"``: every leaf has a leading axis of size ``N`` and row ``i``
-    belongs to worker ``i`` (``P(axis_name)``), e.g. optimizer states or
-    per-worker gradients. ``fn`` sees its own row, *without* that axis;
-  * ``"split"``: the leading axis is split over the workers
-    (``P(axis_name)``), e.g. a global batch. ``fn`` sees its slice.
-
-  A layout may also be a pytree prefix of its argument with a layout at
-  each leaf: ``state.replace(step="replicated", params="replicated",
-  opt_state="stacked")`` for a flax ``TrainState`` whose optimizer state is
-  every worker's own.
-
-  ``fn`` is manual over ``axis_name`` only (``shard_map``'s
-  ``axis_names``): the mesh's other axes stay the compiler's, and ``fn``
-  sees every array whole, sharded over them as its type says (``P()`` above
-  speaks of ``axis_name`` alone).
-
-  A ``"replicated"`` output must be equal on every worker: ``shard_map``
-  returns worker 0's copy without looking at the others. With
-  ``check_replicated`` (and no ``check_vma``, more than one worker) ``fn``
-  is traced once more to check that: a value computed from a ``"split"``
-  argument, or from a ``"stacked"`` one that differs by worker, must pass
-  through a reduction over the axis (``psum``, ``pmean``, ``all_gather``,
-  ...). A ``"stacked"`` leaf that ``fn`` returns updated, at the same
-  place of a ``"stacked"`` output of the same structure (an optimizer
-  state), is taken as differing by worker only where its new value does:
-  every worker's rows start alike (:func:`init_worker_states`,
-  :func:`stack_for_workers`), so the moments of a global optimizer after
-  :func:`pmean_gradients` or an injected hyperparameter stay alike, while
-  Distributed Lion's momenta differ. Integer scalars (step counts) are
-  alike; PRNG keys, typed or raw, differ.
-
-  With ``fold_in_worker`` each worker's index is folded into the typed PRNG
-  keys (``jax.random.key``, what ``nnx.Rngs`` holds) of ``"replicated"``
-  arguments before ``fn`` sees them (:func:`jax.random.fold_in`): from one
-  replicated key each worker draws its own dropout masks, the same in
-  every run. A key ``fn`` returns as it was given goes out as it came in;
-  one ``fn`` derives from it differs by worker. Raw ``uint32`` keys
-  (``jax.random.PRNGKey``) cannot be told from data: fold them yourself,
-  ``jax.random.fold_in(key, jax.lax.axis_index(axis_name))``.
-
-  Args:
-    fn: one worker's computation; it may use collectives over ``axis_name``.
-    mesh: the device mesh; ``axis_name`` must be one of its axes.
-    axis_name: the data-parallel axis, or a tuple of mesh axes whose
-      devices all count as workers (``N`` their product, rows in mesh order).
-    ins: the layout of each positional argument (a layout or a prefix).
-    outs: the layout of each output of ``fn`` (a tuple), or one layout
-      (not a tuple) when ``fn`` returns a single pytree.
-    check_vma: passed to :func:`jax.shard_map` (JAX's own, stricter check
-      of the replicated outputs).
-    check_replicated: check the ``"replicated"`` outputs as above; turn it
-      off for a value that is equal on every worker by construction.
-    fold_in_worker: give each worker its own stream of the typed PRNG keys
-      of ``"replicated"`` arguments (above); False gives every worker the
-      same key.
-    donate_argnums: the arguments whose buffers a call on arrays donates
-      (as :func:`jax.jit`'s).
-
-  Returns:
-    The mapped function on the global arrays. Called on arrays it compiles
-    itself (:func:`jax.jit`, once a placement of its arguments), and each
-    output that updates an argument (the same pytree, shapes and dtypes)
-    keeps that argument's placement: on Auto axes the compiler would pick
-    its own for the new params and state. Traced inside a ``jax.jit`` (or
-    ``nnx.jit``) of yours it is traced as it is, and there, on Auto axes,
-    pin ``out_shardings`` yourself. It raises a ValueError for a
-    ``"stacked"`` argument whose leading axis is not ``N`` and for a
-    ``"replicated"`` output that differs between workers.
-
-  Example:
-    >>> import jax, jax.numpy as jnp
-    >>> from dlion_jax import parallel
-    >>> mesh = parallel.data_mesh(1)
-    >>> fn = parallel.per_worker(
-    ...     lambda w, x: w + jax.lax.psum(x, "data"), mesh,
-    ...     ins=("replicated", "stacked"), outs="replicated")
-    >>> jax.jit(fn)(jnp.ones(2), jnp.ones((1, 2)))
-    Array([2., 2.], dtype=float32)
-  """
-  return _per_worker.per_worker(
-      fn, mesh, axis_name=axis_name, ins=ins, outs=outs, check_vma=check_vma,
-      check_replicated=check_replicated, fold_in_worker=fold_in_worker,
-      donate_argnums=donate_argnums)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,

@@ -104,16 +104,15 @@ def exchanged(manual: Callable[[Any], Any], stacked: Callable[[Any], Any],
 
   def run(rows, blocked):
     lead = (axis_name, blocks) if blocked else (axis_name,)
-    specs = jax.tree.map(
-        lambda r: P(*lead, *(None,) * (r.ndim - len(lead))), rows)
     fn = jax.vmap(stacked, in_axes=1,
                   spmd_axis_name=blocks) if blocked else stacked
-    if all(_explicit(s) for s in jax.tree.leaves(
-        specs, is_leaf=lambda s: isinstance(s, P))):
+    if _explicit(P(*lead)):
       return fn(rows)
     # On Auto axes a sharding constraint leaves the compiler free to gather
     # more than the placement asks: the axes are made Explicit for the
     # exchange.
+    specs = jax.tree.map(
+        lambda r: P(*lead, *(None,) * (r.ndim - len(lead))), rows)
     return jax.sharding.explicit_axes(
         fn, axes=tuple(a for entry in lead for a in _names(entry)),
         in_sharding=(specs,))(rows)
@@ -366,8 +365,10 @@ def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
 def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
   """The mean over ``v``'s leading axis of ``k`` row groups: each term
   scaled by ``1/k``, then summed (``make_train_step``'s order); sharded
-  as ``like``'s type says (on Explicit axes: a reduce-scatter, where a
-  sum typed replicated would all-reduce)."""
+  as ``like``'s type says: on Explicit axes a sum typed replicated is
+  all-reduced whole, and summed on Auto axes into ``like``'s sharding it
+  sends fewer bytes (XLA:CPU still all-reduces it where ``shard_map``'s
+  ``psum_scatter`` reduce-scatters: see the design notes)."""
   if not jnp.issubdtype(v.dtype, jnp.floating):
     return jnp.mean(v, axis=0)
   mean = lambda v: (v * np.dtype(v.dtype).type(1 / k)).sum(0, dtype=v.dtype)
@@ -578,14 +579,12 @@ def worker_rows(x: jax.Array, n: int, axis_name, path=(),
     out = P(axis_name, groups if len(groups) > 1 else groups[0], None,
             *spec[1:])
     shape = (n, k, x.shape[0] // (n * k)) + x.shape[1:]
-    if _explicit(out):
-      return x.reshape(shape, out_sharding=out)
-    return place(x.reshape(shape), out)
-  first = spec[0] if spec and spec[0] is not None else ()
-  rest = tuple(a for a in _names(first) if a not in _names(axis_name))
-  inner = rest[0] if len(rest) == 1 else (rest or None)
-  out = P(axis_name, inner, *spec[1:])
-  shape = (n, x.shape[0] // n) + x.shape[1:]
+  else:
+    first = spec[0] if spec and spec[0] is not None else ()
+    rest = tuple(a for a in _names(first) if a not in _names(axis_name))
+    inner = rest[0] if len(rest) == 1 else (rest or None)
+    out = P(axis_name, inner, *spec[1:])
+    shape = (n, x.shape[0] // n) + x.shape[1:]
   if _explicit(out):
     return x.reshape(shape, out_sharding=out)
   return place(x.reshape(shape), out)

@@ -5,6 +5,7 @@ import doctest
 
 import pytest
 
+from dlion_jax import _per_worker
 from dlion_jax import accounting
 from dlion_jax import devices
 from dlion_jax import elastic
@@ -19,9 +20,10 @@ from dlion_jax import transforms
 from dlion_jax import workers
 
 
-@pytest.mark.parametrize("module", [accounting, devices, elastic, hlo, lion,
-                                    message, packing, parallel, quantize,
-                                    sync, transforms, workers],
+# per_worker lives in _per_worker (dl.parallel.per_worker): its example.
+@pytest.mark.parametrize("module", [_per_worker, accounting, devices, elastic,
+                                    hlo, lion, message, packing, parallel,
+                                    quantize, sync, transforms, workers],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -66,6 +66,16 @@ def run_batched(txs, params, grads_seq, n, kind=AxisType.Explicit):
   return jax.device_get(p), jax.device_get(s)
 
 
+def assert_same(mine, theirs, name):
+  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
+    np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def first_row(tree):
+  """Worker 0's copy of what the shard_map step returns per worker."""
+  return jax.tree.map(lambda x: x[0], tree)
+
+
 def problem(spec, n, steps, seed):
   rng = np.random.default_rng(seed)
   params = {k: rng.normal(size=s).astype(d) for k, (s, d) in spec.items()}
@@ -94,9 +104,7 @@ def test_every_config_equals_numpy_and_the_shard_map_step(n):
     for k in SPEC:
       np.testing.assert_array_equal(got_p[name][k], ref.params[k],
                                     err_msg=f"{name} N={n} {k}")
-    for mine, theirs in zip(jax.tree.leaves(got_s[name]),
-                            jax.tree.leaves(manual[name][1])):
-      np.testing.assert_array_equal(mine, theirs, err_msg=name)
+    assert_same(got_s[name], manual[name][1], name)
 
 
 LION_CUB = {
@@ -122,12 +130,8 @@ def test_lion_cub_options_and_schedules_equal_the_shard_map_step(n):
   got_p, got_s = run_batched(txs, params, grads, n)
   manual = run_on_mesh(txs, params, grads, n, check_vma=False)
   for name in txs:
-    for mine, theirs in zip(jax.tree.leaves(got_p[name]),
-                            jax.tree.leaves(manual[name][0])):
-      np.testing.assert_array_equal(mine, theirs[0], err_msg=name)
-    for mine, theirs in zip(jax.tree.leaves(got_s[name]),
-                            jax.tree.leaves(manual[name][1])):
-      np.testing.assert_array_equal(mine, theirs, err_msg=name)
+    assert_same(got_p[name], first_row(manual[name][0]), name)
+    assert_same(got_s[name], manual[name][1], name)
 
 
 WRAPPED = {   # optax pieces reading per-worker counts after the vote
@@ -155,9 +159,7 @@ def test_optax_wrappers_run_once_for_all_workers():
   got_p, _ = run_batched(txs, params, grads, n)
   manual = run_on_mesh(txs, params, grads, n, check_vma=False)
   for name in txs:
-    for mine, theirs in zip(jax.tree.leaves(got_p[name]),
-                            jax.tree.leaves(manual[name][0])):
-      np.testing.assert_array_equal(mine, theirs[0], err_msg=name)
+    assert_same(got_p[name], first_row(manual[name][0]), name)
 
 
 def sent(step, *args):
@@ -324,11 +326,6 @@ def placed_steps(txs, shape, kind, steps=3, seed=0):
         results.append((jax.device_get(q), jax.device_get(s), sent))
       out[name] = results
   return out
-
-
-def assert_same(mine, theirs, name):
-  for a, b in zip(jax.tree.leaves(mine), jax.tree.leaves(theirs)):
-    np.testing.assert_array_equal(a, b, err_msg=name)
 
 
 @pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
