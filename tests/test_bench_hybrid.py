@@ -64,18 +64,27 @@ LAYOUT_ROWS = ("flat, 4 voters", "2 nodes x 2, shard_axis",
                "2 nodes x 2, zero3")
 
 
-def test_the_plain_step_sends_no_more_than_make_train_steps():
+@pytest.mark.parametrize("placement", ["zero3", "zero2"])
+def test_the_plain_step_sends_what_the_shard_axis_step_sends(placement):
   """bench.hybrid --plain's measurement: D-Lion's plain jitted step on a
-  2 x 4 mesh with params sharded at rest (ZeRO-3) sends over data what
-  make_train_step sends, and no more over fsdp (each device differentiates
-  its own rows; the node's mean gradient reduced over fsdp)."""
+  2 x 4 mesh, given the params' placement, sends over data what
+  make_train_step sends, and over fsdp what its like, the shard_axis step,
+  sends, within a bit a parameter, and fewer than make_train_step's step
+  without shard_axis. With params sharded at rest (ZeRO-3) the node's
+  mean gradient is reduce-scattered onto their shards (all-reduced by the
+  compiler: 72.97 bits a parameter, against 48.97); with replicated ones
+  (ZeRO-2, placement P()) each device votes on a matrix's block cut on the
+  dimension the compiler reduces the mean to (flattened and cut: 96,
+  against 48.31)."""
   mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:8])
   dlion = hybrid.optimizers()["dlion mavo auto"]
-  theirs, _, _ = hybrid.measure(dlion, mesh, "zero3")
-  mine, _, _ = hybrid.measure(dlion, mesh, "zero3", plain=True)
+  compiler, _, _ = hybrid.measure(dlion, mesh, placement)
+  theirs, _, _ = hybrid.measure(dlion, mesh, placement, "shard_axis")
+  mine, _, _ = hybrid.measure(dlion, mesh, placement, "plain")
   assert mine["data"] == pytest.approx(theirs["data"], rel=1e-6)
   assert mine["data"] == pytest.approx(dl.wire_bits(2) / 4, rel=0.01)
-  assert mine["fsdp"] <= theirs["fsdp"]
+  assert mine["fsdp"] <= theirs["fsdp"] + 1, (mine, theirs)
+  assert mine["fsdp"] < compiler["fsdp"], (mine, compiler)
 
 
 def test_report_lists_every_layout(monkeypatch):
@@ -103,7 +112,7 @@ def test_report_shows_each_compilation_as_it_ends(monkeypatch, capsys):
   jobs = len(hybrid.layouts(4)) * len(hybrid.optimizers())
   seen = []
 
-  def measure(tx, mesh, placement, plain=False):
+  def measure(tx, mesh, placement, step_form=None):
     seen.append(capsys.readouterr().err)
     return {"data": 1.0, "fsdp": 0.5}, {"arguments": 1.0,
                                         "temporaries": 2.0}, 100

@@ -71,17 +71,21 @@ def machine_line() -> str:
           f"{jax.device_count()} devices ({jax.devices()[0].device_kind})")
 
 
-def plain_train_step(loss_fn, tx):
+def plain_train_step(loss_fn, tx, placement=None):
   """A train step in plain ``jax.jit`` form (:mod:`dlion_jax.workers`):
   each worker's gradients of its rows under ``jax.vmap(...,
   spmd_axis_name="data")``, the update vmapped the same way; ``(params,
   state, batch) -> (params, state, loss)`` as ``make_train_step``'s.
-  Trace it under ``jax.set_mesh(mesh)``."""
+  ``placement``: the params' specs, for Auto axes (see
+  :func:`dlion_jax.workers.update`). Trace it under
+  ``jax.set_mesh(mesh)``."""
   import optax  # pylint: disable=g-import-not-at-top
   from dlion_jax import workers  # pylint: disable=g-import-not-at-top
 
   def step(params, state, batch):
-    loss, grads = workers.value_and_grad(loss_fn)(params, batch)
-    updates, state = workers.update(tx)(grads, state, params)
+    loss, grads = workers.value_and_grad(loss_fn, placement=placement)(
+        params, batch)
+    updates, state = workers.update(tx, placement=placement)(grads, state,
+                                                             params)
     return optax.apply_updates(params, updates), state, loss.mean()
   return jax.jit(step)

@@ -404,8 +404,11 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
   step = parallel.make_train_step(
       problem.loss_fn, v.tx, mesh,
       shard_axis="fsdp" if v.layout in SHARD_AXIS_LAYOUTS else None)
+  args = abstract_args(problem, v, mesh)
   if plain:
-    step = bench.plain_train_step(problem.loss_fn, v.tx)
+    step = bench.plain_train_step(
+        problem.loss_fn, v.tx,
+        jax.tree.map(lambda x: x.sharding.spec, args[0]))
   gc.collect()
   try:
     tic = time.perf_counter()
@@ -413,7 +416,7 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
     # compile-only chips for their local devices.
     with (jax.sharding.use_abstract_mesh(mesh.abstract_mesh) if plain
           else contextlib.nullcontext()):
-      lowered = step.lower(*abstract_args(problem, v, mesh))
+      lowered = step.lower(*args)
     row.lower_s = time.perf_counter() - tic
     tic = time.perf_counter()
     compiled = lowered.compile()

@@ -27,8 +27,10 @@ Usage::
   python -m dlion_jax.bench.hybrid [--workers 8] [--plain] [--out FILE.md]
 
 ``--plain`` compiles Distributed Lion's step in plain ``jax.jit`` form
-(:mod:`dlion_jax.workers`) beside ``make_train_step``'s on the flat mesh
-and each layout whose ``fsdp`` axis the compiler owns (14 compilations).
+(:mod:`dlion_jax.workers`, given the params' placement) beside
+``make_train_step``'s, with and without ``shard_axis="fsdp"``, on the flat
+mesh and each placement of the params and state (20 compilations: 1 min
+17 s on 2 CPU cores).
 """
 
 from __future__ import annotations
@@ -71,14 +73,17 @@ PLACEMENTS = ("flat", "shard_axis", "shard_axis zero3", "replicated",
               "zero2", "zero3")
 
 
-def measure(tx, mesh, placement, plain=False) -> tuple[dict, dict, int]:
+def measure(tx, mesh, placement, step_form: str | None = None
+            ) -> tuple[dict, dict, int]:
   """Bits per parameter each device sends a step, by axis; the compiled
-  step's memory per device (MB); the param count. ``plain``: the step of
-  :func:`dlion_jax.bench.plain_train_step` instead of
-  ``make_train_step``'s."""
+  step's memory per device (MB); the param count. ``step_form``: None
+  for the layout's own ``make_train_step``; ``"shard_axis"`` for
+  ``make_train_step(shard_axis="fsdp")`` on it; ``"plain"`` for the step
+  of :func:`dlion_jax.bench.plain_train_step`."""
   loss_fn, params, make_batch = compile_bench.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
-  shard_axis = "fsdp" if placement.startswith("shard_axis") else None
+  shard_axis = ("fsdp" if placement.startswith("shard_axis")
+                or step_form == "shard_axis" else None)
   whole = parallel.replicate(params, mesh)
   sharded = (parallel.shard_params(params, mesh)
              if placement != "flat" and placement != "replicated" else whole)
@@ -87,12 +92,12 @@ def measure(tx, mesh, placement, plain=False) -> tuple[dict, dict, int]:
   batch = jax.device_put(make_batch(mesh.devices.size),
                          NamedSharding(mesh, P(axes)))
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis)
-  at_rest = placement.endswith("zero3")
-  if plain:
-    step = bench.plain_train_step(loss_fn, tx)
+  params = sharded if placement.endswith("zero3") else whole
+  if step_form == "plain":
+    step = bench.plain_train_step(
+        loss_fn, tx, jax.tree.map(lambda x: x.sharding.spec, params))
   with jax.set_mesh(mesh):
-    compiled = step.lower(sharded if at_rest else whole, states,
-                          batch).compile()
+    compiled = step.lower(params, states, batch).compile()
   sent = dl.collective_bytes_by_axis(compiled, mesh)
   memory = compiled.memory_analysis()
   mb = {"arguments": memory.argument_size_in_bytes / 1e6,
@@ -143,22 +148,25 @@ def report(workers: int) -> str:
 
 def plain_report(workers: int) -> str:
   """Distributed Lion's step in plain ``jax.jit`` form beside
-  ``make_train_step``'s, on each layout whose fast axis the compiler
-  owns."""
+  ``make_train_step``'s, with and without ``shard_axis``, on each
+  placement of the params and state."""
   tx = optimizers()["dlion mavo auto"]
-  jobs = [(layout, nodes, placement, plain)
+  jobs = [(layout, nodes, placement, form)
           for layout, nodes, placement in layouts(workers)
           if not placement.startswith("shard_axis")
-          for plain in (False, True)]
+          for form in ((None, "plain") if nodes is None
+                       else (None, "shard_axis", "plain"))]
+  names = {None: "make_train_step", "shard_axis":
+           "make_train_step(shard_axis)", "plain": "plain jit"}
   rows = []
-  for layout, nodes, placement, plain in bench.progress(
+  for layout, nodes, placement, form in bench.progress(
       jobs, len(jobs), "compiling"):
     if nodes is None:
       mesh = parallel.data_mesh(workers)
     else:
       mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:workers])
-    bits, mb, count = measure(tx, mesh, placement, plain=plain)
-    rows.append([layout, "plain jit" if plain else "make_train_step",
+    bits, mb, count = measure(tx, mesh, placement, form)
+    rows.append([layout, names[form],
                  f"{bits['data']:.3f}", f"{bits.get('fsdp', 0.0):.3f}",
                  f"{mb['arguments']:.2f}", f"{mb['temporaries']:.1f}"])
   header = ["layout", "step", "bits/param over data (slow)",
@@ -168,7 +176,7 @@ def plain_report(workers: int) -> str:
   return (f"{bench.machine_line()}\n\nThe CLI's GPT ({count:,} params), "
           f"{workers} devices, D-Lion (MaVo, comm='auto'): each device's "
           f"sends per step and the compiled step's memory, the plain jitted "
-          f"step (dl.workers) beside make_train_step:\n\n{table}")
+          f"step (dl.workers) beside make_train_step's:\n\n{table}")
 
 
 def main(argv=None) -> str:
