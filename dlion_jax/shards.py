@@ -226,9 +226,14 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
         f"{dict(mesh.shape)} without a jax.shard_map manual over it (a "
         "jax.vmap axis under jax.jit?): the compiler would partition the "
         "packed votes itself, sending several times the vote's bytes, or "
-        "fail. Make the data axis manual and leave the others to the "
-        "compiler: jax.shard_map(step, mesh=mesh, in_specs=..., "
-        "out_specs=..., axis_names={'data'}) with axis_name='data', as "
+        "fail. In a plain jitted step, run every worker's update through "
+        f"dl.workers.update(tx, axis_name={axis_name!r}) (for an "
+        "nnx.Optimizer or a Linen TrainState, build it with "
+        f"dl.workers.stacked(tx, axis_name={axis_name!r})), which maps "
+        "it over the workers' rows with spmd_axis_name. Or make the data "
+        "axis manual and leave the others to the compiler: "
+        "jax.shard_map(step, mesh=mesh, in_specs=..., out_specs=..., "
+        "axis_names={'data'}) with axis_name='data', as "
         "dl.parallel.make_train_step builds it.")
   owned = [a for a in names if a in auto]
   if owned:

@@ -567,6 +567,8 @@ def stacked(tx: optax.GradientTransformation, *,
   array's type does not say how it is sharded, the params' placement read
   by ``init`` tells the vote where each leaf's blocks lie, so the update
   comes back placed as the params are (no reshard over the fast links).
+  It is the placement of the last ``init``: build one ``stacked(tx)`` per
+  model.
 
   Args:
     tx: the optimizer, voting over ``axis_name``.

@@ -287,7 +287,8 @@ def test_vmap_under_jit_of_sharded_arrays_names_shard_map(kind):
   step = jax.jit(jax.vmap(lambda x: tx.update(x, tx.init(x))[0],
                           axis_name="data"))
   with pytest.raises(ValueError, match=r"without a jax.shard_map manual "
-                     r"over it .*axis_names=\{'data'\}"):
+                     r"over it .*dl.workers.update\(tx, axis_name='data'\) "
+                     r".*dl.workers.stacked.*axis_names=\{'data'\}"):
     step(g)
 
 
