@@ -11,6 +11,7 @@ import pytest
 import dlion_jax as dl
 
 pytest.importorskip("flax")
+pytestmark = pytest.mark.integration      # trains Flax models
 EXAMPLES = pathlib.Path(__file__).resolve().parent.parent / "examples"
 
 
