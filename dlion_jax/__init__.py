@@ -14,6 +14,7 @@ from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import parallel
 from dlion_jax import quantize
+from dlion_jax import strategies
 from dlion_jax import sync
 from dlion_jax import transforms
 from dlion_jax import workers
@@ -49,6 +50,7 @@ __all__ = (
     "parallel",
     "quantize",
     "scale_by_distributed_lion",
+    "strategies",
     "sync",
     "transforms",
     "wire_bits",

@@ -26,13 +26,13 @@ from dlion_jax.hlo import collective_bytes  # noqa: F401
 from dlion_jax.hlo import collectives  # noqa: F401
 from dlion_jax.message import AGGREGATIONS
 from dlion_jax.message import COMMS
-from dlion_jax.message import alltoall_down_radix  # noqa: F401
-from dlion_jax.message import int_container  # noqa: F401
-from dlion_jax.message import mavo_has_ties  # noqa: F401
+from dlion_jax.strategies import alltoall_down_radix  # noqa: F401
+from dlion_jax.strategies import int_container  # noqa: F401
+from dlion_jax.strategies import mavo_has_ties  # noqa: F401
 from dlion_jax.message import message_bytes  # noqa: F401
 from dlion_jax.message import message_radix  # noqa: F401
 from dlion_jax.message import message_word_multiple  # noqa: F401
-from dlion_jax.message import psum_radix  # noqa: F401
+from dlion_jax.strategies import psum_radix  # noqa: F401
 from dlion_jax.message import vote_bits
 from dlion_jax.quantize import PBIT_RANGE  # noqa: F401
 from dlion_jax.quantize import QUANTIZERS  # noqa: F401

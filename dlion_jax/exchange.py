@@ -9,27 +9,14 @@ of the sum of levels ``s = sum_i q_i`` for a majority vote, ``s`` itself for
 an average. :func:`aggregate_updates` turns that into the update ``D`` of
 Distributed Lion (Liu et al., 2024, Alg. 1).
 
-Strategies (``N`` workers, wire bits per parameter per worker and step):
-
-* ``alltoall``: pack the votes, ``all_to_all`` so worker ``k`` receives every
-  worker's shard ``k``, vote on that shard, ``all_gather`` the packed result:
-  ``(N-1)/N * (up + down)``.
-* ``allgather``: ``all_gather`` everyone's packed votes and vote locally:
-  ``(N-1) * up``.
-* ``psum``: counters of radix ``(levels-1)*N+1`` packed into words and summed by
-  an integer ``psum`` (Lion Cub, Ishikawa et al., 2025): ``2(N-1)/N * bits``.
-* ``psum_int8``: an ``int8`` of the level per parameter, ``psum`` (the
-  NeurIPS paper's implementation): ``2(N-1)/N * 8``.
-* ``auto``: the one that sends the fewest bytes for the model
-  (:func:`dlion_jax.message.choose_comm`).
+The strategies (``comm``), what each sends and how it runs, are the
+records of :mod:`dlion_jax.strategies`; ``auto`` is the one that sends the
+fewest bytes for the model (:func:`dlion_jax.message.choose_comm`).
 
 The whole pytree goes through one message
 (:class:`dlion_jax.message.MessageLayout`): each leaf starts on a word, the
 leaves are packed in one pass, and a step issues a fixed number of
-collectives however many leaves the model has. Each strategy returns
-``(planes, decode)``: ``planes(first, words)`` the ``[m, words]`` digits of
-a run of the message's words, which read plane after plane are the run's
-digits in order, and ``decode`` the outcome of the vote from them.
+collectives however many leaves the model has.
 """
 
 from __future__ import annotations
@@ -41,17 +28,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from dlion_jax import message as message_lib
 from dlion_jax import packing
 from dlion_jax import shards
 from dlion_jax import quantize
+from dlion_jax import strategies
 from dlion_jax import workers
 from dlion_jax._checks import check_choice
+from dlion_jax._deprecations import moved
 from dlion_jax.message import MessageLayout
-from dlion_jax.message import signed_sum
 from dlion_jax.quantize import VoteSpec
+
+# Each strategy's exchange moved to dlion_jax.strategies, beside its record.
+__getattr__ = moved(__name__, {name: "dlion_jax.strategies" for name in (
+    "exchange_alltoall", "exchange_allgather", "exchange_psum",
+    "exchange_psum_int8")})
 
 AGGREGATIONS = message_lib.AGGREGATIONS
 VOTES = quantize.VOTES
@@ -62,9 +54,6 @@ AxisName = Hashable | tuple[Hashable, ...]
 #: Leaves of sign votes with this many elements or more are packed on their
 #: own; smaller ones share one pass (see ``_message``).
 OWN_PACKING = 2**14
-# On TPU a row of gathered words may grow by this fraction of its width to
-# whole lanes (see _gather_words).
-_ROW_PADDING = 0.01
 
 
 def axis_size(axis_name: AxisName | None) -> int:
@@ -115,146 +104,6 @@ def can_gather(axis_name: AxisName) -> bool:
   return all(a in manual for a in axis_name)
 
 
-def _all_gather(x, axis_name, **kwargs):
-  """``all_gather`` whose result is typed invariant where the axis is manual.
-
-  Under ``shard_map``/``pmap`` the gathered votes are the same on every
-  worker, and saying so lets replicated parameters be updated under
-  ``check_vma=True``; ``vmap`` has no such type and takes the default.
-  """
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  manual = jax.sharding.get_abstract_mesh().manual_axes
-  to = "invarying" if all(a in manual for a in axes) else "varying"
-  return lax.all_gather(x, axis_name, to=to, **kwargs)
-
-
-def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
-  """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
-  all_gather the packed shard results.
-
-  Under ``jax.vmap`` over a mesh axis the two collectives are stated as
-  reshards of every worker's words (:func:`dlion_jax.workers.exchanged`):
-  each device's column of all the messages, then every device's results.
-  """
-  n = num_workers
-  up_radix = spec.radix
-  down_radix = message_lib.alltoall_down_radix(n, aggregation=aggregation,
-                                              spec=spec)
-
-  def tally(mine):
-    """The packed results of a shard, from every worker's words of it."""
-    code_sum = packing.sum_planes(mine, up_radix)
-    if aggregation == "avg":
-      down = code_sum                  # exact count, radix (levels-1)*N+1
-    elif down_radix == 2:
-      down = signed_sum(code_sum, n, spec) > 0    # odd N, binary: no ties
-    else:
-      down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
-    down = down.astype(packing.digit_dtype(down_radix))
-    # Each place's results of the shard fill whole words of the result's
-    # radix (MessageLayout.word_multiple), planar in its own words, the
-    # same words as packing them all together: gathered, every worker's
-    # words of one place are transposed (a fifth of the digits' bytes for
-    # radix 3), not the digits, and unpack straight into the message's
-    # order.
-    return packing.pack_digits(down, down_radix, planar=True)
-
-  def manual(message):
-    up = message.reshape(n, -1)     # MessageLayout.word_multiple
-    return _gather_words(tally(lax.all_to_all(up, axis_name, 0, 0)),
-                         axis_name, n)
-
-  def stacked(messages):
-    # [worker, shard, words]: each device takes its shard of every worker's.
-    mine = workers.place(messages.reshape(n, n, -1),
-                         P(None, axis_name, None))
-    return workers.place(jax.vmap(tally, in_axes=1)(mine), P())
-
-  words = workers.exchanged(manual, stacked, axis_name)(message)
-  places = words.shape[1]
-  result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
-                                 planar=True).reshape(places, -1)
-
-  def decode(digits):
-    digits = digits.astype(jnp.int32)
-    if aggregation == "avg":
-      return signed_sum(digits, n, spec)
-    return 2 * digits - 1 if down_radix == 2 else digits - 1
-  return (lambda first, size: lax.slice_in_dim(result, first, first + size,
-                                               axis=1)), decode
-
-
-def _gather_words(words, axis_name, n):
-  """Every worker's packed results, ``[n, *words.shape]`` (an ``all_gather``).
-
-  On TPU the gathered buffer is cut into rows of 128 lanes. ``words`` with
-  a row a place (``[m, W]``) are gathered row by row, each padded to whole
-  lanes: cut out of one flat buffer, the rows of a ``W`` that is not a
-  whole number of lanes took XLA:TPU a ``dynamic-update-slice`` a row and
-  worker (on a 50M-parameter step, 65 -> 60 bytes a parameter). Where that
-  padding would add more than :data:`_ROW_PADDING` of ``W``, and for flat
-  ``words``, each worker's words are padded to 4 rows of 128 as a whole:
-  across TPU slices XLA:TPU gathers a small buffer that is not whole rows
-  of 128 lanes by an all-reduce of a zero-padded one, twice the DCN bytes.
-  """
-  if not shards.on_tpu():
-    # Flat: jax gathers an empty [m, 0] stacked in the wrong shape (seen
-    # under vmap with lax.scan, and under shard_map).
-    return _all_gather(words.reshape(-1), axis_name, tiled=True).reshape(
-        (n,) + words.shape)
-  width = words.shape[-1]
-  pad = -width % shards.LANES
-  if words.ndim > 1 and 0 < width and pad <= _ROW_PADDING * width:
-    lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
-    return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
-  rows = _all_gather(shards.lane_rows(words.reshape(-1), 4), axis_name)
-  return rows.reshape(n, -1)[:, :words.size].reshape((n,) + words.shape)
-
-
-def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
-  """Every worker gathers everyone's packed votes and counts them."""
-  del aggregation
-  everyone = workers.exchanged(
-      lambda m: _all_gather(m, axis_name),
-      lambda messages: workers.place(messages, P()), axis_name)(message)
-  return (lambda first, size: packing.sum_planes(lax.slice_in_dim(
-      everyone, first, first + size, axis=1), spec.radix)), functools.partial(
-          signed_sum, num_workers=num_workers, spec=spec)
-
-
-def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
-  """Packed counters summed by an integer psum (Lion Cub's p-bit all-reduce).
-
-  Each code is a digit of radix ``(levels - 1) * N + 1``, so the sum of N
-  workers' digits never carries into the next digit of the word.
-  """
-  del aggregation
-  radix = message_lib.psum_radix(num_workers, spec)
-  total = workers.psum(message, axis_name)
-  return (lambda first, size: packing.digit_planes(
-      lax.slice(total, (first,), (first + size,)), radix)), functools.partial(
-          signed_sum, num_workers=num_workers, spec=spec)
-
-
-def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
-  """The paper's implementation: psum an int8 container of the +-1 votes.
-
-  The container widens to int16/int32 when N exceeds what int8 can sum.
-  """
-  del num_workers, spec, aggregation
-  total = workers.psum(message, axis_name)
-  return (lambda first, size: lax.slice(total, (first,), (first + size,))[
-      None]), lambda levels: levels.astype(jnp.int32)
-
-
-_EXCHANGES = {
-    "alltoall": exchange_alltoall,
-    "allgather": exchange_allgather,
-    "psum": exchange_psum,
-    "psum_int8": exchange_psum_int8,
-}
-
-
 def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
                    num_workers: int, spec: VoteSpec,
                    aggregation: str, comm: str) -> list[jax.Array]:
@@ -294,7 +143,7 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
   by one."""
   gathers = can_gather(axis_name)
-  if not gathers and comm in ("alltoall", "allgather"):
+  if not gathers and comm != "auto" and strategies.STRATEGIES[comm].gathers:
     raise ValueError(
         f"comm={comm!r} cannot vote over axis_name={axis_name!r}, a tuple of "
         "axes bound by nested jax.vmap: jax's all_gather and all_to_all take "
@@ -308,22 +157,22 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
                          _runs(rows, len(alone)))
   message = _message(rows, combine, alone, layout, spec,
                      batched=workers.mapped_over_mesh(axis_name))
-  planes, decode = _EXCHANGES[comm](message, axis_name=axis_name,
-                                    num_workers=num_workers, spec=spec,
-                                    aggregation=aggregation)
+  strategy = strategies.STRATEGIES[comm]
+  planes, decode = strategy.exchange(message, axis_name=axis_name,
+                                     num_workers=num_workers, spec=spec,
+                                     aggregation=aggregation)
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
   # select of the place per element (7-10x the update on XLA:CPU).
   results = []
   for first, size in layout.run_words:
     outcome = decode(planes(first, size).reshape(-1))
-    # alltoall's majority vote already sends back only the sign.
-    if aggregation == "mavo" and comm != "alltoall":
+    if aggregation == "mavo" and not strategy.returns_sign:
       outcome = jnp.sign(outcome)
     if shards.on_tpu():
       # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the
       # leaf's shape is a copy: of 1 byte a parameter rather than 4.
-      outcome = outcome.astype(message_lib.int_container(
+      outcome = outcome.astype(strategies.int_container(
           num_workers if aggregation == "avg" else 1, spec))
     results.append(outcome)
   return layout, results

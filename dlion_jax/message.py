@@ -38,72 +38,46 @@ import numpy as np
 
 from dlion_jax import packing
 from dlion_jax import quantize
+from dlion_jax import strategies
+from dlion_jax._deprecations import moved
 from dlion_jax._checks import check_choice
 
 Aggregation = Literal["mavo", "avg"]
-Comm = Literal["alltoall", "allgather", "psum", "psum_int8"]
+Comm = strategies.Comm
 CommChoice = Comm | Literal["auto"]
 AGGREGATIONS = get_args(Aggregation)
-COMMS = get_args(Comm)
+COMMS = strategies.COMMS
 COMM_CHOICES = COMMS + ("auto",)
-# 'auto' breaks ties in this order: fewer collectives (less latency) first.
-_BY_LATENCY = ("allgather", "psum", "alltoall", "psum_int8")
 
 VoteSpec = quantize.VoteSpec
 BINARY = quantize.BINARY
 
-
-def psum_radix(num_workers: int, spec: VoteSpec) -> int:
-  """Radix of a counter that can hold the sum of N workers' vote codes."""
-  return (spec.radix - 1) * num_workers + 1
-
-
-def mavo_has_ties(num_workers: int, spec: VoteSpec) -> bool:
-  """Whether a majority vote can end in a tie (sum 0), i.e. D = 0."""
-  return spec.radix != 2 or num_workers % 2 == 0
-
-
-def alltoall_down_radix(num_workers: int, *, aggregation: str,
-                        spec: VoteSpec) -> int:
-  """Radix of the per-parameter result that ``alltoall`` all-gathers."""
-  if aggregation == "avg":
-    return psum_radix(num_workers, spec)
-  return 3 if mavo_has_ties(num_workers, spec) else 2
-
-
-def int_container(num_workers: int, spec: VoteSpec = BINARY):
-  """Signed integer dtype in which ``psum_int8`` sums N workers' levels."""
-  largest = num_workers * spec.max_level
-  for dtype in (jnp.int8, jnp.int16, jnp.int32):
-    if largest <= jnp.iinfo(dtype).max:
-      return dtype
-  raise ValueError(f"num_workers={num_workers} exceeds int32.")
+# The vote's arithmetic moved to dlion_jax.strategies, beside the records.
+__getattr__ = moved(__name__, {name: "dlion_jax.strategies" for name in (
+    "psum_radix", "mavo_has_ties", "alltoall_down_radix", "int_container",
+    "signed_sum")})
 
 
 def message_radix(comm: str, num_workers: int, spec: VoteSpec) -> int | None:
   """Radix in which a strategy packs the votes it sends (None: int votes)."""
-  if comm == "psum":
-    return psum_radix(num_workers, spec)
-  if comm == "psum_int8":
-    return None
-  return spec.radix
+  return strategies.STRATEGIES[comm].radix(num_workers, spec)
 
 
 def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
                           spec: VoteSpec) -> int:
   """The message's word count is padded to a multiple of this.
 
-  ``alltoall`` splits the message into N shards of whole words, each a
-  whole number of the result's words long: the results of each digit
-  place of a shard then fill whole words of what it gathers back, which
-  unpack straight into the message's order (a shard that only filled
-  whole words with all its places' results together, ternary MaVo's,
-  took 1.8-1.9x the step without exchange on XLA:CPU, against 0.9-1.0x,
-  for the transpose of its unpacked digits).
+  A strategy that sends results back (``alltoall``) splits the message
+  into N shards of whole words, each a whole number of the result's words
+  long: the results of each digit place of a shard then fill whole words
+  of what it gathers back, which unpack straight into the message's order
+  (a shard that only filled whole words with all its places' results
+  together, ternary MaVo's, took 1.8-1.9x the step without exchange on
+  XLA:CPU, against 0.9-1.0x, for the transpose of its unpacked digits).
   """
-  if comm != "alltoall":
+  if not any(send.back for send in strategies.STRATEGIES[comm].sends):
     return 1
-  return num_workers * packing.digits_per_word(alltoall_down_radix(
+  return num_workers * packing.digits_per_word(strategies.alltoall_down_radix(
       num_workers, aggregation=aggregation, spec=spec))
 
 
@@ -168,7 +142,7 @@ class MessageLayout:
   def word_dtype(self):
     """The dtype of the message's words."""
     if self.radix is None:
-      return int_container(self.num_workers, self.spec)
+      return strategies.int_container(self.num_workers, self.spec)
     return packing.word_dtype(self.radix)
 
   @functools.cached_property
@@ -214,15 +188,11 @@ class MessageLayout:
     if n == 1 or not self.leaf_sizes:
       return 0.0
     up = self.words * jnp.dtype(self.word_dtype).itemsize
-    if self.comm in ("psum", "psum_int8"):
-      return 2 * (n - 1) / n * up
-    if self.comm == "allgather":
-      return float((n - 1) * up)
-    down_radix = alltoall_down_radix(n, aggregation=self.aggregation,
+    down_radix = strategies.alltoall_down_radix(n, aggregation=self.aggregation,
                                      spec=self.spec)
     down_words = -(-self.digits // packing.digits_per_word(down_radix))
     down = down_words * jnp.dtype(packing.word_dtype(down_radix)).itemsize
-    return (n - 1) / n * (up + down)
+    return float(_total(n, strategies.STRATEGIES[self.comm], up, down))
 
   def concatenate(self, leaves: Sequence[jax.Array],
                   first: int = 0) -> jax.Array:
@@ -243,7 +213,7 @@ class MessageLayout:
     """One run's words from its digits (:meth:`concatenate`, or a leaf's in
     its own shape), planar, flat."""
     if self.radix is None:                 # psum_int8: the levels as ints
-      return signed_sum(digits, 1, self.spec).astype(
+      return strategies.signed_sum(digits, 1, self.spec).astype(
           self.word_dtype).ravel()
     return packing.pack_planes(packing.leaf_planes(
         digits.astype(packing.digit_dtype(self.radix)),
@@ -267,32 +237,42 @@ class MessageLayout:
             for k in range(len(self.leaf_sizes))]
 
 
-def signed_sum(code_sum: jax.Array, num_workers: int,
-               spec: VoteSpec) -> jax.Array:
-  """Sum of N workers' codes -> sum of their levels, in [-N L, N L] (int32).
-
-  A binary code is ``(q + 1) / 2``, any other ``q + L``.
-  """
-  total = code_sum.astype(jnp.int32)
-  if spec.radix == 2:
-    return 2 * total - num_workers
-  return total - num_workers * spec.max_level
-
-
 def vote_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
               comm: str) -> float:
   """Bits per parameter a message costs as leaves grow (no padding)."""
-  n = num_workers
-  up = packing.bits_per_digit(spec.radix)
-  if comm == "alltoall":
-    down = packing.bits_per_digit(
-        alltoall_down_radix(n, aggregation=aggregation, spec=spec))
-    return (n - 1) / n * (up + down)
-  if comm == "allgather":
-    return float(n - 1) * up
-  if comm == "psum":
-    return 2 * (n - 1) / n * packing.bits_per_digit(psum_radix(n, spec))
-  return 2 * (n - 1) / n * jnp.iinfo(int_container(n, spec)).bits
+  return _total(num_workers, strategies.STRATEGIES[comm], *_digit_bits(
+      num_workers, aggregation=aggregation, spec=spec, comm=comm))
+
+
+def collective_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
+                    comm: str) -> list[tuple[str, float]]:
+  """Each collective of a strategy, in order: its HLO op and the bits per
+  parameter a worker sends through it as leaves grow (no padding)."""
+  up, down = _digit_bits(num_workers, aggregation=aggregation, spec=spec,
+                         comm=comm)
+  return [(send.op, send.share(num_workers) * (down if send.back else up))
+          for send in strategies.STRATEGIES[comm].sends]
+
+
+def _digit_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
+                comm: str) -> tuple[float, float]:
+  """Bits of a vote a strategy sends, and of a result it sends back."""
+  strategy = strategies.STRATEGIES[comm]
+  up = strategy.bits(num_workers, spec, strategy.radix(num_workers, spec))
+  return up, packing.bits_per_digit(strategies.alltoall_down_radix(
+      num_workers, aggregation=aggregation, spec=spec))
+
+
+def _total(num_workers: int, strategy: strategies.Strategy, up, down):
+  """What a worker sends through ``strategy``'s collectives, ``up`` a vote
+  buffer's size and ``down`` a result buffer's: the buffers of sends that
+  share a factor summed first (as ``(N-1)/N (up + down)``, not two
+  products, whose sum may round apart)."""
+  by_share = {}
+  for send in strategy.sends:
+    share = send.share(num_workers)
+    by_share[share] = by_share.get(share, 0) + (down if send.back else up)
+  return sum(share * size for share, size in by_share.items())
 
 
 def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
@@ -324,7 +304,9 @@ def choose_comm(num_workers: int, *, aggregation: str,
   fewer collectives. ``gathers=False`` leaves out the strategies that
   all-gather (see :func:`dlion_jax.exchange.can_gather`).
   """
-  candidates = _BY_LATENCY if gathers else ("psum", "psum_int8")
+  candidates = sorted((s for s in strategies.STRATEGIES.values()
+                       if gathers or not s.gathers), key=lambda s: s.latency)
+  candidates = [s.name for s in candidates]
   def cost(comm):
     if leaf_sizes is not None:
       return MessageLayout(tuple(leaf_sizes), num_workers, spec, aggregation,

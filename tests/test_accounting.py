@@ -61,6 +61,8 @@ def test_auto_counts_padding_on_small_models():
 
 @pytest.mark.parametrize("comm", COMMS)
 def test_hlo_ops_per_strategy(comm):
+  """The compiled update issues the collectives its strategy's record
+  says, each sending the record's bits a parameter (up to padding)."""
   ops = {"alltoall": ["all-to-all", "all-gather"],
          "allgather": ["all-gather"],
          "psum": ["all-reduce"],
@@ -69,6 +71,12 @@ def test_hlo_ops_per_strategy(comm):
   found = accounting.collectives(compiled.as_text())
   assert [c.op for c in found] == ops
   assert all(c.group_size == 5 for c in found)
+  record = dl.message.collective_bits(5, aggregation="mavo",
+                                      spec=dl.quantize.BINARY, comm=comm)
+  assert [op for op, _ in record] == ops
+  for c, (_, bits) in zip(found, record):
+    assert bits - 1e-9 <= c.sent_bytes * 8 / D <= bits * (1 + 320 / D), (
+        c, bits)
 
 
 def test_single_worker_sends_nothing():

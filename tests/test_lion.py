@@ -158,11 +158,11 @@ def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
   gathers them as rows ``[m, 256]`` (not as one flat buffer to cut them out
   of), with the reference's updates bit for bit."""
   monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
-  gathered, all_gather = [], dl.exchange._all_gather
+  gathered, all_gather = [], dl.strategies._all_gather
   def recorded(x, *args, **kwargs):
     gathered.append(x.shape)
     return all_gather(x, *args, **kwargs)
-  monkeypatch.setattr(dl.exchange, "_all_gather", recorded)
+  monkeypatch.setattr(dl.strategies, "_all_gather", recorded)
   rng = np.random.default_rng(3)
   params = random_tree(rng, {"w": shape})
   grads = [random_tree(rng, {"w": shape}, np.float32, num_workers)

@@ -576,3 +576,32 @@ def test_each_worker_draws_its_own_dropout_masks(shape, kind):
     np.testing.assert_allclose(grads[i], want, rtol=1e-6)
   np.testing.assert_array_equal(grads, again)
   assert len({tuple(np.asarray(g)) for g in grads}) == n
+
+
+@pytest.mark.parametrize("shape", [(8,), (2, 4)])
+def test_the_plain_step_hands_back_what_it_took_on_auto_axes(shape):
+  """On Auto axes a step's outputs lie where the compiler puts them: a
+  schedule's count comes back on the workers' devices, and params given
+  their placement (replicated here) stay replicated, so three steps
+  compile once (was: the count came back replicated and the flat step
+  compiled again)."""
+  mesh = fast_mesh(shape, AxisType.Auto)
+  schedule = optax.warmup_cosine_decay_schedule(0.0, LR, 2, 10)
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(schedule, axis_name=AXIS))
+  loss_fn, params, batch = mlp_problem(2)
+
+  def step(p, s, batch):
+    _, grads = dl.workers.value_and_grad(loss_fn, placement=specs)(p, batch)
+    updates, s = dl.workers.update(tx, placement=specs)(grads, s, p)
+    return optax.apply_updates(p, updates), s
+  step = jax.jit(step)
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, P())
+    specs = jax.tree.map(lambda x: x.sharding.spec, p)
+    s = parallel.init_worker_states(tx, p, mesh)
+    b = jax.device_put(batch, P(tuple(mesh.axis_names)))
+    for _ in range(3):
+      p, s = step(p, s, b)
+  assert step._cache_size() == 1
+  assert all(x.sharding.spec == P() for x in jax.tree.leaves(p))

@@ -89,3 +89,26 @@ def plain_train_step(loss_fn, tx, placement=None):
                                                              params)
     return optax.apply_updates(params, updates), state, loss.mean()
   return jax.jit(step)
+
+
+def steady_compiled(step, params, state, batch, *, limit: int = 3):
+  """``step`` compiled for the params and state it hands back: a plain
+  step's outputs lie where the compiler put them (on Auto axes it may
+  shard replicated params like the vote's blocks), and the next step runs
+  on those, compiled again; ``make_train_step``'s come back as they came,
+  so its first compile is its steady one. Compiles at most ``limit``
+  times, each on abstract arrays placed as the one before returned."""
+  compiled = step.lower(params, state, batch).compile()
+  for _ in range(limit - 1):
+    out_params, out_state = compiled.output_shardings[:2]
+    moved = [a for a, b in zip(
+        jax.tree.leaves((params, state)),
+        jax.tree.leaves((out_params, out_state)))
+             if not a.sharding.is_equivalent_to(b, a.ndim)]
+    if not moved:
+      return compiled
+    params, state = jax.tree.map(
+        lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+        (params, state), (out_params, out_state))
+    compiled = step.lower(params, state, batch).compile()
+  return compiled

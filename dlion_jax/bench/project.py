@@ -67,7 +67,6 @@ import numpy as np
 from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import message
-from dlion_jax import packing
 from dlion_jax import quantize
 from dlion_jax.bench import reporting
 
@@ -187,18 +186,9 @@ def vote_plan(n: int, *, aggregation: str = "mavo", comm: str = "auto",
     return []
   if comm == "auto":
     comm = message.choose_comm(n, aggregation=aggregation, spec=spec)
-  up = packing.bits_per_digit(spec.radix)
-  if comm == "alltoall":
-    down = packing.bits_per_digit(message.alltoall_down_radix(
-        n, aggregation=aggregation, spec=spec))
-    plan = [Collective("all-to-all", (n - 1) / n * up, group),
-            Collective("all-gather", (n - 1) / n * down, group)]
-  elif comm == "allgather":
-    plan = [Collective("all-gather", (n - 1) * up, group)]
-  else:
-    plan = [Collective("all-reduce", message.vote_bits(
-        n, aggregation=aggregation, spec=spec, comm=comm), group)]
-  return [dataclasses.replace(c, bits=c.bits * share) for c in plan]
+  return [Collective(op, bits * share, group)
+          for op, bits in message.collective_bits(
+              n, aggregation=aggregation, spec=spec, comm=comm)]
 
 
 def hybrid_plan(cluster: Cluster, *, aggregation: str = "mavo"

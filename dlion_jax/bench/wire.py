@@ -36,6 +36,7 @@ import dlion_jax as dl
 from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import exchange
+from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax.bench import reporting
 
@@ -233,14 +234,6 @@ def report(dlion, baselines, elapsed: float) -> str:
   return "\n".join(parts)
 
 
-def _result_radix(num_workers: int, aggregation: str, vote: str) -> int:
-  """Distinct values of the update D of one parameter."""
-  spec = accounting.vote_spec(vote=vote)
-  if aggregation == "avg":
-    return accounting.psum_radix(num_workers, spec)
-  return 3 if accounting.mavo_has_ties(num_workers, spec) else 2
-
-
 def pattern_floor_bits(num_workers: int, aggregation: str,
                        vote: str) -> float:
   """Fewest bits/param of the owner-computes pattern with ideal codes.
@@ -253,7 +246,9 @@ def pattern_floor_bits(num_workers: int, aggregation: str,
   """
   n = num_workers
   up = math.log2(accounting.vote_spec(vote=vote).radix)
-  down = math.log2(_result_radix(n, aggregation, vote))
+  # The distinct values of D: what alltoall sends back.
+  down = math.log2(message.alltoall_down_radix(
+      n, aggregation=aggregation, spec=accounting.vote_spec(vote=vote)))
   return (n - 1) / n * (up + down)
 
 

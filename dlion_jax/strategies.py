@@ -1,0 +1,304 @@
+"""The ``comm`` strategies: one record each, of what it sends and how.
+
+Each worker holds a vector of vote *codes* (one digit per parameter,
+:mod:`dlion_jax.quantize`): ``1`` for a ``+1`` vote and ``0`` for ``-1``
+(binary), ``q + L`` for a level ``q`` in ``[-L, L]`` (ternary: ``L = 1``;
+Lion Cub's p-bit votes: ``L = 2**(p-1) - 1``). Every strategy gives the
+same integers on every worker, bit for bit: the vote's outcome, ``sign(s)``
+of the sum of levels ``s = sum_i q_i`` for a majority vote, ``s`` itself for
+an average.
+
+Strategies (``N`` workers, wire bits per parameter per worker and step):
+
+* ``alltoall``: pack the votes, ``all_to_all`` so worker ``k`` receives every
+  worker's shard ``k``, vote on that shard, ``all_gather`` the packed result:
+  ``(N-1)/N * (up + down)``.
+* ``allgather``: ``all_gather`` everyone's packed votes and vote locally:
+  ``(N-1) * up``.
+* ``psum``: counters of radix ``(levels-1)*N+1`` packed into words and summed by
+  an integer ``psum`` (Lion Cub, Ishikawa et al., 2025): ``2(N-1)/N * bits``.
+* ``psum_int8``: an ``int8`` of the level per parameter, ``psum`` (the
+  NeurIPS paper's implementation): ``2(N-1)/N * 8``.
+
+A :class:`Strategy` says what :mod:`dlion_jax.message` counts (its
+collectives, the radix it packs in), what ``comm='auto'`` weighs, and runs
+the exchange; adding a strategy is adding a record and its function here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import PartitionSpec as P
+
+from dlion_jax import packing
+from dlion_jax import quantize
+from dlion_jax import shards
+from dlion_jax import workers
+
+Comm = Literal["alltoall", "allgather", "psum", "psum_int8"]
+COMMS = get_args(Comm)
+
+VoteSpec = quantize.VoteSpec
+BINARY = quantize.BINARY
+
+
+@dataclasses.dataclass(frozen=True)
+class Send:
+  """One collective of a strategy: ``share(N)`` of its buffer is what each
+  worker sends (the ring conventions of :mod:`dlion_jax.hlo`), the buffer
+  the votes (``back=False``) or the results sent back (``alltoall``'s)."""
+  op: str
+  share: Callable[[int], float]
+  back: bool = False
+
+
+_ALL_REDUCE = Send("all-reduce", lambda n: 2 * (n - 1) / n)
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+  """One ``comm`` strategy: what it packs and sends, for the byte model,
+  ``'auto'``, the HLO checks and the cluster projection, and how it runs:
+  a strategy is this record and its ``exchange`` function.
+
+  Attributes:
+    name: the ``comm`` option.
+    sends: its collectives, in order.
+    latency: ``'auto'`` breaks ties between strategies that send as many
+      bytes toward the lower (fewer collectives).
+    counts: its digits are counters of ``N`` workers' codes
+      (:func:`psum_radix`), which packed words add without carries.
+    ints: the votes go as integers, not packed digits (:func:`int_container`).
+    returns_sign: its majority vote comes back as the sign itself.
+    exchange: ``exchange(message, *, axis_name, num_workers, spec,
+      aggregation) -> (planes, decode)`` over a named axis: ``planes(first,
+      words)`` the ``[m, words]`` digits of a run of the message's words,
+      which read plane after plane are the run's digits in order, and
+      ``decode`` the vote's outcome from them.
+  """
+  name: str
+  sends: tuple[Send, ...]
+  latency: int
+  exchange: Callable = dataclasses.field(repr=False, default=None)
+  counts: bool = False
+  ints: bool = False
+  returns_sign: bool = False
+
+  @property
+  def gathers(self) -> bool:
+    """Whether it all-gathers or all-to-alls (which jax cannot over a tuple
+    of vmapped axes; see :func:`dlion_jax.exchange.can_gather`)."""
+    return any(send.op != "all-reduce" for send in self.sends)
+
+  def radix(self, num_workers: int, spec: VoteSpec) -> int | None:
+    """Radix of the digits it packs the votes in (None: integers)."""
+    if self.ints:
+      return None
+    return psum_radix(num_workers, spec) if self.counts else spec.radix
+
+  def bits(self, num_workers: int, spec: VoteSpec, radix: int | None
+           ) -> float:
+    """Bits a digit of ``radix`` (or an integer vote) takes."""
+    if radix is None:
+      return jnp.iinfo(int_container(num_workers, spec)).bits
+    return packing.bits_per_digit(radix)
+
+
+def psum_radix(num_workers: int, spec: VoteSpec) -> int:
+  """Radix of a counter that can hold the sum of N workers' vote codes."""
+  return (spec.radix - 1) * num_workers + 1
+
+
+def mavo_has_ties(num_workers: int, spec: VoteSpec) -> bool:
+  """Whether a majority vote can end in a tie (sum 0), i.e. D = 0."""
+  return spec.radix != 2 or num_workers % 2 == 0
+
+
+def alltoall_down_radix(num_workers: int, *, aggregation: str,
+                        spec: VoteSpec) -> int:
+  """Radix of the per-parameter result that ``alltoall`` all-gathers."""
+  if aggregation == "avg":
+    return psum_radix(num_workers, spec)
+  return 3 if mavo_has_ties(num_workers, spec) else 2
+
+
+def int_container(num_workers: int, spec: VoteSpec = BINARY):
+  """Signed integer dtype in which ``psum_int8`` sums N workers' levels."""
+  largest = num_workers * spec.max_level
+  for dtype in (jnp.int8, jnp.int16, jnp.int32):
+    if largest <= jnp.iinfo(dtype).max:
+      return dtype
+  raise ValueError(f"num_workers={num_workers} exceeds int32.")
+
+
+def signed_sum(code_sum: jax.Array, num_workers: int,
+               spec: VoteSpec) -> jax.Array:
+  """Sum of N workers' codes -> sum of their levels, in [-N L, N L] (int32).
+
+  A binary code is ``(q + 1) / 2``, any other ``q + L``.
+  """
+  total = code_sum.astype(jnp.int32)
+  if spec.radix == 2:
+    return 2 * total - num_workers
+  return total - num_workers * spec.max_level
+
+
+# On TPU a row of gathered words may grow by this fraction of its width to
+# whole lanes (see _gather_words).
+_ROW_PADDING = 0.01
+
+
+def _all_gather(x, axis_name, **kwargs):
+  """``all_gather`` whose result is typed invariant where the axis is manual.
+
+  Under ``shard_map``/``pmap`` the gathered votes are the same on every
+  worker, and saying so lets replicated parameters be updated under
+  ``check_vma=True``; ``vmap`` has no such type and takes the default.
+  """
+  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  to = "invarying" if all(a in manual for a in axes) else "varying"
+  return lax.all_gather(x, axis_name, to=to, **kwargs)
+
+
+def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
+  """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
+  all_gather the packed shard results.
+
+  Under ``jax.vmap`` over a mesh axis the two collectives are stated as
+  reshards of every worker's words (:func:`dlion_jax.workers.exchanged`):
+  each device's column of all the messages, then every device's results.
+  """
+  n = num_workers
+  up_radix = spec.radix
+  down_radix = alltoall_down_radix(n, aggregation=aggregation,
+                                              spec=spec)
+
+  def tally(mine):
+    """The packed results of a shard, from every worker's words of it."""
+    code_sum = packing.sum_planes(mine, up_radix)
+    if aggregation == "avg":
+      down = code_sum                  # exact count, radix (levels-1)*N+1
+    elif down_radix == 2:
+      down = signed_sum(code_sum, n, spec) > 0    # odd N, binary: no ties
+    else:
+      down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
+    down = down.astype(packing.digit_dtype(down_radix))
+    # Each place's results of the shard fill whole words of the result's
+    # radix (MessageLayout.word_multiple), planar in its own words, the
+    # same words as packing them all together: gathered, every worker's
+    # words of one place are transposed (a fifth of the digits' bytes for
+    # radix 3), not the digits, and unpack straight into the message's
+    # order.
+    return packing.pack_digits(down, down_radix, planar=True)
+
+  def manual(message):
+    up = message.reshape(n, -1)     # MessageLayout.word_multiple
+    return _gather_words(tally(lax.all_to_all(up, axis_name, 0, 0)),
+                         axis_name, n)
+
+  def stacked(messages):
+    # [worker, shard, words]: each device takes its shard of every worker's.
+    mine = workers.place(messages.reshape(n, n, -1),
+                         P(None, axis_name, None))
+    return workers.place(jax.vmap(tally, in_axes=1)(mine), P())
+
+  words = workers.exchanged(manual, stacked, axis_name)(message)
+  places = words.shape[1]
+  result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
+                                 planar=True).reshape(places, -1)
+
+  def decode(digits):
+    digits = digits.astype(jnp.int32)
+    if aggregation == "avg":
+      return signed_sum(digits, n, spec)
+    return 2 * digits - 1 if down_radix == 2 else digits - 1
+  return (lambda first, size: lax.slice_in_dim(result, first, first + size,
+                                               axis=1)), decode
+
+
+def _gather_words(words, axis_name, n):
+  """Every worker's packed results, ``[n, *words.shape]`` (an ``all_gather``).
+
+  On TPU the gathered buffer is cut into rows of 128 lanes. ``words`` with
+  a row a place (``[m, W]``) are gathered row by row, each padded to whole
+  lanes: cut out of one flat buffer, the rows of a ``W`` that is not a
+  whole number of lanes took XLA:TPU a ``dynamic-update-slice`` a row and
+  worker (on a 50M-parameter step, 65 -> 60 bytes a parameter). Where that
+  padding would add more than :data:`_ROW_PADDING` of ``W``, and for flat
+  ``words``, each worker's words are padded to 4 rows of 128 as a whole:
+  across TPU slices XLA:TPU gathers a small buffer that is not whole rows
+  of 128 lanes by an all-reduce of a zero-padded one, twice the DCN bytes.
+  """
+  if not shards.on_tpu():
+    # Flat: jax gathers an empty [m, 0] stacked in the wrong shape (seen
+    # under vmap with lax.scan, and under shard_map).
+    return _all_gather(words.reshape(-1), axis_name, tiled=True).reshape(
+        (n,) + words.shape)
+  width = words.shape[-1]
+  pad = -width % shards.LANES
+  if words.ndim > 1 and 0 < width and pad <= _ROW_PADDING * width:
+    lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
+    return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
+  rows = _all_gather(shards.lane_rows(words.reshape(-1), 4), axis_name)
+  return rows.reshape(n, -1)[:, :words.size].reshape((n,) + words.shape)
+
+
+def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
+  """Every worker gathers everyone's packed votes and counts them."""
+  del aggregation
+  everyone = workers.exchanged(
+      lambda m: _all_gather(m, axis_name),
+      lambda messages: workers.place(messages, P()), axis_name)(message)
+  return (lambda first, size: packing.sum_planes(lax.slice_in_dim(
+      everyone, first, first + size, axis=1), spec.radix)), functools.partial(
+          signed_sum, num_workers=num_workers, spec=spec)
+
+
+def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
+  """Packed counters summed by an integer psum (Lion Cub's p-bit all-reduce).
+
+  Each code is a digit of radix ``(levels - 1) * N + 1``, so the sum of N
+  workers' digits never carries into the next digit of the word.
+  """
+  del aggregation
+  radix = psum_radix(num_workers, spec)
+  total = workers.psum(message, axis_name)
+  return (lambda first, size: packing.digit_planes(
+      lax.slice(total, (first,), (first + size,)), radix)), functools.partial(
+          signed_sum, num_workers=num_workers, spec=spec)
+
+
+def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
+  """The paper's implementation: psum an int8 container of the +-1 votes.
+
+  The container widens to int16/int32 when N exceeds what int8 can sum.
+  """
+  del num_workers, spec, aggregation
+  total = workers.psum(message, axis_name)
+  return (lambda first, size: lax.slice(total, (first,), (first + size,))[
+      None]), lambda levels: levels.astype(jnp.int32)
+
+
+# How each strategy of dlion_jax.message.STRATEGIES runs.
+
+
+STRATEGIES = {s.name: s for s in (
+    Strategy("allgather", (Send("all-gather", lambda n: n - 1),), latency=0,
+             exchange=exchange_allgather),
+    Strategy("psum", (_ALL_REDUCE,), latency=1, counts=True,
+             exchange=exchange_psum),
+    Strategy("alltoall", (Send("all-to-all", lambda n: (n - 1) / n),
+                          Send("all-gather", lambda n: (n - 1) / n,
+                               back=True)),
+             latency=2, returns_sign=True, exchange=exchange_alltoall),
+    Strategy("psum_int8", (_ALL_REDUCE,), latency=3, ints=True,
+             exchange=exchange_psum_int8),
+)}
+assert set(STRATEGIES) == set(COMMS)
