@@ -255,7 +255,10 @@ def _beside_workers(axis_name, mesh, auto) -> tuple[str, ...]:
   (:mod:`dlion_jax.workers`): each device votes on its own block of every
   leaf over them (:func:`on_own_shards`)."""
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  return tuple(a for a in auto if a not in names and mesh.shape[a] > 1)
+  # An Explicit axis of one device stays: leaves are typed over it.
+  return tuple(a for a in auto if a not in names and (
+      mesh.shape[a] > 1 or mesh.axis_types[mesh.axis_names.index(a)]
+      == jax.sharding.AxisType.Explicit))
 
 
 # Set while dlion_jax.parallel.make_train_step traces the optimizer update

@@ -322,7 +322,11 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
 
   def each_worker(params, batch):
     n = _mesh_size(axis_name)
-    groups = _row_groups(batch, axis_name, rows_over)
+    named = _row_groups(batch, axis_name, rows_over)
+    mesh = jax.sharding.get_abstract_mesh()
+    groups = tuple(a for a in named if mesh.shape[a] > 1)
+    if named != groups:    # an axis of one device: whole params, no split
+      params = jax.tree.map(lambda x: _gathered(x, named), params)
     rows = jax.tree_util.tree_map_with_path(
         lambda path, x: _own_keys(x, n, axis_name, groups) if _key(x)
         else worker_rows(x, n, axis_name, path, groups), batch)
@@ -387,7 +391,7 @@ def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
   else:
     groups = tuple(a for a in mesh.axis_names if a not in _names(
         axis_name) and mesh.shape[a] > 1)
-  return tuple(a for a in groups if mesh.shape[a] > 1)
+  return groups
 
 
 def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
@@ -502,7 +506,24 @@ def update(tx, *, axis_name: str = "data",
                     axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
-    from dlion_jax import shards     # imports this module
+    from dlion_jax import _per_worker, shards     # import this module
+    n = _mesh_size(axis_name)
+    fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
+           "not jax.grad of the whole batch.")
+    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads),
+                            jax.tree.leaves(params)):
+      if np.ndim(g) != np.ndim(p) + 1:
+        raise ValueError(
+            f"grads leaf {jax.tree_util.keystr(path)} has shape "
+            f"{np.shape(g)} and its param {np.shape(p)}; the step wants "
+            f"each of the {n} workers' gradients on a leading axis. {fix}")
+    _per_worker.check_leading_axis(
+        grads, n, "grads", f"each of the {n} workers' gradients", fix)
+    _per_worker.check_leading_axis(
+        state, n, "state", f"each of the {n} workers' optimizer state",
+        "Build it with dl.parallel.init_worker_states(tx, params, mesh) "
+        "(for an nnx.Optimizer or a Linen TrainState, with "
+        "dl.workers.stacked(tx)), not tx.init(params).")
     try:
       with shards.placed(_by_path(grads, placement)):
         updates, state = mapped(grads, state, params)
@@ -534,8 +555,9 @@ def _by_path(grads: Any, placement: Any) -> dict[str, P]:
   """``placement``'s specs by the key paths of ``grads``' leaves."""
   if placement is None:
     return {}
-  specs = jax.tree.leaves(placement, is_leaf=lambda x: x is None or
-                          isinstance(x, P))
+  specs = [getattr(x, "spec", x) for x in jax.tree.leaves(
+      placement, is_leaf=lambda x: x is None or isinstance(
+          x, (P, jax.sharding.NamedSharding)))]
   paths = [jax.tree_util.keystr(path) for path, _ in
            jax.tree_util.tree_flatten_with_path(grads)[0]]
   if len(specs) != len(paths):

@@ -274,6 +274,20 @@ def test_mistakes_are_named():
       jax.jit(dl.workers.update(lone))(
           jax.device_put({"w": jnp.ones((4, 4))}, P(AXIS)), state, params)
   assert_names(e, "does not vote", "axis_name='data'")
+  tx = dl.distributed_lion(LR, axis_name=AXIS)
+  with jax.set_mesh(mesh_of(4)):
+    state = parallel.init_worker_states(tx, params, mesh_of(4))
+    grads = jax.device_put({"w": jnp.ones((4, 4))}, P(AXIS))
+    with pytest.raises(ValueError) as e:        # was: a bare vmap error
+      jax.jit(dl.workers.update(tx))(grads, tx.init(params), params)
+    assert_names(e, "state leaf [0].count", "shape ()", "size 4",
+                 "init_worker_states", "dl.workers.stacked(tx)")
+    with pytest.raises(ValueError) as e:        # jax.grad of the batch
+      jax.jit(dl.workers.update(tx))(params, state, params)
+    assert_names(e, "grads leaf ['w']", "shape (4,)",
+                 "dl.workers.value_and_grad")
+    named = {"w": jax.NamedSharding(mesh_of(4), P())}    # not a spec
+    jax.jit(dl.workers.update(tx, placement=named))(grads, state, params)
 
 
 # Meshes with axes beside the workers', and where each leaf lies on them:
@@ -605,3 +619,34 @@ def test_the_plain_step_hands_back_what_it_took_on_auto_axes(shape):
       p, s = step(p, s, b)
   assert step._cache_size() == 1
   assert all(x.sharding.spec == P() for x in jax.tree.leaves(p))
+
+
+@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
+def test_a_fast_axis_of_one_device(kind):
+  """A ("data", "fsdp") mesh of 8 x 1 (one device a node), FSDP-placed
+  params: the plain step equals make_train_step(shard_axis="fsdp") bit
+  for bit and sends no more over data (was, on Explicit axes: a
+  ShardingTypeError in the model, the params typed over the size-1 axis
+  never gathered)."""
+  mesh = fast_mesh((8, 1), kind)
+  tx = dl.distributed_lion(LR, weight_decay=1e-2, axis_name=AXIS)
+  loss_fn, params, batch = mlp_problem(8)
+
+  def step(p, s, batch):
+    _, grads = dl.workers.value_and_grad(loss_fn)(p, batch)
+    updates, s = dl.workers.update(tx)(grads, s, p)
+    return optax.apply_updates(p, updates), s
+  with jax.set_mesh(mesh):
+    p = dl.devices.shard_params(params, mesh, "fsdp")
+    s = parallel.init_worker_states(tx, p, mesh)
+    b = jax.device_put(batch, jax.NamedSharding(mesh, P((AXIS, "fsdp"))))
+    plain = jax.jit(step)
+    ref = parallel.make_train_step(loss_fn, tx, mesh, donate=False,
+                                   shard_axis="fsdp")
+    sent = dl.collective_bytes_by_axis(plain.lower(p, s, b).compile(), mesh)
+    theirs = dl.collective_bytes_by_axis(ref.lower(p, s, b).compile(), mesh)
+    mine, _ = plain(p, s, b)
+    want = ref(p, s, b)[0]
+  # make_train_step also all-reduces the loss (7 bytes).
+  assert 0 < sent[AXIS] <= theirs[AXIS], (sent, theirs)
+  assert_same(mine, want, "params")
