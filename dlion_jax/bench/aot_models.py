@@ -69,11 +69,27 @@ def mlp_problem(per_chip: int = 8) -> Problem:
   return Problem("mlp", loss_fn, params, batch)
 
 
+def gpt_problem():
+  """The train CLI's ``charlm_gpt`` model (a 4-layer byte-level GPT):
+  ``(loss_fn, params, batch(num_workers))``; needs flax."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
+  model = models.build_model("gpt", rngs=nnx.Rngs(0), vocab_size=256,
+                             context=128, dim=128, depth=4, heads=4)
+  graphdef, params = models.split_params(model)
+
+  def loss_fn(p, batch):
+    return models.lm_loss(models.apply(graphdef, p, batch["x"]), batch["y"])
+  def batch(num_workers):
+    tokens = jnp.zeros((8 * num_workers, 128), jnp.int32)
+    return {"x": tokens, "y": tokens}
+  return loss_fn, params, batch
+
+
 def cli_gpt_problem(per_chip: int = 8) -> Problem:
   """The train CLI's ``charlm_gpt`` model (dim 128, depth 4, context 128);
   needs flax."""
-  from dlion_jax.bench import compile as compile_bench  # pylint: disable=g-import-not-at-top
-  loss_fn, params, _ = compile_bench.gpt_problem()
+  loss_fn, params, _ = gpt_problem()
   return Problem("gpt", loss_fn, _abstract(params),
                  lambda chips: _tokens(per_chip * chips, 128))
 

@@ -54,6 +54,7 @@ from jax.sharding import PartitionSpec as P
 import dlion_jax as dl
 from dlion_jax import bench
 from dlion_jax import parallel
+from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 from dlion_jax.bench import step as step_bench
 
@@ -154,26 +155,9 @@ def program_lines(hlo_text: str) -> int:
   return count
 
 
-def gpt_problem():
-  """The train CLI's ``charlm_gpt`` model (a 4-layer byte-level GPT):
-  ``(loss_fn, params, batch(num_workers))``; needs flax."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
-  model = models.build_model("gpt", rngs=nnx.Rngs(0), vocab_size=256,
-                             context=128, dim=128, depth=4, heads=4)
-  graphdef, params = models.split_params(model)
-
-  def loss_fn(p, batch):
-    return models.lm_loss(models.apply(graphdef, p, batch["x"]), batch["y"])
-  def batch(num_workers):
-    tokens = jnp.zeros((8 * num_workers, 128), jnp.int32)
-    return {"x": tokens, "y": tokens}
-  return loss_fn, params, batch
-
-
 def time_gpt_step(name, tx, mesh) -> Timing:
   """Traces, lowers and compiles the train CLI's step for its GPT."""
-  loss_fn, params, make_batch = gpt_problem()
+  loss_fn, params, make_batch = aot_models.gpt_problem()
   params = parallel.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   batch = parallel.shard_batch(make_batch(mesh.shape[AXIS]), mesh,

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 import dlion_jax as dl
 from dlion_jax import bench
 from dlion_jax import parallel
-from dlion_jax.bench import compile as compile_bench
+from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 
 LEARNING_RATE = 1e-3
@@ -81,7 +81,7 @@ def measure(tx, mesh, placement, step_form: str | None = None
   for the layout's own ``make_train_step``; ``"shard_axis"`` for
   ``make_train_step(shard_axis="fsdp")`` on it; ``"plain"`` for the step
   of :func:`dlion_jax.bench.plain_train_step`."""
-  loss_fn, params, make_batch = compile_bench.gpt_problem()
+  loss_fn, params, make_batch = aot_models.gpt_problem()
   count = sum(x.size for x in jax.tree.leaves(params))
   shard_axis = ("fsdp" if placement.startswith("shard_axis")
                 or step_form == "shard_axis" else None)
