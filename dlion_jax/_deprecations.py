@@ -15,14 +15,16 @@ from typing import Any, Callable
 
 def moved(module: str, names: dict[str, str]) -> Callable[[str], Any]:
   """The ``__getattr__`` of ``module``, whose ``names`` (name -> the
-  module it moved to) warn and are imported from their new module."""
+  module it moved to, or ``"module:new_name"`` where it was renamed too)
+  warn and are imported from their new place."""
   def getattr_(name: str) -> Any:
     if name not in names:
       raise AttributeError(f"module {module!r} has no attribute {name!r}")
-    new = names[name]
+    new, _, new_name = names[name].partition(":")
+    new_name = new_name or name
     warnings.warn(
-        f"{module}.{name} is deprecated: use {new}.{name} (from "
+        f"{module}.{name} is deprecated: use {new}.{new_name} (from "
         f"{new.rpartition('.')[0]} import {new.rpartition('.')[2]}).",
         DeprecationWarning, stacklevel=2)
-    return getattr(importlib.import_module(new), name)
+    return getattr(importlib.import_module(new), new_name)
   return getattr_

@@ -41,9 +41,13 @@ from dlion_jax.message import MessageLayout
 from dlion_jax.quantize import VoteSpec
 
 # Each strategy's exchange moved to dlion_jax.strategies, beside its record.
-__getattr__ = moved(__name__, {name: "dlion_jax.strategies" for name in (
-    "exchange_alltoall", "exchange_allgather", "exchange_psum",
-    "exchange_psum_int8")})
+# and axis_size was renamed (dlion_jax.devices.axis_size(mesh, axis) is
+# another count).
+__getattr__ = moved(__name__, {
+    **{name: "dlion_jax.strategies" for name in (
+        "exchange_alltoall", "exchange_allgather", "exchange_psum",
+        "exchange_psum_int8")},
+    "axis_size": "dlion_jax.exchange:workers_along"})
 
 AGGREGATIONS = message_lib.AGGREGATIONS
 VOTES = quantize.VOTES
@@ -56,7 +60,7 @@ AxisName = Hashable | tuple[Hashable, ...]
 OWN_PACKING = 2**14
 
 
-def axis_size(axis_name: AxisName | None) -> int:
+def workers_along(axis_name: AxisName | None) -> int:
   """Number of workers along ``axis_name`` (1 for ``None``).
 
   Raises:

@@ -291,7 +291,7 @@ def scale_by_distributed_lion(
   def update_fn(updates, state, params=None):
     del params
     _check_state(state, state_type)
-    num_workers = exchange.axis_size(axis_name)
+    num_workers = exchange.workers_along(axis_name)
     check_same_structure(updates, state.mu, num_workers)
     check_float_leaves(updates, "gradient")
     if num_workers > 1:
