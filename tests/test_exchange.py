@@ -4,7 +4,6 @@ aggregate_updates against numpy, through every strategy, at an odd and an
 even number of workers, with leaves no packing unit divides."""
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
