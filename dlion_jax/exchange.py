@@ -21,6 +21,7 @@ collectives however many leaves the model has.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable, Hashable, Sequence
 
@@ -58,6 +59,19 @@ AxisName = Hashable | tuple[Hashable, ...]
 #: Leaves of sign votes with this many elements or more are packed on their
 #: own; smaller ones share one pass (see ``_message``).
 OWN_PACKING = 2**14
+
+
+@dataclasses.dataclass(frozen=True)
+class VoteOptions:
+  """How a vote runs: the options :func:`aggregate` takes, passed inward as
+  one value. ``comm`` may be ``'auto'`` (resolved per message)."""
+  axis_name: AxisName
+  num_workers: int
+  spec: VoteSpec
+  aggregation: str
+  comm: str
+  min_compress_size: int = 0
+  bucket_bytes: int | None = None
 
 
 def workers_along(axis_name: AxisName | None) -> int:
@@ -131,21 +145,21 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
     strategy: the outcome of the vote on each parameter, ``sign(s)``
     (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]`` (``'avg'``).
   """
+  options = VoteOptions(axis_name, num_workers, spec, aggregation, comm)
   layout, result = _exchange([(c,) for c in codes], lambda c: c,
-                             [None] * len(codes),
-                             axis_name=axis_name, num_workers=num_workers,
-                             spec=spec, aggregation=aggregation, comm=comm)
+                             [None] * len(codes), options)
   return [x.astype(jnp.int32) for x in layout.split(result)]
 
 
-def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
-              aggregation, comm):
+def _exchange(rows, combine, alone, options: VoteOptions):
   """The layout and the result of voting on ``combine(*row)`` for each row
   of leaves (see :func:`aggregate`): one integer vector per packing run
   (int32; over a TPU mesh the narrowest that holds it), the outcome for
   each of its digits in order (:meth:`MessageLayout.split`).
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
   by one."""
+  n, spec, aggregation = options.num_workers, options.spec, options.aggregation
+  comm, axis_name = options.comm, options.axis_name
   gathers = can_gather(axis_name)
   if not gathers and comm != "auto" and strategies.STRATEGIES[comm].gathers:
     raise ValueError(
@@ -155,15 +169,15 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
         "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
         "or vote over mesh axes inside jax.shard_map.")
   sizes = [row[0].size for row in rows]
-  comm = resolve_comm(comm, num_workers, aggregation=aggregation, spec=spec,
+  comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
                       leaf_sizes=sizes, gathers=gathers)
-  layout = MessageLayout(tuple(sizes), num_workers, spec, aggregation, comm,
+  layout = MessageLayout(tuple(sizes), n, spec, aggregation, comm,
                          _runs(rows, len(alone)))
   message = _message(rows, combine, alone, layout, spec,
                      batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
   planes, decode = strategy.exchange(message, axis_name=axis_name,
-                                     num_workers=num_workers, spec=spec,
+                                     num_workers=n, spec=spec,
                                      aggregation=aggregation)
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
@@ -177,21 +191,20 @@ def _exchange(rows, combine, alone, *, axis_name, num_workers, spec,
       # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the
       # leaf's shape is a copy: of 1 byte a parameter rather than 4.
       outcome = outcome.astype(strategies.int_container(
-          num_workers if aggregation == "avg" else 1, spec))
+          n if aggregation == "avg" else 1, spec))
     results.append(outcome)
   return layout, results
 
 
-def _finalize(outcome: jax.Array, num_workers: int, aggregation: str,
-              spec: VoteSpec, dtype) -> jax.Array:
+def _finalize(outcome: jax.Array, options: VoteOptions, dtype) -> jax.Array:
   """``D`` from the vote's outcome (see :func:`exchange_votes`)."""
-  if aggregation == "mavo":
+  if options.aggregation == "mavo":
     return outcome.astype(dtype)
   # s / (N L) read from a table of correctly rounded quotients: XLA would
   # turn a division by a constant into a multiplication by its inverse and
   # fuse it with the consumers in a strategy-dependent order, breaking
   # bit-identity.
-  top = num_workers * spec.max_level
+  top = options.num_workers * options.spec.max_level
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
   quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
   index = outcome.astype(jnp.int32) + top
@@ -276,14 +289,12 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   compute once every bucket's outcome is in (see ``_done``), or None
   where the compiler's axes share the vote.
   """
-  options = dict(axis_name=axis_name, num_workers=num_workers, spec=spec,
-                 aggregation=aggregation, comm=comm,
-                 min_compress_size=min_compress_size,
-                 bucket_bytes=bucket_bytes)
+  options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
+                        min_compress_size, bucket_bytes)
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
   def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
-                      leaf_shards=leaf_shards, **options)
+                      options=options, leaf_shards=leaf_shards)
   if axes:
     updates, done = shards.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None
@@ -292,8 +303,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   return (updates, done) if with_done else updates
 
 
-def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
-               comm, min_compress_size, bucket_bytes, leaf_shards):
+def _aggregate(combine, *trees, options: VoteOptions, leaf_shards):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), and its ``done``."""
   leaves, treedef = jax.tree.flatten(trees[0])
@@ -307,24 +317,25 @@ def _aggregate(combine, *trees, axis_name, num_workers, spec, aggregation,
   out = [jnp.zeros(x.shape, x.dtype) if x.size == 0 else None
          for x in leaves]
   exact = [i for i, x in enumerate(leaves)
-           if x.size > 0 and sizes[i] < min_compress_size]
+           if x.size > 0 and sizes[i] < options.min_compress_size]
   voted = [i for i, x in enumerate(leaves)
-           if x.size > 0 and sizes[i] >= min_compress_size]
+           if x.size > 0 and sizes[i] >= options.min_compress_size]
   if exact:
     values = [combine(*rows[i]) for i in exact]
-    for i, d in zip(exact, sign_of_mean(values, axis_name=axis_name)):
+    for i, d in zip(exact, sign_of_mean(values,
+                                        axis_name=options.axis_name)):
       out[i] = d
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
   done = []
-  for bucket in buckets(voted, nbytes, bucket_bytes):
+  for bucket in buckets(voted, nbytes, options.bucket_bytes):
     updates, outcomes = _vote(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
-        axis_name=axis_name, num_workers=num_workers, spec=spec,
-        aggregation=aggregation, comm=comm)
+        options)
     for i, d in zip(bucket, updates):
       out[i] = d
     if outcomes:
-      done.append(_done(outcomes, num_workers * spec.max_level))
+      done.append(_done(outcomes,
+                        options.num_workers * options.spec.max_level))
   done = functools.reduce(jnp.maximum, done) if done else None
   return jax.tree.unflatten(treedef, out), done
 
@@ -350,21 +361,20 @@ def _done(outcomes: list[jax.Array], top: int) -> jax.Array:
   return jnp.max((firsts > top).astype(jnp.uint8) >> 1, initial=0)
 
 
-def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
-          aggregation, comm) -> tuple[list[jax.Array], list[jax.Array]]:
+def _vote(rows, leaf_shards, combine, options: VoteOptions
+          ) -> tuple[list[jax.Array], list[jax.Array]]:
   """The update of each row of leaves, voted in one message, and the vote's
   outcome for each packing run."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
   # grouped by dtypes so that each group concatenates (see _message).
   alone = [k for k, row in enumerate(rows)
-           if spec.scaled or row[0].size >= OWN_PACKING]
+           if options.spec.scaled or row[0].size >= OWN_PACKING]
   grouped = sorted(set(range(len(rows))) - set(alone),
                    key=lambda k: (str(_dtypes(rows[k])), k))
   order = alone + grouped
   layout, results = _exchange(
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
-      axis_name=axis_name, num_workers=num_workers, spec=spec,
-      aggregation=aggregation, comm=comm)
+      options)
   # On TPU a leaf alone in its run gets D from its narrow outcome reshaped
   # to the leaf (see _exchange). Otherwise D once per run and dtype (that
   # of c), then each leaf's stretch of it (an operation a run, not a leaf).
@@ -383,11 +393,10 @@ def _vote(rows, leaf_shards, combine, *, axis_name, num_workers, spec,
         # the leaf's float update and lay out floats in the leaf's tiles
         # (psum_int8's outcome is the summed integers themselves).
         outcome = lax.optimization_barrier(outcome)
-      out[k] = _finalize(outcome, num_workers, aggregation, spec, run[1])
+      out[k] = _finalize(outcome, options, run[1])
       continue
     if run not in updates:
-      updates[run] = _finalize(results[run[0]], num_workers, aggregation,
-                               spec, run[1])
+      updates[run] = _finalize(results[run[0]], options, run[1])
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out, results
 
