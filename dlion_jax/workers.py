@@ -282,7 +282,10 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       sharded over on Explicit axes, and on Auto axes (whose types do not
       say) every other axis of more than one device. Where the devices of
       an axis share their rows (tensor parallelism over ``"model"``), leave
-      it out: ``rows_over=("fsdp",)``.
+      it out: ``rows_over=("fsdp",)``. On Explicit axes a batch placed
+      over ``"data"`` alone is not split further: with FSDP params, place
+      it over both (``jax.P(("data", "fsdp"))``) or pass ``rows_over``,
+      or the model meets params sharded over an axis its rows are not.
     has_aux: as in :func:`jax.value_and_grad` (``aux`` averaged over
       ``rows_over`` like the loss).
     placement: on Auto axes, the params' ``PartitionSpec``s, as for
