@@ -57,7 +57,7 @@ COMM_CHOICES = message_lib.COMM_CHOICES
 AxisName = Hashable | tuple[Hashable, ...]
 
 #: Leaves of sign votes with this many elements or more are packed on their
-#: own; smaller ones share one pass (see ``_message``).
+#: own; smaller ones share one pass (see ``_packed_message``).
 OWN_PACKING = 2**14
 
 
@@ -172,8 +172,8 @@ def _exchange(rows, combine, alone, options: VoteOptions):
   comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
                       leaf_sizes=sizes, gathers=gathers)
   layout = MessageLayout(tuple(sizes), n, spec, aggregation, comm,
-                         _runs(rows, len(alone)))
-  message = _message(rows, combine, alone, layout, spec,
+                         _run_starts(rows, len(alone)))
+  message = _packed_message(rows, combine, alone, layout, spec,
                      batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
   planes, decode = strategy.exchange(message, axis_name=axis_name,
@@ -286,8 +286,9 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   schedule them while the rest of the backward pass runs.
 
   ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
-  compute once every bucket's outcome is in (see ``_done``), or None
-  where the compiler's axes share the vote.
+  compute once every bucket's outcome is in (see
+  ``_after_every_outcome``), or None where the compiler's axes share the
+  vote.
   """
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
                         min_compress_size, bucket_bytes)
@@ -328,19 +329,19 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards):
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
   done = []
   for bucket in buckets(voted, nbytes, options.bucket_bytes):
-    updates, outcomes = _vote(
+    updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         options)
     for i, d in zip(bucket, updates):
       out[i] = d
     if outcomes:
-      done.append(_done(outcomes,
-                        options.num_workers * options.spec.max_level))
+      done.append(_after_every_outcome(
+          outcomes, options.num_workers * options.spec.max_level))
   done = functools.reduce(jnp.maximum, done) if done else None
   return jax.tree.unflatten(treedef, out), done
 
 
-def _done(outcomes: list[jax.Array], top: int) -> jax.Array:
+def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
   """A ``uint8`` zero XLA cannot fold, computed from the vote's ``outcomes``
   (integers in ``[-top, top]``): ``max((o[:8] > top) >> 1)`` over every
   run's.
@@ -361,12 +362,12 @@ def _done(outcomes: list[jax.Array], top: int) -> jax.Array:
   return jnp.max((firsts > top).astype(jnp.uint8) >> 1, initial=0)
 
 
-def _vote(rows, leaf_shards, combine, options: VoteOptions
-          ) -> tuple[list[jax.Array], list[jax.Array]]:
+def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions
+                         ) -> tuple[list[jax.Array], list[jax.Array]]:
   """The update of each row of leaves, voted in one message, and the vote's
   outcome for each packing run."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
-  # grouped by dtypes so that each group concatenates (see _message).
+  # grouped by dtypes so that each group concatenates (see _packed_message).
   alone = [k for k, row in enumerate(rows)
            if options.spec.scaled or row[0].size >= OWN_PACKING]
   grouped = sorted(set(range(len(rows))) - set(alone),
@@ -428,14 +429,14 @@ def buckets(indices: list[int], nbytes: list[int],
   return [sorted(bucket) for bucket in out]
 
 
-def _runs(rows, num_alone: int) -> tuple[int, ...]:
+def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
   """First row of each packing run: each of the first ``num_alone`` rows
-  alone, then one run per dtype of the rest (see :func:`_message`)."""
+  alone, then one run per dtype of the rest (see :func:`_packed_message`)."""
   return tuple(k for k in range(len(rows)) if k <= num_alone
                or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
 
 
-def _message(rows, combine, alone, layout, spec, *,
+def _packed_message(rows, combine, alone, layout, spec, *,
              batched: bool = False) -> jax.Array:
   """The packed message: ``combine(*row)``'s vote codes at each row's offset.
 
