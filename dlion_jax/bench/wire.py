@@ -36,8 +36,8 @@ import dlion_jax as dl
 from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import exchange
-from dlion_jax import message
 from dlion_jax import parallel
+from dlion_jax import strategies
 from dlion_jax.bench import reporting
 
 AXIS = "data"
@@ -247,7 +247,7 @@ def pattern_floor_bits(num_workers: int, aggregation: str,
   n = num_workers
   up = math.log2(accounting.vote_spec(vote=vote).radix)
   # The distinct values of D: what alltoall sends back.
-  down = math.log2(message.alltoall_down_radix(
+  down = math.log2(strategies.alltoall_down_radix(
       n, aggregation=aggregation, spec=accounting.vote_spec(vote=vote)))
   return (n - 1) / n * (up + down)
 
