@@ -325,6 +325,7 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
 
   def each_worker(params, batch):
     n = _mesh_size(axis_name)
+    params = jax.tree.map(_on_mesh, params)
     named = _row_groups(batch, axis_name, rows_over)
     mesh = jax.sharding.get_abstract_mesh()
     groups = tuple(a for a in named if mesh.shape[a] > 1)
@@ -378,6 +379,19 @@ def _own_keys(key: jax.Array, n: int, axis_name, groups) -> jax.Array:
   keys = jax.vmap(fold, in_axes=(0, None))(keys, jnp.arange(_mesh_size(
       groups)))
   return place(keys, P(axis_name, groups if len(groups) > 1 else groups[0]))
+
+
+def _on_mesh(x: jax.Array) -> jax.Array:
+  """``x`` replicated on the enclosing Explicit mesh where its type has no
+  mesh (params fresh from init, on one device): vmapped with
+  ``spmd_axis_name``, JAX's batching of such a value beside a per-worker
+  one fails ("Resource axis: data ... is not found in mesh: ()")."""
+  mesh = jax.sharding.get_abstract_mesh()
+  sharding = jax.typeof(x).sharding
+  if (mesh.empty or not mesh.are_all_axes_explicit
+      or not getattr(sharding, "mesh", mesh).empty):
+    return x
+  return jax.sharding.reshard(x, P())
 
 
 def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:

@@ -650,3 +650,21 @@ def test_a_fast_axis_of_one_device(kind):
   # make_train_step also all-reduces the loss (7 bytes).
   assert 0 < sent[AXIS] <= theirs[AXIS], (sent, theirs)
   assert_same(mine, want, "params")
+
+
+def test_params_fresh_from_init_on_an_explicit_mesh():
+  """Params straight from init (on one device, not placed on the mesh),
+  used beside a per-worker value in the loss: the same gradients as
+  params placed on the mesh (was: JAX's "Resource axis: data ... is not
+  found in mesh: ()" from batching them)."""
+  def loss_fn(p, x):
+    return jnp.sum(jnp.where(p > 0, p, 0.0)) * x.mean()
+  fresh = jax.random.normal(jax.random.key(0), (64,))
+  mesh = mesh_of(8)
+  with jax.set_mesh(mesh):
+    x = jax.device_put(jnp.arange(32.0).reshape(16, 2), P(AXIS))
+    grad = jax.jit(dl.workers.value_and_grad(loss_fn))
+    _, mine = grad(fresh, x)
+    _, placed = grad(jax.device_put(fresh, P()), x)
+  assert mine.shape == (8, 64)
+  np.testing.assert_array_equal(mine, placed)
