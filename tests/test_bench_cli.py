@@ -12,6 +12,7 @@ import pytest
 
 from dlion_jax import bench
 
+pytestmark = pytest.mark.integration      # the benchmarks' commands
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 COMMANDS = sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
                   if hasattr(importlib.import_module(
@@ -19,8 +20,7 @@ COMMANDS = sorted(m.name for m in pkgutil.iter_modules(bench.__path__)
 
 
 def test_every_bench_command_is_listed():
-  assert COMMANDS == ["aot", "compile", "hybrid", "kernels", "project", "step",
-                      "wire"]
+  assert COMMANDS == ["aot", "compile", "hybrid", "kernels", "step", "wire"]
 
 
 @pytest.mark.parametrize("name", COMMANDS)
@@ -39,12 +39,10 @@ WITHOUT_EXTRA = [
     ("flax", "hybrid", []),
     ("yaml", "hybrid", []),          # flax imports it
     ("flax", "compile", ["--gpt", "--leaves", "3", "--reps", "1"]),
-    ("matplotlib", "project", ["--plot", "p.png"]),
     ("matplotlib", "wire", ["--sizes", "2", "--plot", "p.png"]),
 ]
 
 
-@pytest.mark.integration
 @pytest.mark.parametrize("missing,name,args", WITHOUT_EXTRA)
 def test_a_command_without_the_examples_extra_says_how_to_install_it(
     missing, name, args, tmp_path):

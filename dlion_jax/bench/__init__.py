@@ -9,8 +9,9 @@
 * :mod:`dlion_jax.bench.compile`: trace, lowering and compile time of the
   optimizer step for 100 to 1000 leaves (and the CLI's GPT training step),
   against ``optax.lion``.
-* :mod:`dlion_jax.bench.project`: step time at cluster scale, an alpha-beta
-  model calibrated on the measured network rows, and break-even bandwidths.
+* ``benchmarks/project.py`` (a checkout's, not installed): step time at
+  cluster scale, an alpha-beta model calibrated on the measured network
+  rows, and break-even bandwidths.
 * :mod:`dlion_jax.bench.aot`: the training step compiled ahead of time for
   TPU topologies of several slices (libtpu, no TPU): bytes a chip sends over
   ICI and DCN, HBM per chip, compile time and the overlap of the DCN

@@ -29,8 +29,8 @@ of Collective Communication Operations in MPICH"):
 
 The constants (per-message latency, the share of the shaped rate that the
 wire delivers, the unshaped loopback's bandwidth) are fitted on the
-2-process rows of ``docs/data/network.json`` (the package ships a copy,
-``dlion_jax/bench/data/network.json``, read by default); the 4-process rows
+2-process rows of ``docs/data/network.json`` (read by default); the
+4-process rows
 are held out and predicted. Compute is each row's unshaped step less its
 measured exchange. The measured rows check the one-link (hub) rule only; the
 two-level rules and the projections' link constants are assumptions that
@@ -41,7 +41,7 @@ and 10x.
 
 Usage::
 
-  python -m dlion_jax.bench.project [--measured NETWORK.json]
+  python -m benchmarks.project [--measured NETWORK.json]
       [--out docs/benchmarks.md] [--plot docs/img/projection.png]
       [--aot AOT_ROWS.json] [--overlap OVERLAP.json]
 
@@ -70,9 +70,9 @@ from dlion_jax import message
 from dlion_jax import quantize
 from dlion_jax.bench import reporting
 
-# A copy of docs/data/network.json (tests check they are equal), so that an
-# installed package runs without a checkout.
-MEASURED = pathlib.Path(__file__).parent / "data" / "network.json"
+# What benchmarks/network.py measured, in this checkout.
+MEASURED = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
+            / "network.json")
 MARKER = "bench.project"
 # The NeurIPS paper's step times (ms) for its 3B model on 64 A100s.
 PAPER_MS = {"AdamW, fp32 all-reduce": 291.0, "Lion, fp32 all-reduce": 288.0,
@@ -787,7 +787,7 @@ def tpu_section(rows: Sequence[dict]) -> str:
 
 
 def main(argv=None) -> str:
-  parser = argparse.ArgumentParser(prog="python -m dlion_jax.bench.project",
+  parser = argparse.ArgumentParser(prog="python -m benchmarks.project",
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--measured", default=str(MEASURED),
                       help="network.json of benchmarks/network.py (default: "
