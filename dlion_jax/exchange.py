@@ -181,7 +181,7 @@ def _exchange(rows, combine, alone, options: VoteOptions):
                                      aggregation=aggregation)
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
-  # select of the place per element (7-10x the update on XLA:CPU).
+  # select of the place per element (design notes, "Planar digits").
   results = []
   for first, size in layout.run_words:
     outcome = decode(planes(first, size).reshape(-1))
@@ -352,9 +352,8 @@ def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
   to be read. Every run's, so that XLA:CPU writes out every run's tally:
   fused instead into the leaf's update, a run's tally of ternary votes
   (radix-3 digits) unpacked every worker's digit with a division by the
-  place value of each element's place (MaVo ``allgather`` took 1.8-2.7x
-  the floor, where ternary Avg, whose table gather is not fused, took
-  1.1-1.4x).
+  place value of each element's place (measured in the design notes, "The
+  momentum's update waits for the vote").
   """
   firsts = jnp.concatenate([o[:8].astype(jnp.int32) for o in outcomes])
   # A flag shifted out: 0 whatever the compare gives (XLA:CPU once computed
@@ -454,8 +453,8 @@ def _packed_message(rows, combine, alone, layout, spec, *,
   ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each
   of the message) concatenates the runs and their padding instead: the
   partitioned in-place write of each run into the batched message cost
-  XLA:CPU a pass over the whole message a run (the step of 100 leaves took
-  7.5x the step without exchange, 1.4x with the concatenate).
+  XLA:CPU a pass over the whole message a run (design notes, "The workers
+  as a leading axis").
   """
   if batched:
     return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,
@@ -463,7 +462,7 @@ def _packed_message(rows, combine, alone, layout, spec, *,
   # Behind a barrier XLA cannot rewrite the first write into these zeros
   # as a pad of that run, which XLA:CPU fuses with the run's encoding and
   # packing into one loop over the whole message, a bounds check per word
-  # and not vectorised (psum_int8 took 4.6x the step without exchange).
+  # and not vectorised (design notes, "Straight passes").
   message = lax.optimization_barrier(
       jnp.zeros(layout.words, layout.word_dtype))
   for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):

@@ -333,8 +333,8 @@ def _after_vote(mu, done):
 
   The old momentum is read twice, by the vote's encoding of ``c`` and by
   its own update, which XLA writes in place (its buffer donated). XLA
-  copies such a buffer before the write (on XLA:CPU 8 bytes a parameter,
-  in ``optax.lion``'s step too) unless every other read is ordered before
+  copies such a buffer before the write (``optax.lion``'s step too; the
+  design notes measure it) unless every other read is ordered before
   it, and XLA orders by data. Here the bits of each new momentum are or-ed
   with ``done``, a zero XLA cannot fold, computed from a few of the vote's
   integer outcomes: the same bits, whose fusion now follows the exchange

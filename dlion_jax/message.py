@@ -72,8 +72,8 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
   long: the results of each digit place of a shard then fill whole words
   of what it gathers back, which unpack straight into the message's order
   (a shard that only filled whole words with all its places' results
-  together, ternary MaVo's, took 1.8-1.9x the step without exchange on
-  XLA:CPU, against 0.9-1.0x, for the transpose of its unpacked digits).
+  together, ternary MaVo's, transposed its unpacked digits: design notes,
+  "Planar digits").
   """
   if not any(send.back for send in strategies.STRATEGIES[comm].sends):
     return 1

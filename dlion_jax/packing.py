@@ -311,9 +311,8 @@ def sum_planes(words: jax.Array, radix: int) -> jax.Array:
 
   Each place's digits are summed on their own and the ``[m, W]`` sums
   stacked: summed out of the ``[N, m, W]`` stack of every worker's digits,
-  XLA:TPU wrote that stack out (2 bytes a parameter more) and XLA:CPU took
-  14 ms instead of 1 for 8 workers' radix-3 words of 4.2M digits (radix 9,
-  ``uint32`` words: 21 ms instead of 3.6; radix 2 the same).
+  XLA:TPU wrote that stack out and XLA:CPU took several times as long
+  (design notes, "Bytes on TPU").
   """
   acc = count_dtype(words.shape[0] * (radix - 1))
   return jnp.stack([jnp.sum(p, axis=0, dtype=acc)

@@ -603,9 +603,8 @@ def stacked(tx: optax.GradientTransformation, *,
   It is the placement of the last ``init``: build one ``stacked(tx)`` per
   model. :func:`value_and_grad` does not see it: give it ``placement=``
   too where params are sharded over the axes a worker's rows are split
-  over (FSDP), so that each node's mean gradient is reduce-scattered (an
-  NNX MLP on an Auto 2 x 4 mesh: 49 bits a parameter over ``fsdp``
-  against 72).
+  over (FSDP), so that each node's mean gradient is reduce-scattered (the
+  NNX guide measures it).
 
   Args:
     tx: the optimizer, voting over ``axis_name``.
