@@ -1,13 +1,9 @@
 """Exchanging packed votes over a named axis (``shard_map`` / ``pmap``).
 
-Each worker holds a vector of vote *codes* (one digit per parameter,
-:mod:`dlion_jax.quantize`): ``1`` for a ``+1`` vote and ``0`` for ``-1``
-(binary), ``q + L`` for a level ``q`` in ``[-L, L]`` (ternary: ``L = 1``;
-Lion Cub's p-bit votes: ``L = 2**(p-1) - 1``). Every strategy gives the
-same integers on every worker, bit for bit: the vote's outcome, ``sign(s)``
-of the sum of levels ``s = sum_i q_i`` for a majority vote, ``s`` itself for
-an average. :func:`aggregate_updates` turns that into the update ``D`` of
-Distributed Lion (Liu et al., 2024, Alg. 1).
+Each worker's votes travel as codes, and every strategy gives the same
+outcome on every worker, bit for bit (:mod:`dlion_jax.strategies`):
+:func:`aggregate_updates` turns it into the update ``D`` of Distributed
+Lion (Liu et al., 2024, Alg. 1).
 
 The strategies (``comm``), what each sends and how it runs, are the
 records of :mod:`dlion_jax.strategies`; ``auto`` is the one that sends the

@@ -257,8 +257,7 @@ def collective_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
 def _digit_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
                 comm: str) -> tuple[float, float]:
   """Bits of a vote a strategy sends, and of a result it sends back."""
-  strategy = strategies.STRATEGIES[comm]
-  up = strategy.bits(num_workers, spec, strategy.radix(num_workers, spec))
+  up = strategies.STRATEGIES[comm].vote_bits(num_workers, spec)
   return up, packing.bits_per_digit(strategies.alltoall_down_radix(
       num_workers, aggregation=aggregation, spec=spec))
 

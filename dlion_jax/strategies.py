@@ -102,9 +102,10 @@ class Strategy:
       return None
     return psum_radix(num_workers, spec) if self.counts else spec.radix
 
-  def bits(self, num_workers: int, spec: VoteSpec, radix: int | None
-           ) -> float:
-    """Bits a digit of ``radix`` (or an integer vote) takes."""
+  def vote_bits(self, num_workers: int, spec: VoteSpec) -> float:
+    """Bits a vote takes in what it sends: a digit of :meth:`radix`, or an
+    integer of :func:`int_container`."""
+    radix = self.radix(num_workers, spec)
     if radix is None:
       return jnp.iinfo(int_container(num_workers, spec)).bits
     return packing.bits_per_digit(radix)

@@ -339,9 +339,12 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
                       spmd_axis_name=axis_name)(params, rows)
     k = _mesh_size(groups)
     placed = _by_path(params, placement)
-    specs = jax.tree_util.tree_map_with_path(
-        lambda path, x: _spec_of(x) if _named(_spec_of(x))
-        else placed.get(jax.tree_util.keystr(path)), params)
+
+    def spec(path, x):      # its type's on Explicit axes, else placement's
+      typed = _spec_of(x)
+      return typed if _named(typed) else placed.get(
+          jax.tree_util.keystr(path))
+    specs = jax.tree_util.tree_map_with_path(spec, params)
 
     def one_worker(params, rows):
       whole = jax.tree.map(lambda x: _gathered(x, groups), params)
@@ -378,7 +381,7 @@ def _own_keys(key: jax.Array, n: int, axis_name, groups) -> jax.Array:
     return place(keys, P(axis_name))
   keys = jax.vmap(fold, in_axes=(0, None))(keys, jnp.arange(_mesh_size(
       groups)))
-  return place(keys, P(axis_name, groups if len(groups) > 1 else groups[0]))
+  return place(keys, P(axis_name, _entry(groups)))
 
 
 def _on_mesh(x: jax.Array) -> jax.Array:
@@ -421,8 +424,7 @@ def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
     return x
   keep = [tuple(a for a in _names(entry or ()) if a not in axes)
           for entry in spec]
-  return jax.sharding.reshard(x, P(*[
-      None if not e else e[0] if len(e) == 1 else e for e in keep]))
+  return jax.sharding.reshard(x, P(*map(_entry, keep)))
 
 
 def _scatters(g: jax.Array, spec: P, axis_name,
@@ -453,7 +455,7 @@ def _node_mean(g: jax.Array, spec: P, axis_name,
     return lax.psum_scatter(g[0, 0] * scale, groups, scatter_dimension=d,
                             tiled=True)[None]
   return jax.shard_map(
-      local, in_specs=P(axis_name, groups if len(groups) > 1 else groups[0]),
+      local, in_specs=P(axis_name, _entry(groups)),
       out_specs=P(axis_name, *spec), check_vma=False)(g)
 
 
@@ -646,6 +648,12 @@ def stacked(tx: optax.GradientTransformation, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
+def _entry(axes: tuple) -> Any:
+  """The ``PartitionSpec`` entry of mesh axes: None, one name, or the
+  tuple of several."""
+  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
+
+
 def _named(spec: P | None) -> bool:
   """Whether ``spec`` shards over any mesh axis."""
   return spec is not None and any(entry is not None for entry in spec)
@@ -702,14 +710,12 @@ def worker_rows(x: jax.Array, n: int, axis_name, path=(),
         f"{split}.")
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
   if groups:
-    out = P(axis_name, groups if len(groups) > 1 else groups[0], None,
-            *spec[1:])
+    out = P(axis_name, _entry(groups), None, *spec[1:])
     shape = (n, k, x.shape[0] // (n * k)) + x.shape[1:]
   else:
     first = spec[0] if spec and spec[0] is not None else ()
     rest = tuple(a for a in _names(first) if a not in _names(axis_name))
-    inner = rest[0] if len(rest) == 1 else (rest or None)
-    out = P(axis_name, inner, *spec[1:])
+    out = P(axis_name, _entry(rest), *spec[1:])
     shape = (n, x.shape[0] // n) + x.shape[1:]
   if _explicit(out):
     return x.reshape(shape, out_sharding=out)

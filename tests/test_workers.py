@@ -439,21 +439,14 @@ def mlp_problem(n):
   return loss_fn, params, {"x": x, "y": jnp.sin(x[:, :8])}
 
 
-@pytest.mark.parametrize("kind,placed", [
-    (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, False)])
-def test_a_plain_step_with_fsdp_params_equals_make_train_step(kind, placed):
-  """The README's 2 x 4 data x fsdp mesh, params sharded FSDP: the plain
-  jitted step of dl.workers (each fsdp device differentiating its own
-  rows) equals make_train_step's shard_axis step: params bit for bit,
-  momenta to a few roundings (see the test above), the params' placement
-  kept, at most 0.3 bits a parameter over the data axis (0.253 here: each
-  device votes on a quarter of every leaf) and no more than it over
-  fsdp. On Auto axes, given the params' placement, the node's mean
-  gradient is reduce-scattered onto each param's shards (35,718 bytes
-  over fsdp; without it the compiler partitions the MLP otherwise)."""
-  mesh = fast_mesh((2, 4), kind)
+def fsdp_steps(mesh, n, placed=False):
+  """The MLP's params placed FSDP on ``mesh`` (("data", "fsdp")), their
+  state and a batch over both axes; the plain jitted step of dl.workers
+  (given the params' placement where ``placed``) and make_train_step's
+  shard_axis step, each ``(params, state, batch) -> (params, state,
+  loss)``; and the bytes each sends a step by axis."""
   tx = dl.distributed_lion(LR, weight_decay=1e-2, axis_name=AXIS)
-  loss_fn, params, batch = mlp_problem(2)
+  loss_fn, params, batch = mlp_problem(n)
 
   def step(p, s, batch):
     loss, grads = dl.workers.value_and_grad(loss_fn, placement=specs)(
@@ -470,11 +463,29 @@ def test_a_plain_step_with_fsdp_params_equals_make_train_step(kind, placed):
                                    shard_axis="fsdp")
     sent = dl.collective_bytes_by_axis(plain.lower(p, s, b).compile(), mesh)
     theirs = dl.collective_bytes_by_axis(ref.lower(p, s, b).compile(), mesh)
+  return (p, s, b), plain, ref, sent, theirs
+
+
+@pytest.mark.parametrize("kind,placed", [
+    (AxisType.Auto, False), (AxisType.Auto, True), (AxisType.Explicit, False)])
+def test_a_plain_step_with_fsdp_params_equals_make_train_step(kind, placed):
+  """The README's 2 x 4 data x fsdp mesh, params sharded FSDP: the plain
+  jitted step of dl.workers (each fsdp device differentiating its own
+  rows) equals make_train_step's shard_axis step: params bit for bit,
+  momenta to a few roundings (see the test above), the params' placement
+  kept, at most 0.3 bits a parameter over the data axis (0.253 here: each
+  device votes on a quarter of every leaf) and no more than it over
+  fsdp. On Auto axes, given the params' placement, the node's mean
+  gradient is reduce-scattered onto each param's shards (35,718 bytes
+  over fsdp; without it the compiler partitions the MLP otherwise)."""
+  mesh = fast_mesh((2, 4), kind)
+  (p, s, b), plain, ref, sent, theirs = fsdp_steps(mesh, 2, placed)
+  with jax.set_mesh(mesh):
     p1, s1, p2, s2 = p, s, p, s
     for _ in range(3):
       p1, s1, loss1 = plain(p1, s1, b)
       p2, s2, loss2 = ref(p2, s2, b)
-  size = sum(x.size for x in params.values())
+  size = sum(x.size for x in jax.tree.leaves(p))
   assert 8 * sent[AXIS] / size <= 0.3, sent
   assert sent[AXIS] <= theirs[AXIS], (sent, theirs)
   # The node's mean gradient is reduce-scattered onto each param's shards
@@ -484,7 +495,7 @@ def test_a_plain_step_with_fsdp_params_equals_make_train_step(kind, placed):
   # (4,230).
   assert sent["fsdp"] <= theirs["fsdp"], (sent, theirs)
   assert loss1 == loss2
-  for k in params:
+  for k in p:
     assert p1[k].sharding.spec[:1] == p[k].sharding.spec[:1], k
     np.testing.assert_array_equal(p1[k], p2[k], err_msg=k)
   for mine, theirs in zip(jax.tree.leaves(s1), jax.tree.leaves(s2)):
@@ -625,30 +636,14 @@ def test_the_plain_step_hands_back_what_it_took_on_auto_axes(shape):
 def test_a_fast_axis_of_one_device(kind):
   """A ("data", "fsdp") mesh of 8 x 1 (one device a node), FSDP-placed
   params: the plain step equals make_train_step(shard_axis="fsdp") bit
-  for bit and sends no more over data (was, on Explicit axes: a
+  for bit and sends what it sends over data (was, on Explicit axes: a
   ShardingTypeError in the model, the params typed over the size-1 axis
   never gathered)."""
   mesh = fast_mesh((8, 1), kind)
-  tx = dl.distributed_lion(LR, weight_decay=1e-2, axis_name=AXIS)
-  loss_fn, params, batch = mlp_problem(8)
-
-  def step(p, s, batch):
-    _, grads = dl.workers.value_and_grad(loss_fn)(p, batch)
-    updates, s = dl.workers.update(tx)(grads, s, p)
-    return optax.apply_updates(p, updates), s
+  args, plain, ref, sent, theirs = fsdp_steps(mesh, 8)
   with jax.set_mesh(mesh):
-    p = dl.devices.shard_params(params, mesh, "fsdp")
-    s = parallel.init_worker_states(tx, p, mesh)
-    b = jax.device_put(batch, jax.NamedSharding(mesh, P((AXIS, "fsdp"))))
-    plain = jax.jit(step)
-    ref = parallel.make_train_step(loss_fn, tx, mesh, donate=False,
-                                   shard_axis="fsdp")
-    sent = dl.collective_bytes_by_axis(plain.lower(p, s, b).compile(), mesh)
-    theirs = dl.collective_bytes_by_axis(ref.lower(p, s, b).compile(), mesh)
-    mine, _ = plain(p, s, b)
-    want = ref(p, s, b)[0]
-  # make_train_step also all-reduces the loss (7 bytes).
-  assert 0 < sent[AXIS] <= theirs[AXIS], (sent, theirs)
+    mine, want = plain(*args)[0], ref(*args)[0]
+  assert sent[AXIS] == theirs[AXIS] > 0, (sent, theirs)
   assert_same(mine, want, "params")
 
 

@@ -92,14 +92,17 @@ def plain_train_step(loss_fn, tx, placement=None):
   return jax.jit(step)
 
 
-def steady_compiled(step, params, state, batch, *, limit: int = 3):
+def steady_compiled(step, params, state, batch, *, limit: int = 3,
+                    compiled=None):
   """``step`` compiled for the params and state it hands back: a plain
   step's outputs lie where the compiler put them (on Auto axes it may
   shard replicated params like the vote's blocks), and the next step runs
   on those, compiled again; ``make_train_step``'s come back as they came,
   so its first compile is its steady one. Compiles at most ``limit``
-  times, each on abstract arrays placed as the one before returned."""
-  compiled = step.lower(params, state, batch).compile()
+  times, each on abstract arrays placed as the one before returned;
+  ``compiled``, the first compile where the caller has it already."""
+  if compiled is None:
+    compiled = step.lower(params, state, batch).compile()
   for _ in range(limit - 1):
     out_params, out_state = compiled.output_shardings[:2]
     moved = [a for a, b in zip(

@@ -423,7 +423,7 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
     row.compile_s = time.perf_counter() - tic
     if plain:     # what it sends on the params and state it hands back
       with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        compiled = bench.steady_compiled(step, *args)
+        compiled = bench.steady_compiled(step, *args, compiled=compiled)
   except Exception as e:  # pylint: disable=broad-except
     row.error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
     return row, ""
