@@ -8,7 +8,10 @@ import pkgutil
 import subprocess
 import sys
 
+import numpy as np
 import pytest
+
+import dlion_jax as dl
 
 from dlion_jax import bench
 
@@ -62,3 +65,29 @@ def test_a_command_without_the_examples_extra_says_how_to_install_it(
   assert f"import of {missing} halted" in last
   assert last.endswith('pip install "dlion_jax[examples]"')
   assert not list(tmp_path.iterdir())      # exited before writing anything
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("num_workers", [3, 4])
+def test_bench_kernels_stages_chain_to_the_vote_of_every_comm(
+    aggregation, num_workers):
+  from dlion_jax.bench import kernels    # pylint: disable=import-outside-toplevel
+  size = 1001                            # not a multiple of 8 N
+  for comm in dl.accounting.COMMS:
+    stages = kernels.stage_functions(num_workers, size, aggregation, comm)
+    assert list(stages) == list(kernels.STAGES)
+    g, m = map(np.asarray, stages["encode"][1])
+    votes = np.sign(0.1 * g + 0.9 * m).sum(axis=0)
+    want = np.sign(votes) if aggregation == "mavo" else votes / num_workers
+    d = np.asarray(stages["apply"][1][0])   # decode's output, apply's input
+    np.testing.assert_array_equal(d, np.broadcast_to(want, d.shape),
+                                  err_msg=comm)
+
+
+def test_bench_kernels_prints_both_tables_for_every_variant(capsys):
+  from dlion_jax.bench import kernels    # pylint: disable=import-outside-toplevel
+  kernels.main(["--workers", "3", "--sizes", "1001", "--repeats", "1"])
+  out = capsys.readouterr().out
+  for aggregation in ("mavo", "avg"):
+    for comm in dl.accounting.COMMS:
+      assert out.count(f"| dlion {aggregation} {comm} |") == 2, comm

@@ -33,6 +33,7 @@ import dlion_jax as dl
 from dlion_jax import exchange
 from dlion_jax import message
 from dlion_jax import quantize
+from dlion_jax import strategies
 from dlion_jax.bench import reporting
 
 AXIS = "data"
@@ -94,9 +95,10 @@ def stage_functions(num_workers: int, size: int, aggregation: str,
   spec, b1, b2, lr = quantize.BINARY, 0.9, 0.99, 1e-3
   layout = message.MessageLayout((size,), num_workers, spec, aggregation,
                                  comm)
-  strategy = exchange._EXCHANGES[comm]   # pylint: disable=protected-access
+  strategy = strategies.STRATEGIES[comm]
   options = dict(axis_name=AXIS, num_workers=num_workers, spec=spec,
                  aggregation=aggregation)
+  vote = exchange.VoteOptions(comm=comm, **options)
   vmapped = lambda fn: jax.jit(jax.vmap(fn, axis_name=AXIS))
 
   def encode(g, m):
@@ -107,17 +109,17 @@ def stage_functions(num_workers: int, size: int, aggregation: str,
     return jnp.pad(words, (0, layout.words - words.size))
 
   def exchanged(words):
-    planes, _ = strategy(words, **options)
+    planes, _ = strategy.exchange(words, **options)
     first, count = layout.run_words[0]
     return planes(first, count)
 
   def decode(planes, words):
-    _, decoder = strategy(words, **options)   # its collectives unused
+    _, decoder = strategy.exchange(words, **options)   # collectives unused
     outcome = decoder(planes.reshape(-1))[:size]
-    if aggregation == "mavo" and comm != "alltoall":
+    if aggregation == "mavo" and not strategy.returns_sign:
       outcome = jnp.sign(outcome)
     return exchange._finalize(   # pylint: disable=protected-access
-        outcome, num_workers, aggregation, spec, jnp.float32)
+        outcome, vote, jnp.float32)
 
   def apply(d, g, m, p):
     return p - lr * d, b2 * m + (1 - b2) * g
