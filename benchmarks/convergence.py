@@ -50,6 +50,7 @@ import time
 from benchmarks import study
 from benchmarks.study import Task
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax.bench import reporting
 
 # row -> config overrides on top of the task's config.
@@ -690,9 +691,9 @@ def main(argv=None) -> str:
   else:
     saved = (study.load_runs([args.json]) if args.resume
              and pathlib.Path(args.json).exists() else [])
-    bench.use_cpu_devices(max([args.tune_workers, *(args.workers or []),
-                               *(n for t in args.tasks
-                                 for n in TASKS[t].workers)]))
+    devices.use_cpu_devices(max([args.tune_workers, *(args.workers or []),
+                                 *(n for t in args.tasks
+                                   for n in TASKS[t].workers)]))
     try:
       runs = run_study(args.tasks, args.rows, args.workers, args.seeds,
                        args.tune_workers, args.tune_seed, args.json, saved)

@@ -26,6 +26,7 @@ import statistics
 import tempfile
 
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax.bench import reporting
 
@@ -171,7 +172,7 @@ def main(argv=None) -> str:
   parser.add_argument("--plot", help="write the loss curves here (PNG)")
   args = parser.parse_args(argv)
   bench.require_examples(parser, "dlion_jax.train.trainer", "the train CLI")
-  bench.use_cpu_devices(8)
+  devices.use_cpu_devices(8)
   with tempfile.TemporaryDirectory() as root:
     runs = run(args.tasks, args.seeds, pathlib.Path(root))
   reporting.write_json(args.json, runs, indent=1)

@@ -35,6 +35,7 @@ import time
 from benchmarks import study
 from benchmarks.study import Task
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax.bench import reporting
 
 AVG = {"optimizer.aggregation": "avg"}
@@ -214,14 +215,13 @@ def step_cost(workers: int, reps: int, *, dim: int = 256,
   from jax.sharding import NamedSharding
   from jax.sharding import PartitionSpec as P
   import dlion_jax as dl
-  from dlion_jax import parallel
   from dlion_jax.bench import step as step_bench
   shapes = gpt_shapes(dim, depth)
   rng = np.random.default_rng(0)
   is_shape = lambda x: isinstance(x, tuple)
   params = jax.tree.map(lambda s: rng.standard_normal(s, np.float32), shapes,
                         is_leaf=is_shape)
-  mesh = parallel.data_mesh(workers, axis_name=step_bench.AXIS)
+  mesh = devices.data_mesh(workers, axis_name=step_bench.AXIS)
   grads = jax.device_put(
       jax.tree.map(lambda s: rng.standard_normal((workers,) + s, np.float32),
                    shapes, is_leaf=is_shape),
@@ -301,7 +301,7 @@ def main(argv=None) -> str:
         f"Runs read from {', '.join(args.from_json)} "
         f"({len(results)} runs, {sum(r['seconds'] for r in results) / 60:.0f}"
         " min of training).")), args.out, "study")
-  bench.use_cpu_devices(max(args.workers))
+  devices.use_cpu_devices(max(args.workers))
   if args.step_cost:
     text = step_cost(max(args.workers), args.reps)
     return write_report(

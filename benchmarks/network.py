@@ -16,7 +16,7 @@ for every row (an optimizer and its exchange), step after step:
   D-Lion: the vote exchange and update);
 * **exchange**: the optimizer step's collectives alone, replayed: the
   collectives are read off the compiled step's HLO
-  (:func:`dlion_jax.accounting.collectives`) and the same ops on buffers of
+  (:func:`dlion_jax.hlo.collectives`) and the same ops on buffers of
   the same byte sizes run back to back in a program with nothing else in it;
 * **end-to-end step**: the forward/backward pass (a jitted function with no
   collective, shared by all rows) followed by the optimizer step.
@@ -339,29 +339,30 @@ class Runner:
   def __init__(self, row: Row, params0, mesh, grads_like):
     from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
     from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-    from dlion_jax import accounting  # pylint: disable=g-import-not-at-top
+    from dlion_jax import devices  # pylint: disable=g-import-not-at-top
+    from dlion_jax import hlo  # pylint: disable=g-import-not-at-top
     from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
     n = mesh.shape[AXIS]
     self.row = row
     tx, reduce = build_optimizer(row, n)
-    self.params = parallel.global_array(params0, NamedSharding(mesh, P()))
+    self.params = devices.global_array(params0, NamedSharding(mesh, P()))
     self.states = parallel.init_worker_states(tx, self.params, mesh,
                                               axis_name=AXIS)
     compiled = make_opt_step(tx, reduce, mesh).lower(
         self.params, self.states, grads_like).compile()
     self.step = compiled
     text = compiled.as_text()
-    found = accounting.collectives(text)
-    self.wire_bytes = accounting.collective_bytes(text, conditional=False)
+    found = hlo.collectives(text)
+    self.wire_bytes = hlo.collective_bytes(text, conditional=False)
     self.ops = "+".join(c.op for c in found)
     bufs = replay_buffers(found, n)
     sharding = NamedSharding(mesh, P(AXIS))
     self.replay_args = [
-        parallel.global_array(b.repeat(n, axis=0), sharding) for _, b in bufs]
+        devices.global_array(b.repeat(n, axis=0), sharding) for _, b in bufs]
     replay = make_replay([op for op, _ in bufs], mesh).lower(
         *self.replay_args).compile()
     self.replay = replay
-    self.replay_bytes = accounting.collective_bytes(replay.as_text())
+    self.replay_bytes = hlo.collective_bytes(replay.as_text())
     self.times = {"grad": [], "opt": [], "exchange": []}
     self.losses = []
 
@@ -427,17 +428,17 @@ def lm_worker(spec: dict) -> LMWorker:
   jax = _start_jax(spec["init_timeout"])
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
+  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import data  # pylint: disable=g-import-not-at-top
   size = GPTSize(**spec["size"])
   n = jax.device_count()
-  mesh = parallel.data_mesh(n, axis_name=AXIS)
+  mesh = devices.data_mesh(n, axis_name=AXIS)
   graphdef, params0 = _model(size, spec["seed"])
   text = data.load_text(spec["text"], seq_len=size.seq_len)
   batches = data.Batches(text.train, global_batch=n * size.batch,
                          seed=spec["seed"], kind="lm", seq_len=size.seq_len)
   return LMWorker(jax, mesh, graphdef, params0, batches, lambda b:
-                  parallel.global_array(b, NamedSharding(mesh, P(AXIS))))
+                  devices.global_array(b, NamedSharding(mesh, P(AXIS))))
 
 
 def step_ticks(spec: dict, per_round: int) -> Iterator:
@@ -464,14 +465,14 @@ def worker(spec: dict) -> None:
   w = lm_worker(spec)
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
-  from dlion_jax import accounting  # pylint: disable=g-import-not-at-top
-  from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
+  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
+  from dlion_jax import hlo  # pylint: disable=g-import-not-at-top
   from dlion_jax.train import models  # pylint: disable=g-import-not-at-top
   grad_fn = make_grad_fn(w.graphdef, w.mesh)
-  params_g = parallel.global_array(w.params0, NamedSharding(w.mesh, P()))
+  params_g = devices.global_array(w.params0, NamedSharding(w.mesh, P()))
   first = w.to_global(next(w.batches))
   grad_fn = grad_fn.lower(params_g, first).compile()
-  grad_bytes = accounting.collective_bytes(grad_fn.as_text())
+  grad_bytes = hlo.collective_bytes(grad_fn.as_text())
   grads_like = grad_fn(params_g, first)[0]
   runners, skipped = build_runners(spec["rows"], w.params0, w.mesh,
                                    grads_like)

@@ -97,7 +97,7 @@ def _compiled_step(dl, parallel, loss_fn, mesh, params0, batch, budget):
   from jax.sharding import PartitionSpec as P  # pylint: disable=g-import-not-at-top
   tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS,
                            bucket_bytes=budget)
-  params = parallel.global_array(params0, NamedSharding(mesh, P()))
+  params = dl.devices.global_array(params0, NamedSharding(mesh, P()))
   state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   step = parallel.make_train_step(loss_fn, tx, mesh, axis_name=AXIS)
   tic = time.perf_counter()

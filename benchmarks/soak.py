@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax.bench import reporting
 from dlion_jax.bench import step as step_bench
@@ -144,13 +145,13 @@ def soak(steps: int, *, workers: int = 8, seed: int = 0, leaves: int = 24,
   Raises:
     DriftError: replicas differ at a check.
   """
-  mesh = parallel.data_mesh(workers, axis_name=AXIS)
+  mesh = devices.data_mesh(workers, axis_name=AXIS)
   spec = random_spec(seed, leaves, max_leaf_size)
   rng = np.random.default_rng(seed + 1)
   params = {k: rng.normal(size=s).astype(d) for k, (s, d) in spec.items()}
   tx = dl.distributed_lion(LEARNING_RATE, weight_decay=1e-2, axis_name=AXIS,
                            **options)
-  params = parallel.replicate(params, mesh)
+  params = devices.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   step_fn = make_step(tx, spec, mesh, seed)
   replicated = NamedSharding(mesh, P())
@@ -188,7 +189,7 @@ def main(argv=None) -> SoakResult:
     if getattr(args, name) < 1:
       parser.error(f"--{name.replace('_', '-')} must be >= 1, got "
                    f"{getattr(args, name)}.")
-  bench.use_cpu_devices(args.workers)
+  devices.use_cpu_devices(args.workers)
   result = soak(args.steps, workers=args.workers, seed=args.seed,
                 leaves=args.leaves, max_leaf_size=args.max_leaf_size,
                 check_every=args.check_every, aggregation=args.aggregation,

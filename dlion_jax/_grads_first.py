@@ -46,7 +46,7 @@ def check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
         f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
         "votes cross axis_name and each node's batch is split over "
         "shard_axis, two different axes of the mesh. Pass the mesh's other "
-        "axis (parallel.hybrid_mesh names them 'data' and 'fsdp'), or drop "
+        "axis (dl.devices.hybrid_mesh names them 'data' and 'fsdp'), or drop "
         "shard_axis.")
   axis_size(mesh, shard_axis, name="shard_axis")
 

@@ -106,8 +106,9 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
 
   Example:
     >>> import jax, jax.numpy as jnp
+    >>> from dlion_jax import devices
     >>> from dlion_jax import parallel
-    >>> mesh = parallel.data_mesh(1)
+    >>> mesh = devices.data_mesh(1)
     >>> fn = parallel.per_worker(
     ...     lambda w, x: w + jax.lax.psum(x, "data"), mesh,
     ...     ins=("replicated", "stacked"), outs="replicated")

@@ -59,7 +59,7 @@ def check_not_over(params: Any, axis_name: str) -> None:
           f"params leaf {jax.tree_util.keystr(path)} is sharded "
           f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
           "workers vote over: each worker holds every param. Shard params "
-          "over the mesh's other axes only (parallel.shard_params(params, "
+          "over the mesh's other axes only (dl.devices.shard_params(params, "
           f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
           "vote over another axis.")
 
@@ -104,7 +104,7 @@ class OutputsPlacedLikeInputs:
             f"step's {dict(self._mesh.shape)} (devices {_ids(self._mesh)}). "
             "Place params and "
             "state on the mesh given to make_train_step: "
-            "parallel.replicate(params, mesh) or parallel.shard_params("
+            "dl.devices.replicate(params, mesh) or dl.devices.shard_params("
             "params, mesh), and parallel.init_worker_states(tx, params, "
             "mesh).")
     if not all(isinstance(s, NamedSharding) for s in shardings):
@@ -200,7 +200,7 @@ def check_placement(tx, specs: Any, mesh: Mesh) -> None:
         f"but the param is sharded {theirs} (Explicit axes): the optimizer "
         "would add arrays sharded differently. Build the state from the "
         "params as you place them: parallel.init_worker_states(tx, params, "
-        "mesh), or from parallel.shard_params(params, mesh) for whole "
+        "mesh), or from dl.devices.shard_params(params, mesh) for whole "
         "params and a sharded state (ZeRO-2).")
 
 

@@ -66,7 +66,7 @@ def _drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
         f"axis_name={axis_name!r}), inside optax.masked, "
         "optax.multi_transform and dl.apply_if_finite too), or chain a "
         "global optimizer after "
-        f"dl.parallel.pmean_gradients({axis_name!r}). A psum of a scalar (a "
+        f"dl.transforms.pmean_gradients({axis_name!r}). A psum of a scalar (a "
         "global gradient norm, a token count, a finite flag) does not make "
         "the workers' updates equal.")
   what = (f"The optimizer exchanges over axis {axis_name!r}, but params "

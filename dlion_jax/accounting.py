@@ -19,30 +19,25 @@ from dlion_jax import quantize
 from dlion_jax import sync
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import positive_int
-# The vote codes, the message layout and the HLO reader live in their own
-# modules; their names stay importable from here.
-from dlion_jax.hlo import Collective  # noqa: F401
-from dlion_jax.hlo import collective_bytes  # noqa: F401
-from dlion_jax.hlo import collectives  # noqa: F401
-from dlion_jax.message import AGGREGATIONS
-from dlion_jax.message import COMMS
-from dlion_jax.strategies import alltoall_down_radix  # noqa: F401
-from dlion_jax.strategies import int_container  # noqa: F401
-from dlion_jax.strategies import mavo_has_ties  # noqa: F401
-from dlion_jax.message import message_bytes  # noqa: F401
-from dlion_jax.message import message_radix  # noqa: F401
-from dlion_jax.message import message_word_multiple  # noqa: F401
-from dlion_jax.strategies import psum_radix  # noqa: F401
-from dlion_jax.message import vote_bits
-from dlion_jax.quantize import PBIT_RANGE  # noqa: F401
-from dlion_jax.quantize import QUANTIZERS  # noqa: F401
-from dlion_jax.quantize import VOTES  # noqa: F401
-from dlion_jax.quantize import VoteSpec
-from dlion_jax.quantize import vote_spec
+from dlion_jax._deprecations import moved
+
+# The vote codes, the message layout, the strategies' arithmetic and the
+# HLO reader live in their own modules; their old names here warn.
+__getattr__ = moved(__name__, {
+    **dict.fromkeys(("Collective", "collective_bytes", "collectives"),
+                    "dlion_jax.hlo"),
+    **dict.fromkeys(("AGGREGATIONS", "COMMS", "message_bytes",
+                     "message_radix", "message_word_multiple", "vote_bits"),
+                    "dlion_jax.message"),
+    **dict.fromkeys(("PBIT_RANGE", "QUANTIZERS", "VOTES", "VoteSpec",
+                     "vote_spec"), "dlion_jax.quantize"),
+    **dict.fromkeys(("alltoall_down_radix", "int_container",
+                     "mavo_has_ties", "psum_radix"), "dlion_jax.strategies"),
+})
 
 
 def cheapest_comm(num_workers: int, *, aggregation: str,
-                  spec: VoteSpec = quantize.BINARY) -> str:
+                  spec: quantize.VoteSpec = quantize.BINARY) -> str:
   """The strategy with the fewest bits per parameter (what ``auto`` picks
   on a large model; :func:`dlion_jax.message.choose_comm`)."""
   return message.choose_comm(num_workers, aggregation=aggregation, spec=spec)
@@ -57,7 +52,7 @@ def _fraction(name: str, value, what: str) -> float:
   return float(value)
 
 
-def max_workers(spec: VoteSpec = quantize.BINARY) -> int:
+def max_workers(spec: quantize.VoteSpec = quantize.BINARY) -> int:
   """Largest N the vote exchange supports: ``(2**31 - 1) // (2 L)``.
 
   ``L`` is the largest level of a vote (1 for sign votes). Every strategy
@@ -69,14 +64,15 @@ def max_workers(spec: VoteSpec = quantize.BINARY) -> int:
 
   Example:
     >>> from dlion_jax import accounting
-    >>> pbit8 = accounting.vote_spec("pbit_l1", bits=8)      # 255 levels
+    >>> from dlion_jax import quantize
+    >>> pbit8 = quantize.vote_spec("pbit_l1", bits=8)      # 255 levels
     >>> accounting.max_workers(), accounting.max_workers(pbit8)
     (1073741823, 8454660)
   """
   return (2**31 - 1) // (2 * spec.max_level)
 
 
-def _check_workers(num_workers, spec: VoteSpec) -> int:
+def _check_workers(num_workers, spec: quantize.VoteSpec) -> int:
   n = positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   if n > max_workers(spec):
@@ -165,9 +161,9 @@ def wire_bits(num_workers: int, *,
     >>> dl.wire_bits(8, momentum_sync=56)       # + fp32 momentum every 56
     3.275
   """
-  check_choice("aggregation", aggregation, AGGREGATIONS)
-  check_choice("comm", comm, COMMS + ("auto",))
-  spec = vote_spec(quantizer, vote=vote, bits=bits)
+  check_choice("aggregation", aggregation, message.AGGREGATIONS)
+  check_choice("comm", comm, message.COMMS + ("auto",))
+  spec = quantize.vote_spec(quantizer, vote=vote, bits=bits)
   n = _check_workers(num_workers, spec)
   sync_bits = momentum_sync_bits(n, momentum_sync, steps=steps,
                                  mu_dtype=mu_dtype,
@@ -176,7 +172,8 @@ def wire_bits(num_workers: int, *,
     return 0.0
   if comm == "auto":
     comm = cheapest_comm(n, aggregation=aggregation, spec=spec)
-  return vote_bits(n, aggregation=aggregation, spec=spec, comm=comm) + sync_bits
+  return (message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
+          + sync_bits)
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:

@@ -308,7 +308,7 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
   ``state`` may also hold ``tx``'s state: a Linen ``TrainState`` whose
   ``opt_state`` is stacked per worker, the ``nnx.State`` of an
   ``nnx.Optimizer`` stacked with
-  :func:`dlion_jax.parallel.stack_for_workers`, any pytree with it inside.
+  :func:`dlion_jax.devices.stack_for_workers`, any pytree with it inside.
   It is found by its leaves' key paths (``tx.init(params)``'s; ``nnx``
   keeps its named tuples as dicts) and its rows resized; the optimizer's
   other stacked leaves (an ``nnx.Optimizer``'s ``step``, an
@@ -340,13 +340,13 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
 
   Example:
     >>> import jax.numpy as jnp, dlion_jax as dl
-    >>> from dlion_jax import elastic, parallel
+    >>> from dlion_jax import devices, elastic, parallel
     >>> tx = dl.distributed_lion(1e-3, axis_name="data")
-    >>> big, small = parallel.data_mesh(2), parallel.data_mesh(1)
-    >>> p = parallel.replicate({"w": jnp.zeros(3)}, big)
+    >>> big, small = devices.data_mesh(2), devices.data_mesh(1)
+    >>> p = devices.replicate({"w": jnp.zeros(3)}, big)
     >>> state = parallel.init_worker_states(tx, p, big)
     >>> state = elastic.resize_worker_states(
-    ...     tx, state, parallel.replicate({"w": jnp.zeros(3)}, small), small)
+    ...     tx, state, devices.replicate({"w": jnp.zeros(3)}, small), small)
     >>> state[0].mu["w"].shape
     (1, 3)
   """

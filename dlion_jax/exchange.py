@@ -34,8 +34,6 @@ from dlion_jax import strategies
 from dlion_jax import workers
 from dlion_jax._checks import check_choice
 from dlion_jax._deprecations import moved
-from dlion_jax.message import MessageLayout
-from dlion_jax.quantize import VoteSpec
 
 # Each strategy's exchange moved to dlion_jax.strategies, beside its record.
 # and axis_size was renamed (dlion_jax.devices.axis_size(mesh, axis) is
@@ -63,7 +61,7 @@ class VoteOptions:
   one value. ``comm`` may be ``'auto'`` (resolved per message)."""
   axis_name: AxisName
   num_workers: int
-  spec: VoteSpec
+  spec: quantize.VoteSpec
   aggregation: str
   comm: str
   min_compress_size: int = 0
@@ -94,7 +92,7 @@ def workers_along(axis_name: AxisName | None) -> int:
 
 
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
-                 spec: VoteSpec = quantize.BINARY,
+                 spec: quantize.VoteSpec = quantize.BINARY,
                  leaf_sizes: Sequence[int] | None = None,
                  gathers: bool = True) -> str:
   """``comm``, with ``'auto'`` mapped to the strategy that sends the fewest
@@ -119,7 +117,7 @@ def can_gather(axis_name: AxisName) -> bool:
 
 
 def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
-                   num_workers: int, spec: VoteSpec,
+                   num_workers: int, spec: quantize.VoteSpec,
                    aggregation: str, comm: str) -> list[jax.Array]:
   """Votes on a list of flat vectors through one strategy, in one message.
 
@@ -167,7 +165,7 @@ def _exchange(rows, combine, alone, options: VoteOptions):
   sizes = [row[0].size for row in rows]
   comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
                       leaf_sizes=sizes, gathers=gathers)
-  layout = MessageLayout(tuple(sizes), n, spec, aggregation, comm,
+  layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
                          _run_starts(rows, len(alone)))
   message = _packed_message(rows, combine, alone, layout, spec,
                      batched=workers.mapped_over_mesh(axis_name))
@@ -235,7 +233,7 @@ def sign_of_mean(leaves: list[jax.Array], *,
 
 
 def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
-                      spec: VoteSpec, aggregation: str, comm: str,
+                      spec: quantize.VoteSpec, aggregation: str, comm: str,
                       min_compress_size: int = 0):
   """Votes on every leaf of ``pre_sign`` and returns the aggregated update.
 
@@ -252,8 +250,8 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 
 
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
-              num_workers: int, spec: VoteSpec, aggregation: str, comm: str,
-              min_compress_size: int = 0, constants: tuple = (),
+              num_workers: int, spec: quantize.VoteSpec, aggregation: str,
+              comm: str, min_compress_size: int = 0, constants: tuple = (),
               bucket_bytes: int | None = None, with_done: bool = False):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and

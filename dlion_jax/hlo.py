@@ -740,7 +740,7 @@ def collective_bytes_by_axis(compiled_or_text, mesh, *,
     raise TypeError(
         f"collective_bytes_by_axis: mesh={_short(mesh)} is not a "
         "jax.sharding.Mesh (no axis names and sizes). Pass the mesh the "
-        "function was compiled on, e.g. parallel.hybrid_mesh(nodes).")
+        "function was compiled on, e.g. dl.devices.hybrid_mesh(nodes).")
   shape = dict(shape)
   out = {name: 0.0 for name in shape}
   found = _counted(compiled_or_text, conditional, "collective_bytes_by_axis")

@@ -49,8 +49,6 @@ AGGREGATIONS = get_args(Aggregation)
 COMMS = strategies.COMMS
 COMM_CHOICES = COMMS + ("auto",)
 
-VoteSpec = quantize.VoteSpec
-BINARY = quantize.BINARY
 
 # The vote's arithmetic moved to dlion_jax.strategies, beside the records.
 __getattr__ = moved(__name__, {name: "dlion_jax.strategies" for name in (
@@ -58,13 +56,14 @@ __getattr__ = moved(__name__, {name: "dlion_jax.strategies" for name in (
     "signed_sum")})
 
 
-def message_radix(comm: str, num_workers: int, spec: VoteSpec) -> int | None:
+def message_radix(comm: str, num_workers: int,
+                  spec: quantize.VoteSpec) -> int | None:
   """Radix in which a strategy packs the votes it sends (None: int votes)."""
   return strategies.STRATEGIES[comm].radix(num_workers, spec)
 
 
 def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
-                          spec: VoteSpec) -> int:
+                          spec: quantize.VoteSpec) -> int:
   """The message's word count is padded to a multiple of this.
 
   A strategy that sends results back (``alltoall``) splits the message
@@ -108,7 +107,7 @@ class MessageLayout:
   """
   leaf_sizes: tuple[int, ...]
   num_workers: int
-  spec: VoteSpec
+  spec: quantize.VoteSpec
   aggregation: str
   comm: str
   runs: tuple[int, ...] | None = None
@@ -237,14 +236,15 @@ class MessageLayout:
             for k in range(len(self.leaf_sizes))]
 
 
-def vote_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
+def vote_bits(num_workers: int, *, aggregation: str, spec: quantize.VoteSpec,
               comm: str) -> float:
   """Bits per parameter a message costs as leaves grow (no padding)."""
   return _total(num_workers, strategies.STRATEGIES[comm], *_digit_bits(
       num_workers, aggregation=aggregation, spec=spec, comm=comm))
 
 
-def collective_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
+def collective_bits(num_workers: int, *, aggregation: str,
+                    spec: quantize.VoteSpec,
                     comm: str) -> list[tuple[str, float]]:
   """Each collective of a strategy, in order: its HLO op and the bits per
   parameter a worker sends through it as leaves grow (no padding)."""
@@ -254,8 +254,8 @@ def collective_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
           for send in strategies.STRATEGIES[comm].sends]
 
 
-def _digit_bits(num_workers: int, *, aggregation: str, spec: VoteSpec,
-                comm: str) -> tuple[float, float]:
+def _digit_bits(num_workers: int, *, aggregation: str,
+                spec: quantize.VoteSpec, comm: str) -> tuple[float, float]:
   """Bits of a vote a strategy sends, and of a result it sends back."""
   up = strategies.STRATEGIES[comm].vote_bits(num_workers, spec)
   return up, packing.bits_per_digit(strategies.alltoall_down_radix(
@@ -275,8 +275,9 @@ def _total(num_workers: int, strategy: strategies.Strategy, up, down):
 
 
 def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
-                  aggregation: str = "mavo", spec: VoteSpec = BINARY,
-                  comm: str, min_compress_size: int = 0) -> float:
+                  aggregation: str = "mavo",
+                  spec: quantize.VoteSpec = quantize.BINARY, comm: str,
+                  min_compress_size: int = 0) -> float:
   """Exact bytes each worker sends for leaves of ``leaf_sizes``.
 
   The voted leaves' :class:`MessageLayout`, plus the exact float32
@@ -292,7 +293,7 @@ def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
 
 
 def choose_comm(num_workers: int, *, aggregation: str,
-                spec: VoteSpec = BINARY,
+                spec: quantize.VoteSpec = quantize.BINARY,
                 leaf_sizes: Sequence[int] | None = None,
                 gathers: bool = True) -> str:
   """The strategy that sends the fewest bytes (what ``comm='auto'`` means).

@@ -15,8 +15,9 @@ Shapes (``N`` workers on the mesh axis ``axis_name``):
 On a mesh with axes beside ``axis_name`` (``("data", "fsdp", "model")``)
 the steps are manual over ``axis_name`` only, and ``P()`` and
 ``P(axis_name)`` above speak of it alone: over the other axes params are
-sharded as placed (:func:`shard_params` for FSDP), each momentum like its
-param, and the compiler owns them (:mod:`dlion_jax.shards`).
+sharded as placed (:func:`~dlion_jax.devices.shard_params` for FSDP),
+each momentum like its param, and the compiler owns them
+(:mod:`dlion_jax.shards`).
 
 Each worker differentiates its local loss only: no gradient all-reduce is
 issued, the optimizer's vote exchange is the step's only communication (plus
@@ -26,10 +27,10 @@ On the CPU backend the steps these helpers build keep at most
 :data:`MAX_IN_FLIGHT` steps queued (:func:`limit_in_flight`): queuing more
 deadlocks XLA:CPU's collectives, so a loop need not block on each step.
 
-Placement (meshes, replicated params, sharded batches) lives in
-:mod:`dlion_jax.devices` and the wrappers :func:`pmean_gradients` and
-:func:`apply_if_finite` in :mod:`dlion_jax.transforms`; both are re-exported
-here, where the step builders' users look for them. The steps' internals
+The steps take what :mod:`dlion_jax.devices` places (meshes, replicated
+params, sharded batches), and an optimizer that may be wrapped by
+:mod:`dlion_jax.transforms` (:func:`~dlion_jax.transforms.pmean_gradients`,
+:func:`~dlion_jax.transforms.apply_if_finite`). The steps' internals
 live in private modules beside this one: where each leaf, momentum and
 batch lives (``_placement``), one worker's loss, gradients and update
 (``_worker_step``), :func:`per_worker`'s layouts (``_per_worker``), the
@@ -55,28 +56,25 @@ from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax import _replication
 from dlion_jax import _worker_step
+from dlion_jax import devices
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
 from dlion_jax._per_worker import per_worker  # public here, with its layouts
-from dlion_jax.devices import axis_size
-from dlion_jax.devices import data_mesh  # noqa: F401 (re-exported)
-from dlion_jax.devices import global_array  # noqa: F401
-from dlion_jax.devices import hybrid_mesh  # noqa: F401
-from dlion_jax.devices import replicate  # noqa: F401
-from dlion_jax.devices import replicate_for_pmap
-from dlion_jax.devices import shard_batch  # noqa: F401
-from dlion_jax.devices import shard_params  # noqa: F401
-from dlion_jax.devices import stack_for_workers  # noqa: F401
-from dlion_jax.devices import stacked_sharding
-from dlion_jax.devices import use_cpu_devices  # noqa: F401
-from dlion_jax.transforms import apply_if_finite  # noqa: F401
-from dlion_jax.transforms import pmean_gradients  # noqa: F401
 
 LossFn = Callable[[Any, Any], jax.Array]
 
-# Process start-up moved to dlion_jax.processes.
-__getattr__ = moved(__name__, {"start_processes": "dlion_jax.processes"})
+# Placement moved to dlion_jax.devices, the optimizer wrappers to
+# dlion_jax.transforms and process start-up to dlion_jax.processes.
+__getattr__ = moved(__name__, {
+    **dict.fromkeys(("data_mesh", "global_array", "hybrid_mesh", "replicate",
+                     "replicate_for_pmap", "shard_batch", "shard_params",
+                     "stack_for_workers", "use_cpu_devices"),
+                    "dlion_jax.devices"),
+    "apply_if_finite": "dlion_jax.transforms",
+    "pmean_gradients": "dlion_jax.transforms",
+    "start_processes": "dlion_jax.processes",
+})
 
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
@@ -91,13 +89,14 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   Args:
     tx: the optimizer.
     params: the params, replicated or sharded over the mesh's other axes
-      (:func:`shard_params`): each momentum is sharded like its param.
+      (:func:`~dlion_jax.devices.shard_params`): each momentum is sharded
+      like its param.
     mesh: the device mesh.
     axis_name: the data-parallel axis the optimizer votes over.
     shard_axis: a fast axis to shard the state over as well (ZeRO-2 for
       :func:`make_train_step`'s ``shard_axis``): each momentum not sharded
-      over it already is cut over it as :func:`shard_params` would cut its
-      param.
+      over it already is cut over it as
+      :func:`~dlion_jax.devices.shard_params` would cut its param.
 
   Returns:
     The state pytree with a leading axis of size ``N`` on every leaf,
@@ -138,7 +137,8 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
       return leaf
     same = param is not None and leaf.shape[1:] == param.shape
-    return stacked_sharding(param if same else None, mesh, axis_name)
+    return devices.stacked_sharding(param if same else None, mesh,
+                                    axis_name)
   return optax.tree_utils.tree_map_params(
       tx, like, state, params, transform_non_params=like,
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
@@ -260,12 +260,13 @@ def typed_alike(state: Any) -> Any:
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
+    >>> from dlion_jax import devices
     >>> from dlion_jax import parallel
-    >>> mesh = parallel.data_mesh(2)
+    >>> mesh = devices.data_mesh(2)
     >>> schedule = optax.linear_schedule(1e-2, 1e-3, 100)
     >>> tx = optax.chain(dl.scale_by_distributed_lion(axis_name="data"),
     ...                  optax.scale_by_learning_rate(schedule))
-    >>> params = parallel.replicate({"w": jnp.ones(4)}, mesh)
+    >>> params = devices.replicate({"w": jnp.ones(4)}, mesh)
     >>> state = parallel.init_worker_states(tx, params, mesh)
     >>> @jax.jit
     ... @jax.shard_map(mesh=mesh, in_specs=(jax.P(), jax.P("data")),
@@ -318,10 +319,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   gradient of the node's loss where ``loss_fn`` is a mean over equal
   rows), and the loss and ``aux`` are the means over all devices. The
   optimizer runs as above, on whole logical leaves, each device voting on
-  its block. Params
-  may be replicated (ZeRO-2 with :func:`init_worker_states`'
-  ``shard_axis``) or placed by :func:`shard_params` (ZeRO-3); the batch is
-  split over both axes (:func:`shard_batch` with
+  its block. Params may be replicated (ZeRO-2 with
+  :func:`init_worker_states`' ``shard_axis``) or placed by
+  :func:`~dlion_jax.devices.shard_params` (ZeRO-3); the batch is split over
+  both axes (:func:`~dlion_jax.devices.shard_batch` with
   ``axis_name=("data", "fsdp")``).
 
   Either way it equals Distributed Lion over the nodes, each fed its
@@ -365,20 +366,21 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   Example:
     >>> import jax, jax.numpy as jnp, dlion_jax as dl
+    >>> from dlion_jax import devices
     >>> from dlion_jax import parallel
-    >>> mesh = parallel.data_mesh(1)
+    >>> mesh = devices.data_mesh(1)
     >>> loss_fn = lambda p, b: jnp.mean((b @ p["w"]) ** 2)
     >>> tx = dl.distributed_lion(1e-2, axis_name="data")
-    >>> params = parallel.replicate({"w": jnp.ones(3)}, mesh)
+    >>> params = devices.replicate({"w": jnp.ones(3)}, mesh)
     >>> state = parallel.init_worker_states(tx, params, mesh)
     >>> step = parallel.make_train_step(loss_fn, tx, mesh)
-    >>> batch = parallel.shard_batch(jnp.ones((4, 3)), mesh)
+    >>> batch = devices.shard_batch(jnp.ones((4, 3)), mesh)
     >>> params, state, loss = step(params, state, batch)
     >>> float(loss)
     9.0
   """
   _grads_first.check_shard_axis(axis_name, shard_axis, mesh)
-  n = axis_size(mesh, axis_name)
+  n = devices.axis_size(mesh, axis_name)
   micro_batches = positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
@@ -438,8 +440,9 @@ def init_pmap_states(tx: optax.GradientTransformation, params: Any,
 
   Args:
     tx: the optimizer.
-    params: one device's parameters, before :func:`replicate_for_pmap`
-      (given the stacked ones, the state would carry the device axis twice).
+    params: one device's parameters, before
+      :func:`~dlion_jax.devices.replicate_for_pmap` (given the stacked
+      ones, the state would carry the device axis twice).
     num_devices: how many devices (default: all local devices).
 
   Returns:
@@ -451,11 +454,11 @@ def init_pmap_states(tx: optax.GradientTransformation, params: Any,
     >>> params = {"w": jnp.zeros(3)}
     >>> tx = dl.distributed_lion(1e-3, axis_name="data")
     >>> state = dl.parallel.init_pmap_states(tx, params, 2)
-    >>> params = dl.parallel.replicate_for_pmap(params, 2)   # after the state
+    >>> params = dl.devices.replicate_for_pmap(params, 2)   # after the state
     >>> state[0].mu["w"].shape, params["w"].shape
     ((2, 3), (2, 3))
   """
-  return replicate_for_pmap(tx.init(params), num_devices)
+  return devices.replicate_for_pmap(tx.init(params), num_devices)
 
 
 def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -465,8 +468,8 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   """The same data-parallel step for ``jax.pmap`` users.
 
   Every argument carries a leading device axis of size ``N``: ``params`` from
-  :func:`replicate_for_pmap`, ``state`` from :func:`init_pmap_states`,
-  ``batch`` leaves of shape ``[N, local_batch, ...]``.
+  :func:`~dlion_jax.devices.replicate_for_pmap`, ``state`` from
+  :func:`init_pmap_states`, ``batch`` leaves of shape ``[N, local_batch, ...]``.
 
   Args:
     loss_fn: ``loss_fn(params, local_batch) -> scalar`` (or ``(scalar, aux)``
@@ -500,7 +503,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     stacked = "a copy for each of its devices stacked"
     _per_worker.check_leading_axis(
         params, n, "params", stacked,
-        f"Build it with parallel.replicate_for_pmap(params, {n}).")
+        f"Build it with dl.devices.replicate_for_pmap(params, {n}).")
     _per_worker.check_leading_axis(
         state, n, "optimizer state", stacked,
         "Build it with parallel.init_pmap_states(tx, params, "

@@ -21,8 +21,8 @@ import threading
 
 import jax
 
+from dlion_jax import devices
 from dlion_jax._checks import positive_int
-from dlion_jax.devices import use_cpu_devices
 
 
 def coordinator_problem(address: str, process_id: int = 0) -> str | None:
@@ -155,7 +155,7 @@ def start_processes(local_devices: int, *, num_processes: int | None = None,
     raise ValueError(f"num_processes={n} must be at least 1 (or set "
                      "JAX_NUM_PROCESSES).")
   if n == 1:
-    use_cpu_devices(local_devices)
+    devices.use_cpu_devices(local_devices)
     return
   pid = int(env("JAX_PROCESS_ID", "0")) if process_id is None else process_id
   coordinator = env("JAX_COORDINATOR_ADDRESS") if coordinator is None else (
@@ -183,6 +183,6 @@ def start_processes(local_devices: int, *, num_processes: int | None = None,
     jax.distributed.initialize(coordinator, num_processes=n, process_id=pid,
                                initialization_timeout=int(init_timeout) + 30,
                                **heartbeat)
-    use_cpu_devices(local_devices)  # joins the global topology
+    devices.use_cpu_devices(local_devices)  # joins the global topology
   finally:
     timer.cancel()

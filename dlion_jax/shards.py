@@ -96,7 +96,7 @@ def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:
           f"{what} is sharded {spec}: its dimension {d} over {entry!r}, "
           f"shard_axis={axis!r} with other axes. With shard_axis each leaf "
           f"is cut over {axis!r} alone: place it on its own dimension "
-          f"(parallel.shard_params(params, mesh, {axis!r})), or drop "
+          f"(dl.devices.shard_params(params, mesh, {axis!r})), or drop "
           "shard_axis and let the compiler own that axis.")
     if axis in names:
       return d

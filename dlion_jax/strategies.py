@@ -44,9 +44,6 @@ from dlion_jax import workers
 Comm = Literal["alltoall", "allgather", "psum", "psum_int8"]
 COMMS = get_args(Comm)
 
-VoteSpec = quantize.VoteSpec
-BINARY = quantize.BINARY
-
 
 @dataclasses.dataclass(frozen=True)
 class Send:
@@ -96,13 +93,13 @@ class Strategy:
     of vmapped axes; see :func:`dlion_jax.exchange.can_gather`)."""
     return any(send.op != "all-reduce" for send in self.sends)
 
-  def radix(self, num_workers: int, spec: VoteSpec) -> int | None:
+  def radix(self, num_workers: int, spec: quantize.VoteSpec) -> int | None:
     """Radix of the digits it packs the votes in (None: integers)."""
     if self.ints:
       return None
     return psum_radix(num_workers, spec) if self.counts else spec.radix
 
-  def vote_bits(self, num_workers: int, spec: VoteSpec) -> float:
+  def vote_bits(self, num_workers: int, spec: quantize.VoteSpec) -> float:
     """Bits a vote takes in what it sends: a digit of :meth:`radix`, or an
     integer of :func:`int_container`."""
     radix = self.radix(num_workers, spec)
@@ -111,25 +108,25 @@ class Strategy:
     return packing.bits_per_digit(radix)
 
 
-def psum_radix(num_workers: int, spec: VoteSpec) -> int:
+def psum_radix(num_workers: int, spec: quantize.VoteSpec) -> int:
   """Radix of a counter that can hold the sum of N workers' vote codes."""
   return (spec.radix - 1) * num_workers + 1
 
 
-def mavo_has_ties(num_workers: int, spec: VoteSpec) -> bool:
+def mavo_has_ties(num_workers: int, spec: quantize.VoteSpec) -> bool:
   """Whether a majority vote can end in a tie (sum 0), i.e. D = 0."""
   return spec.radix != 2 or num_workers % 2 == 0
 
 
 def alltoall_down_radix(num_workers: int, *, aggregation: str,
-                        spec: VoteSpec) -> int:
+                        spec: quantize.VoteSpec) -> int:
   """Radix of the per-parameter result that ``alltoall`` all-gathers."""
   if aggregation == "avg":
     return psum_radix(num_workers, spec)
   return 3 if mavo_has_ties(num_workers, spec) else 2
 
 
-def int_container(num_workers: int, spec: VoteSpec = BINARY):
+def int_container(num_workers: int, spec: quantize.VoteSpec = quantize.BINARY):
   """Signed integer dtype in which ``psum_int8`` sums N workers' levels."""
   largest = num_workers * spec.max_level
   for dtype in (jnp.int8, jnp.int16, jnp.int32):
@@ -139,7 +136,7 @@ def int_container(num_workers: int, spec: VoteSpec = BINARY):
 
 
 def signed_sum(code_sum: jax.Array, num_workers: int,
-               spec: VoteSpec) -> jax.Array:
+               spec: quantize.VoteSpec) -> jax.Array:
   """Sum of N workers' codes -> sum of their levels, in [-N L, N L] (int32).
 
   A binary code is ``(q + 1) / 2``, any other ``q + L``.

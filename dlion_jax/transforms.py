@@ -3,7 +3,7 @@
 Both act across the workers of one mesh axis, which is why they are not
 optax's own: :func:`pmean_gradients` turns any optax optimizer into the
 all-reduce baseline, and :func:`apply_if_finite` skips a step on every
-worker at once. ``dl.apply_if_finite`` and ``dl.parallel`` re-export them.
+worker at once (``dl.apply_if_finite`` is its short path).
 """
 
 from __future__ import annotations
@@ -40,6 +40,9 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
 
   def update_fn(updates, state, params=None):
     del params
+    _check_bound(axis_name, "dl.transforms.pmean_gradients",
+                 "dl.transforms.pmean_gradients('batch') on a mesh whose "
+                 "workers' axis is named 'batch'")
     axes = shards.compiler_axes(axis_name, jax.tree.leaves(updates))
     if not axes:
       return workers.pmean(updates, axis_name), state
@@ -107,7 +110,9 @@ def apply_if_finite(inner: optax.GradientTransformation,
   def update_fn(updates, state, params=None, **extra_args):
     local_ok = jnp.all(jnp.array(
         [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
-    _check_bound(axis_name)
+    _check_bound(axis_name, "dl.apply_if_finite",
+                 "dl.apply_if_finite(tx, 5, axis_name='batch') for "
+                 "dl.distributed_lion(lr, axis_name='batch')")
     bad_workers = workers.psum((~local_ok).astype(jnp.int32), axis_name)
     isfinite = bad_workers == 0
     # Equal on every worker, but typed per worker under check_vma.
@@ -132,14 +137,14 @@ def apply_if_finite(inner: optax.GradientTransformation,
   return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def _check_bound(axis_name) -> None:
+def _check_bound(axis_name, where: str, example: str) -> None:
   """Raises a NameError saying which argument names the unbound axis."""
   try:
     lax.axis_size(axis_name)
   except NameError:
     raise NameError(
-        f"dl.apply_if_finite: axis_name={axis_name!r} is not bound here. "
-        "It must be the axis the workers share, the one the guarded "
-        "optimizer votes over: pass it, e.g. dl.apply_if_finite(tx, 5, "
-        "axis_name='batch') for dl.distributed_lion(lr, axis_name='batch')."
+        f"{where}: axis_name={axis_name!r} is not bound here. It must be the "
+        "axis the workers share, bound by jax.shard_map, jax.vmap or "
+        "jax.pmap around the update (make_train_step binds it): pass it, "
+        f"e.g. {example}."
     ) from None

@@ -561,7 +561,7 @@ def update(tx, *, axis_name: str = "data",
           "axis (optax.lion; dl.distributed_lion without axis_name, or "
           f"with another: pass axis_name={axis_name!r}), or its state keeps "
           "per-worker values after a mean of the gradients (optax.chain("
-          "dl.parallel.pmean_gradients(...), optax.adam(...)): each "
+          "dl.transforms.pmean_gradients(...), optax.adam(...)): each "
           "worker's Adam moments); for such an optimizer keep one state "
           "for all the workers and call tx.update on the gradients' mean "
           "over the workers (grads' leading axis: jax.tree.map(lambda g: "

@@ -9,7 +9,7 @@ with ``dl.workers.stacked(tx)``, it holds a row per worker (on the
 ``dl.workers.value_and_grad`` gives each worker the gradients of its own
 rows (split again over ``"fsdp"``: each device differentiates its own),
 and ``state.apply_gradients`` applies the one voted update. The params are
-sharded over ``"fsdp"`` at rest (``dl.parallel.shard_params``); the
+sharded over ``"fsdp"`` at rest (``dl.devices.shard_params``); the
 compiler gathers them for the forward pass, and each device votes across
 ``"data"`` on its own shard.
 
@@ -32,7 +32,7 @@ from jax.sharding import NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import dlion_jax as dl  # noqa: E402
-from dlion_jax import parallel  # noqa: E402
+from dlion_jax import devices  # noqa: E402
 
 
 class MLP(nn.Module):
@@ -51,7 +51,7 @@ def main(steps: int = 20, seed: int = 0) -> dict:
                                        axis_name="data"))
   with jax.set_mesh(mesh):
     state = train_state.TrainState.create(
-        apply_fn=model.apply, params=parallel.shard_params(params, mesh),
+        apply_fn=model.apply, params=devices.shard_params(params, mesh),
         tx=dl.workers.stacked(tx))
 
   @jax.jit

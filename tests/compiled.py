@@ -8,6 +8,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
 
 AXIS = "data"
@@ -18,7 +19,7 @@ SIZES = [math.prod(s) for s in SHAPES.values()]
 
 def compile_update(num_workers, *, aggregation, vote, comm):
   """Compiled shard_map of one distributed Lion update (never run)."""
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   tx = dl.scale_by_distributed_lion(axis_name=AXIS, aggregation=aggregation,
                                     vote=vote, comm=comm)
 

@@ -9,6 +9,7 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import devices
 from dlion_jax import parallel
 
 AXIS = "data"
@@ -32,7 +33,7 @@ def run_on_mesh(txs, params, grads_seq, num_workers, *, check_vma=True):
     dict name -> (params [N, ...] per worker, states [N, ...], updates list):
     everything stacked per worker so tests can check the replicas.
   """
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   sharded = NamedSharding(mesh, P(AXIS))
   names = sorted(txs)
 
@@ -46,11 +47,11 @@ def run_on_mesh(txs, params, grads_seq, num_workers, *, check_vma=True):
   step = jax.jit(parallel.per_worker(
       local, mesh, axis_name=AXIS, ins=("stacked",) * 3, outs=("stacked",) * 3,
       check_vma=check_vma))
-  stacked = parallel.replicate_for_pmap(
+  stacked = devices.replicate_for_pmap(
       jax.tree.map(jnp.asarray, params), num_workers)
   ps = jax.device_put({k: stacked for k in names}, sharded)
   states = jax.device_put(
-      {k: parallel.replicate_for_pmap(txs[k].init(params), num_workers)
+      {k: devices.replicate_for_pmap(txs[k].init(params), num_workers)
        for k in names}, sharded)
   updates = []
   for grads in grads_seq:

@@ -4,7 +4,7 @@ Runs STEPS hybrid steps of Distributed Lion on ``hybrid_mesh()``: one row
 per process, this process's 4 CPU devices in it; ``layout`` is
 ``"shard_axis"`` (``shard_axis="fsdp"``, params replicated),
 ``"shard_axis_zero3"`` (the same with params sharded over ``fsdp`` at rest
-by ``parallel.shard_params``), ``"zero3"`` (params so sharded, the step
+by ``devices.shard_params``), ``"zero3"`` (params so sharded, the step
 leaving ``fsdp`` to the compiler), or ``"plain"`` and ``"plain_zero3"``
 (a plain ``jax.jit`` step of ``dl.workers``, params replicated or sharded
 at rest; each device differentiates its own rows). Every
@@ -40,6 +40,7 @@ def run(mesh, layout="shard_axis"):
   from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
   from jax.sharding import NamedSharding  # pylint: disable=g-import-not-at-top
   import dlion_jax as dl  # pylint: disable=g-import-not-at-top
+  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
 
   shard_axis = "fsdp" if layout.startswith("shard_axis") else None
@@ -49,9 +50,9 @@ def run(mesh, layout="shard_axis"):
     return sum(jnp.sum(p[k] * batch[k].sum(0)) for k in p) * scale
   tx = dl.distributed_lion(1e-2, axis_name="data", comm="alltoall")
   params, batches = inputs()
-  p = (parallel.global_array(params, NamedSharding(mesh, jax.P()))
+  p = (devices.global_array(params, NamedSharding(mesh, jax.P()))
        if layout in ("shard_axis", "plain")
-       else parallel.shard_params(params, mesh))
+       else devices.shard_params(params, mesh))
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
   if plain:
@@ -63,7 +64,7 @@ def run(mesh, layout="shard_axis"):
   split = NamedSharding(mesh, jax.P(("data", "fsdp")))
   with jax.set_mesh(mesh):
     for batch in batches:
-      p, state, _ = step(p, state, parallel.global_array(batch, split))
+      p, state, _ = step(p, state, devices.global_array(batch, split))
   gather = lambda t: jax.tree.map(np.asarray, multihost_utils.process_allgather(
       t, tiled=True))
   return gather(p), gather(state[0].mu)

@@ -11,17 +11,19 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
-from dlion_jax import accounting
+from dlion_jax import devices
 from dlion_jax import exchange
-from dlion_jax import parallel
+from dlion_jax import hlo
+from dlion_jax import message
+from dlion_jax import quantize
 from compiled import AXIS
 from compiled import SIZES
 from compiled import compile_on_mesh
 from compiled import compile_update
 
-COMMS = accounting.COMMS
+COMMS = message.COMMS
 D = sum(SIZES)
-CONFIGS = [(a, v) for a in accounting.AGGREGATIONS for v in accounting.VOTES]
+CONFIGS = [(a, v) for a in message.AGGREGATIONS for v in quantize.VOTES]
 
 
 # --- HLO-measured bits against wire_bits and message_bytes -----------------
@@ -33,13 +35,13 @@ def test_hlo_bits_match_wire_bits(n, comm):
   for aggregation, vote in CONFIGS:
     kw = dict(aggregation=aggregation, vote=vote, comm=comm)
     compiled = compile_update(n, **kw)
-    sent = accounting.collective_bytes(compiled)
+    sent = hlo.collective_bytes(compiled)
     # Exact, padding included.
     spec = dl.quantize.vote_spec(vote=vote)
     picked = exchange.resolve_comm(comm, n, aggregation=aggregation,
                                    spec=spec, leaf_sizes=SIZES)
-    expected = accounting.message_bytes(SIZES, n, aggregation=aggregation,
-                                        spec=spec, comm=picked)
+    expected = message.message_bytes(SIZES, n, aggregation=aggregation,
+                                     spec=spec, comm=picked)
     assert sent == pytest.approx(expected, rel=1e-12), kw
     # Per parameter: the analytic figure, up to padding (< 320 digits of ~1e5).
     bits = sent * 8 / D
@@ -50,7 +52,7 @@ def test_hlo_bits_match_wire_bits(n, comm):
 def test_auto_counts_padding_on_small_models():
   """64 parameters at N=8: alltoall's shard padding costs more than it saves."""
   kw = dict(aggregation="mavo", spec=dl.quantize.BINARY)
-  small = {c: accounting.message_bytes([64], 8, comm=c, **kw) for c in COMMS}
+  small = {c: message.message_bytes([64], 8, comm=c, **kw) for c in COMMS}
   picked = exchange.resolve_comm("auto", 8, leaf_sizes=[64], **kw)
   assert small[picked] == min(small.values())
   assert picked != "alltoall" and small["alltoall"] > small[picked]
@@ -68,7 +70,7 @@ def test_hlo_ops_per_strategy(comm):
          "psum": ["all-reduce"],
          "psum_int8": ["all-reduce"]}[comm]
   compiled = compile_update(5, aggregation="mavo", vote="binary", comm=comm)
-  found = accounting.collectives(compiled.as_text())
+  found = hlo.collectives(compiled.as_text())
   assert [c.op for c in found] == ops
   assert all(c.group_size == 5 for c in found)
   record = dl.message.collective_bits(5, aggregation="mavo",
@@ -82,16 +84,16 @@ def test_hlo_ops_per_strategy(comm):
 def test_single_worker_sends_nothing():
   compiled = compile_update(1, aggregation="mavo", vote="binary",
                             comm="alltoall")
-  assert accounting.collectives(compiled.as_text()) == []
-  assert accounting.collective_bytes(compiled) == 0
+  assert hlo.collectives(compiled.as_text()) == []
+  assert hlo.collective_bytes(compiled) == 0
   assert dl.wire_bits(1) == 0.0
 
 
 def test_fp32_pmean_matches_allreduce_bits():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   compiled = compile_on_mesh(lambda g: lax.pmean(g, AXIS), mesh, P(AXIS),
                              (8 * 1000,))
-  bits = accounting.collective_bytes(compiled) * 8 / 1000
+  bits = hlo.collective_bytes(compiled) * 8 / 1000
   assert bits == pytest.approx(dl.allreduce_bits(8)) == pytest.approx(56.0)
   assert dl.allreduce_bits(8, jnp.bfloat16) == 28.0
 

@@ -10,7 +10,10 @@ from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
 from dlion_jax import accounting
-from dlion_jax import parallel
+from dlion_jax import devices
+from dlion_jax import hlo
+from dlion_jax import message
+from dlion_jax import quantize
 
 AXIS = "data"
 GROWING = dl.sync.growing_intervals(2)
@@ -86,15 +89,15 @@ def test_steps_must_be_a_positive_int(value):
     (dict(quantizer="pbit_l1", bits=8), 8454660),
 ])
 def test_num_workers_up_to_max_workers(kwargs, limit):
-  spec = accounting.vote_spec(kwargs.get("quantizer", "sign"),
-                              vote=kwargs.get("vote", "binary"),
-                              bits=kwargs.get("bits"))
+  spec = quantize.vote_spec(kwargs.get("quantizer", "sign"),
+                            vote=kwargs.get("vote", "binary"),
+                            bits=kwargs.get("bits"))
   assert accounting.max_workers(spec) == limit
-  for comm in accounting.COMMS + ("auto",):
+  for comm in message.COMMS + ("auto",):
     assert dl.wire_bits(limit, comm=comm, **kwargs) > 0
-    message = (rf"num_workers={limit + 1} is more than the vote exchange "
-               rf"supports: at most {limit} workers")
-    with pytest.raises(ValueError, match=message):
+    error = (rf"num_workers={limit + 1} is more than the vote exchange "
+             rf"supports: at most {limit} workers")
+    with pytest.raises(ValueError, match=error):
       dl.wire_bits(limit + 1, comm=comm, **kwargs)
 
 
@@ -109,7 +112,7 @@ def test_num_workers_2_to_the_40_blames_num_workers():
 
 
 def test_dynamic_while_loop_with_collectives_is_refused():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
 
   def fn(x):
     step = lambda c: (c[0] + 1, lax.psum(c[1], AXIS) / 8)
@@ -127,7 +130,7 @@ def test_dynamic_while_loop_with_collectives_is_refused():
   with pytest.raises(ValueError, match=message):
     dl.collective_bytes(compiled)
   with pytest.raises(ValueError, match=message):
-    accounting.collectives(compiled.as_text())
+    hlo.collectives(compiled.as_text())
 
 
 # --- what was not compiled -------------------------------------------------
@@ -136,7 +139,7 @@ def test_dynamic_while_loop_with_collectives_is_refused():
 def _sharded_sum():
   """``jnp.sum`` of a vector sharded over 8 devices: jit inserts its
   all-reduce of one float32 only when it partitions the module."""
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   x = jax.ShapeDtypeStruct((8 * 64,), jnp.float32,
                            sharding=jax.NamedSharding(mesh, P(AXIS)))
   return jax.jit(jnp.sum), x, mesh
@@ -180,7 +183,7 @@ def test_uncompiled_texts_are_refused():
       r"carries jit's sharding annotations\) and holds no collective: those "
       r"the partitioner inserts are not in it yet\. Pass "
       r"jit\(f\)\.lower\(\.\.\.\)\.compile\(\) or its \.as_text\(\)\.")):
-    accounting.collectives(lowered.as_text(dialect="hlo"))
+    hlo.collectives(lowered.as_text(dialect="hlo"))
   with pytest.raises(ValueError, match="has not partitioned"):
     dl.collective_bytes(lowered.as_text(dialect="hlo"))
   assert dl.collective_bytes(lowered.compile().as_text()) == 2 * 7 / 8 * 4

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from dlion_jax import parallel
+from dlion_jax import devices
 from dlion_jax.bench import compile as compile_bench
 
 pytestmark = pytest.mark.integration
@@ -95,7 +95,7 @@ def documented_table() -> tuple[str, dict]:
 
 def compiled_now(leaves: int, step: str) -> tuple[int, int]:
   """What the code compiles for a row of the table, as the bench does."""
-  mesh = parallel.data_mesh(8, axis_name=compile_bench.AXIS)
+  mesh = devices.data_mesh(8, axis_name=compile_bench.AXIS)
   if step.startswith("GPT train step, "):
     pytest.importorskip("flax")
     name = step.removeprefix("GPT train step, ")

@@ -9,7 +9,7 @@ import jax
 import pytest
 
 import dlion_jax as dl
-from dlion_jax import parallel
+from dlion_jax import devices
 
 pytestmark = pytest.mark.integration
 hybrid = pytest.importorskip("dlion_jax.bench.hybrid")
@@ -17,8 +17,8 @@ pytest.importorskip("flax")
 
 
 def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
-  mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:4])
-  flat = parallel.data_mesh(4)
+  mesh = devices.hybrid_mesh(2, devices=jax.devices()[:4])
+  flat = devices.data_mesh(4)
   tx = hybrid.optimizers()
   lion, dlion = tx["global lion (fp32 all-reduce)"], tx["dlion mavo auto"]
   flat_dlion, _, _ = hybrid.measure(dlion, flat, "flat")
@@ -44,7 +44,7 @@ def test_sharded_placements_vote_on_shards_and_shrink_memory():
   reduce-scatter and one all-gather however the params are placed, fewer
   bytes than the compiler's layouts of this unannotated GPT; sharding the
   state, then the params, shrinks the arguments a device holds."""
-  mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:4])
+  mesh = devices.hybrid_mesh(2, devices=jax.devices()[:4])
   dlion = hybrid.optimizers()["dlion mavo auto"]
   got = {p: hybrid.measure(dlion, mesh, p) for p in hybrid.PLACEMENTS[1:]}
   want = got["shard_axis"][0]
@@ -76,7 +76,7 @@ def test_the_plain_step_sends_what_the_shard_axis_step_sends(placement):
   (placement P()) it is all-reduced as the shard_axis step's mean and
   update together send it (72). Measured on what the step hands back
   (bench.steady_compiled)."""
-  mesh = parallel.hybrid_mesh(2, devices=jax.devices()[:8])
+  mesh = devices.hybrid_mesh(2, devices=jax.devices()[:8])
   dlion = hybrid.optimizers()["dlion mavo auto"]
   compiler, _, _ = hybrid.measure(dlion, mesh, placement)
   theirs, _, _ = hybrid.measure(dlion, mesh, placement, "shard_axis")

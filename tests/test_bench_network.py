@@ -9,7 +9,8 @@ import pytest
 
 from benchmarks import network
 import dlion_jax as dl
-from dlion_jax import accounting
+from dlion_jax import message
+from dlion_jax import quantize
 from dlion_jax.bench import wire
 
 pytestmark = pytest.mark.integration
@@ -96,7 +97,7 @@ def test_tiny_run_bytes_match_the_accounting(tiny_run):
                           ("dlion avg psum", "avg", "psum"),
                           ("dlion mavo alltoall", "mavo", "alltoall")):
     assert rows[name]["wire_bytes"] == pytest.approx(
-        accounting.message_bytes(sizes, 2, aggregation=agg, comm=comm))
+        message.message_bytes(sizes, 2, aggregation=agg, comm=comm))
     analytic = dl.wire_bits(2, aggregation=agg, comm=comm) * p / 8
     assert rows[name]["wire_bytes"] == pytest.approx(analytic, rel=0.05)
   assert rows["global lion fp32"]["wire_bytes"] == 4 * p    # 2(N-1)/N * 4 B
@@ -123,8 +124,8 @@ def test_wire_plot_is_written(tmp_path):
 
 def test_floors_are_below_what_the_strategies_send():
   for n in range(2, 20):
-    for agg in accounting.AGGREGATIONS:
-      for vote in accounting.VOTES:
+    for agg in message.AGGREGATIONS:
+      for vote in quantize.VOTES:
         info = wire.information_floor_bits(n, agg, vote)
         best = dl.wire_bits(n, aggregation=agg, vote=vote)
         assert 0 < info <= best + 1e-9

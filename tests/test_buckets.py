@@ -12,6 +12,7 @@ import pytest
 from jax.sharding import AxisType
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import exchange
 from dlion_jax import hlo
 from dlion_jax import message
@@ -39,12 +40,12 @@ def loss(params, batch):
 def train(mesh, steps=3, params=None, **options):
   """Params after ``steps`` steps, and the compiled step."""
   tx = dl.distributed_lion(1e-2, axis_name="data", **options)
-  params = parallel.replicate(tree() if params is None else params, mesh)
+  params = devices.replicate(tree() if params is None else params, mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(loss, tx, mesh, donate=False)
   rng = np.random.default_rng(1)
   rows = 2 * mesh.shape["data"]
-  batch = parallel.shard_batch({k: rng.standard_normal(
+  batch = devices.shard_batch({k: rng.standard_normal(
       (rows,) + np.shape(v)).astype(np.float32) for k, v in params.items()},
                                mesh)
   compiled = step.lower(params, state, batch).compile()
@@ -71,7 +72,7 @@ CASES = [(8, {"comm": c}) for c in ("auto",) + message.COMMS] + [
 
 @pytest.mark.parametrize("n,options", CASES, ids=str)
 def test_buckets_give_the_one_message_update_bit_for_bit(n, options):
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   want, _ = train(mesh, **options)
   for budget in BUDGETS:
     got, _ = train(mesh, bucket_bytes=budget, **options)
@@ -86,11 +87,11 @@ def test_a_sharded_step_in_buckets_equals_one_message():
   outs = []
   for budget in (None, 1):
     tx = dl.distributed_lion(1e-2, axis_name="data", bucket_bytes=budget)
-    p = parallel.shard_params(params, mesh)
+    p = devices.shard_params(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
     step = parallel.make_train_step(loss, tx, mesh, shard_axis="fsdp",
                                     donate=False)
-    batch = parallel.shard_batch(
+    batch = devices.shard_batch(
         {k: np.ones((8,) + v.shape, np.float32) * np.arange(8).reshape(
             (8,) + (1,) * v.ndim) for k, v in params.items()}, mesh,
         axis_name=("data", "fsdp"))
@@ -106,7 +107,7 @@ def test_each_bucket_sends_the_message_of_its_own_leaves(comm):
   leaf alone send, added up: per-bucket padding and nothing more; and one
   exchange a bucket (as many collectives as for one leaf, times the
   buckets)."""
-  mesh = parallel.data_mesh(8)
+  mesh = devices.data_mesh(8)
   _, whole = train(mesh, steps=0, comm=comm)
   _, bucketed = train(mesh, steps=0, comm=comm, bucket_bytes=1)
   alone = [train(mesh, steps=0, comm=comm, params={k: v})[1]

@@ -144,12 +144,12 @@ def test_multisteps_votes_only_on_the_applying_step():
   # XLA lowers MultiSteps' lax.cond to a select, so the exchange runs (and is
   # discarded) on every micro-step: same collectives as a plain update.
   def compiled_collectives(t):
-    mesh = dl.parallel.data_mesh(N)
+    mesh = dl.devices.data_mesh(N)
     fn = jax.jit(dl.parallel.per_worker(
         lambda g, s: t.update(g, s, params)[0], mesh, axis_name=AXIS,
         ins=("stacked", "replicated"), outs="replicated"))
     text = fn.lower(grads[0], t.init(params)).compile().as_text()
-    return [(c.op, c.result_bytes) for c in dl.accounting.collectives(text)]
+    return [(c.op, c.result_bytes) for c in dl.hlo.collectives(text)]
   plain = compiled_collectives(dl.distributed_lion(1e-2, axis_name=AXIS))
   assert plain and compiled_collectives(tx) == plain
 

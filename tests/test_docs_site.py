@@ -22,8 +22,8 @@ ENTRIES = [
     ("api/parallel.html", "dlion_jax.parallel.make_train_step"),
     ("api/parallel.html", "dlion_jax.parallel.make_pmap_train_step"),
     ("api/parallel.html", "dlion_jax.parallel.init_worker_states"),
-    ("api/parallel.html", "dlion_jax.parallel.shard_batch"),
-    ("api/parallel.html", "dlion_jax.parallel.hybrid_mesh"),
+    ("api/parallel.html", "dlion_jax.devices.shard_batch"),
+    ("api/parallel.html", "dlion_jax.devices.hybrid_mesh"),
     ("api/parallel.html", "dlion_jax.parallel.limit_in_flight"),
     ("api/processes.html", "dlion_jax.processes.start_processes"),
     ("api/accounting.html", "dlion_jax.hlo.collective_bytes_by_axis"),
@@ -236,7 +236,7 @@ def _resolve(dotted):
 @pytest.mark.parametrize("module", PUBLIC_MODULES)
 def test_every_public_name_has_an_entry(site, module):
   """Each public function or class, under some path it is importable by
-  (``dl.parallel.shard_batch`` documents ``dl.devices.shard_batch``)."""
+  (``dl.devices.shard_batch`` documents ``dl.devices.shard_batch``)."""
   ids = set(re.findall(r'id="(dlion_jax\.[\w.]+)"', "".join(
       p.read_text() for p in site.rglob("*.html"))))
   documented = {id(_resolve(i)) for i in ids}

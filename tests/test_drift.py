@@ -9,7 +9,9 @@ import optax
 import pytest
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from messages import assert_names
 
 N = 4
@@ -64,7 +66,7 @@ def _problem(mesh, params=None):
   # differ and a local update shows as drift.
   scale = jnp.repeat(jnp.array([0.2, 0.5, 1.0, 3.0]), 8)[:, None]
   batch = scale * jax.random.normal(jax.random.key(0), (8 * N, 3))
-  return parallel.replicate(params, mesh), parallel.shard_batch(batch, mesh)
+  return devices.replicate(params, mesh), devices.shard_batch(batch, mesh)
 
 
 def _spread(leaf) -> float:
@@ -78,7 +80,7 @@ def test_drifting_leaves_are_refused_and_named(case):
   """Was: accepted, since *some* param depended on *some* collective over
   the axis; the replicas of the named leaves then drifted apart."""
   tx, loss, leaves = DRIFTING[case]
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   params, batch = _problem(mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(loss, tx, mesh, donate=False)
@@ -100,7 +102,7 @@ def test_pmap_step_refuses_a_guard_around_a_forgotten_axis():
                                        devices=jax.devices()[:N])
   params = {"a": jnp.ones((3, 5)), "b": jnp.zeros(5)}
   with pytest.raises(ValueError) as e:
-    step(parallel.replicate_for_pmap(params, N),
+    step(devices.replicate_for_pmap(params, N),
          parallel.init_pmap_states(tx, params, N), jnp.ones((N, 2, 3)))
   assert_names(e, "axis 'data'", "['a'], ['b'] (2 of 2)")
 
@@ -113,7 +115,7 @@ ACCEPTED = {
               mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p))),
     "guard_on_the_axis": dl.apply_if_finite(dlion(), 5),
     "global_optimizer_after_pmean": optax.chain(
-        parallel.pmean_gradients("data"), optax.adamw(LR)),
+        transforms.pmean_gradients("data"), optax.adamw(LR)),
     "inject_hyperparams": optax.inject_hyperparams(
         dl.distributed_lion, static_args=("axis_name",))(
             learning_rate=LR, axis_name="data"),
@@ -127,7 +129,7 @@ ACCEPTED = {
 def test_optimizers_that_keep_replicas_equal_are_accepted(case,
                                                           micro_batches):
   tx = ACCEPTED[case]
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   params, batch = _problem(mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(loss_fn, tx, mesh,
@@ -141,7 +143,7 @@ def test_optimizers_that_keep_replicas_equal_are_accepted(case,
 def test_params_of_empty_arrays_are_accepted():
   """Was refused: no leaf depended on an exchange, since none has an entry
   to exchange; an empty leaf cannot drift."""
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   params, batch = _problem(mesh, {"a": jnp.zeros((3, 0)), "b": jnp.zeros(0)})
   tx = dlion()
   step = parallel.make_train_step(
@@ -165,7 +167,7 @@ def test_pmap_step_refuses_a_mean_over_groups_of_workers():
   step = parallel.make_pmap_train_step(loss_fn, tx, devices=jax.devices()[:N])
   params = {"a": jnp.ones((3, 5)), "b": jnp.zeros(5)}
   with pytest.raises(ValueError) as e:
-    step(parallel.replicate_for_pmap(params, N),
+    step(devices.replicate_for_pmap(params, N),
          parallel.init_pmap_states(tx, params, N), jnp.ones((N, 2, 3)))
   assert_names(e, "axis 'data'", "['a'], ['b'] (2 of 2)")
 
@@ -177,7 +179,7 @@ def test_optax_apply_if_finite_is_told_apart_from_a_forgotten_axis():
   tx = optax.apply_if_finite(
       optax.chain(optax.clip_by_global_norm(1.0),
                   dlion(weight_decay=1e-2)), 3)
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   params, batch = _problem(mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(loss_fn, tx, mesh, donate=False)

@@ -9,8 +9,10 @@ import optax
 import pytest
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import parallel
+from dlion_jax import transforms
 from jax.sharding import PartitionSpec as P
 from messages import assert_names
 
@@ -21,7 +23,7 @@ def stepped_state(tx, mesh, steps=3, dtype=np.float32, shard_axis=None):
   """The state after a few steps on random per-worker gradients: rows that
   differ by worker."""
   rng = np.random.default_rng(0)
-  params = parallel.replicate(
+  params = devices.replicate(
       {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}, mesh)
   state = parallel.init_worker_states(tx, params, mesh,
                                       shard_axis=shard_axis)
@@ -32,15 +34,15 @@ def stepped_state(tx, mesh, steps=3, dtype=np.float32, shard_axis=None):
   for _ in range(steps):
     batch = {k: rng.normal(size=(mesh.size,) + s).astype(dtype)
              for k, s in SHAPES.items()}
-    params, state, _ = step(params, state, parallel.shard_batch(
+    params, state, _ = step(params, state, devices.shard_batch(
         batch, mesh, axis_name=axes))
   return params, state
 
 
 def zero_params(mesh):
   """:data:`SHAPES` of zeros, replicated on ``mesh``."""
-  return parallel.replicate({k: np.zeros(s, np.float32)
-                             for k, s in SHAPES.items()}, mesh)
+  return devices.replicate({k: np.zeros(s, np.float32)
+                            for k, s in SHAPES.items()}, mesh)
 
 
 def expected(rows: np.ndarray, groups) -> np.ndarray:
@@ -58,8 +60,8 @@ def expected(rows: np.ndarray, groups) -> np.ndarray:
 @pytest.mark.parametrize("policy", elastic.RESIZE_POLICIES)
 def test_rows_are_the_policys_means(old, new, policy):
   tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
-  _, state = stepped_state(tx, parallel.data_mesh(old))
-  mesh = parallel.data_mesh(new)
+  _, state = stepped_state(tx, devices.data_mesh(old))
+  mesh = devices.data_mesh(new)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh, policy=policy)
   groups = elastic.old_rows(old, new, policy)
@@ -81,7 +83,7 @@ def test_same_count_keeps_every_value_and_places_it_on_the_mesh():
   tx = dl.distributed_lion(1e-2, axis_name="data")
   _, state = stepped_state(tx, jax.sharding.Mesh(
       np.array(jax.devices()[4:]), ("data",)))
-  mesh = parallel.data_mesh(4)
+  mesh = devices.data_mesh(4)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   for got, want in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
@@ -93,9 +95,9 @@ def test_rows_a_global_optimizer_keeps_alike_stay_alike():
   """AdamW behind pmean_gradients keeps one state on every worker: a group
   of 3 (8 -> 3) keeps it bit for bit. Was: (x + x + x) / 3, an ulp off on
   a third of the entries, and the workers' states then differed."""
-  tx = optax.chain(parallel.pmean_gradients("data"), optax.adamw(1e-2))
-  _, state = stepped_state(tx, parallel.data_mesh(8))
-  mesh = parallel.data_mesh(3)
+  tx = optax.chain(transforms.pmean_gradients("data"), optax.adamw(1e-2))
+  _, state = stepped_state(tx, devices.data_mesh(8))
+  mesh = devices.data_mesh(3)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   for got, old in zip(jax.tree.leaves(out), jax.tree.leaves(state)):
@@ -110,8 +112,8 @@ def test_masked_and_multi_transform_states_resize():
       {"vote": dl.distributed_lion(1e-2, axis_name="data"),
        "frozen": optax.set_to_zero()},
       {"w": "vote", "b": "frozen"})
-  _, state = stepped_state(tx, parallel.data_mesh(8))
-  mesh = parallel.data_mesh(4)
+  _, state = stepped_state(tx, devices.data_mesh(8))
+  mesh = devices.data_mesh(4)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   old_mu = optax.tree_utils.tree_get(state, "mu")
@@ -125,10 +127,10 @@ def test_error_feedback_cleared_on_request():
   """error="clear" zeroes the residuals, at N' = N too, and only they: a
   param named "error" keeps its momentum."""
   tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
-  _, state = stepped_state(tx, parallel.data_mesh(4))
+  _, state = stepped_state(tx, devices.data_mesh(4))
   assert np.any(np.asarray(state[0].error["w"]))
   for n in (2, 4):
-    mesh = parallel.data_mesh(n)
+    mesh = devices.data_mesh(n)
     params = zero_params(mesh)
     out = elastic.resize_worker_states(tx, state, params, mesh,
                                        error="clear")
@@ -137,14 +139,14 @@ def test_error_feedback_cleared_on_request():
         np.asarray(out[0].mu["w"]),
         expected(np.asarray(state[0].mu["w"]), elastic.old_rows(4, n)))
   plain = dl.distributed_lion(1e-2, axis_name="data")
-  mesh = parallel.data_mesh(4)
-  params = parallel.replicate({"error": np.ones(3, np.float32)}, mesh)
+  mesh = devices.data_mesh(4)
+  params = devices.replicate({"error": np.ones(3, np.float32)}, mesh)
   named = parallel.init_worker_states(plain, params, mesh)
   named = jax.tree.map(lambda x: x + 1 if x.dtype == np.float32 else x,
                        named)
-  out = elastic.resize_worker_states(plain, named, parallel.replicate(
-      {"error": np.ones(3, np.float32)}, parallel.data_mesh(2)),
-      parallel.data_mesh(2), error="clear")
+  out = elastic.resize_worker_states(plain, named, devices.replicate(
+      {"error": np.ones(3, np.float32)}, devices.data_mesh(2)),
+      devices.data_mesh(2), error="clear")
   assert np.all(np.asarray(out[0].mu["error"]) == 1)
 
 
@@ -154,8 +156,8 @@ def test_readme_chain_and_bf16_momenta():
   tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
       1e-2, weight_decay=0.1, axis_name="data", mu_dtype=jnp.bfloat16,
       mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
-  _, state = stepped_state(tx, parallel.data_mesh(8))
-  mesh = parallel.data_mesh(2)
+  _, state = stepped_state(tx, devices.data_mesh(8))
+  mesh = devices.data_mesh(2)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh)
   mu = optax.tree_utils.tree_get(out, "mu")
@@ -171,8 +173,8 @@ def test_hybrid_state_changes_nodes():
   nodes of 4, resized for 4 nodes of 2: placed as init_worker_states
   places it there, each node's momentum its old node's."""
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  _, state = stepped_state(tx, parallel.hybrid_mesh(2), shard_axis="fsdp")
-  mesh = parallel.hybrid_mesh(4)
+  _, state = stepped_state(tx, devices.hybrid_mesh(2), shard_axis="fsdp")
+  mesh = devices.hybrid_mesh(4)
   params = zero_params(mesh)
   out = elastic.resize_worker_states(tx, state, params, mesh,
                                      shard_axis="fsdp")
@@ -200,8 +202,8 @@ def test_restore_target_places_rows_like_the_run():
   """A checkpoint's rows restore sharded as the new run shards its own (a
   hybrid momentum over fsdp), over the workers where they divide."""
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  mesh = parallel.hybrid_mesh(2)
-  params = parallel.replicate({"w": np.zeros((8, 6), np.float32)}, mesh)
+  mesh = devices.hybrid_mesh(2)
+  params = devices.replicate({"w": np.zeros((8, 6), np.float32)}, mesh)
   target = elastic.restore_target(tx, params, mesh, 4, shard_axis="fsdp")
   assert target[0].mu["w"].sharding.spec == P("data", "fsdp")
   target = elastic.restore_target(tx, params, mesh, 1, shard_axis="fsdp")
@@ -210,8 +212,8 @@ def test_restore_target_places_rows_like_the_run():
 
 def test_bad_arguments_name_the_fix():
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  mesh = parallel.data_mesh(2)
-  params = parallel.replicate({"w": np.zeros(3, np.float32)}, mesh)
+  mesh = devices.data_mesh(2)
+  params = devices.replicate({"w": np.zeros(3, np.float32)}, mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   with pytest.raises(ValueError) as e:
     elastic.resize_worker_states(tx, state, params, mesh, policy="median")
@@ -229,7 +231,7 @@ def test_bad_arguments_name_the_fix():
         state, params, mesh)
   assert_names(e, "not the state tx makes for params", "the optimizer")
   with pytest.raises(ValueError) as e:   # was: silently accepted
-    elastic.resize_worker_states(tx, state, parallel.replicate(
+    elastic.resize_worker_states(tx, state, devices.replicate(
         {"w": np.zeros(4, np.float32)}, mesh), mesh)
   assert_names(e, "not the state tx makes for params", "(3,)", "(4,)")
   with pytest.raises(ValueError) as e:   # was: KeyError: 'batch'
@@ -257,8 +259,8 @@ def test_explicit_meshes_resize_as_auto_ones(old, new, shard_axis):
   shard_axis) the resized state is the Auto mesh's, bit for bit, placed as
   init_worker_states places it there. Was, N' = N included: a
   ShardingTypeError, "slicing on sharded dims ... i32[4@data]"."""
-  mesh_of = lambda n: (parallel.data_mesh(n) if isinstance(n, int) else
-                       parallel.hybrid_mesh(n[0]))
+  mesh_of = lambda n: (devices.data_mesh(n) if isinstance(n, int) else
+                       devices.hybrid_mesh(n[0]))
   tx = dl.distributed_lion(1e-2, axis_name="data", error_feedback=True)
   _, state = stepped_state(tx, mesh_of(old), shard_axis=shard_axis)
   auto = mesh_of(new)
@@ -319,20 +321,20 @@ def test_an_nnx_optimizers_state_resizes_like_its_optax_state():
 
   tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
       1e-2, axis_name="data", error_feedback=True))
-  mesh, mesh4 = parallel.data_mesh(8), parallel.data_mesh(4)
+  mesh, mesh4 = devices.data_mesh(8), devices.data_mesh(4)
   model = Model(nnx.Rngs(0))
   opt_def, opt_state = nnx.split(nnx.Optimizer(model, tx, wrt=nnx.Param))
-  opt_state = per_worker_values(parallel.stack_for_workers(opt_state, mesh))
+  opt_state = per_worker_values(devices.stack_for_workers(opt_state, mesh))
   params = nnx.state(model, nnx.Param)
   # The same values as the plain optax state, read off the nnx.State.
   lion = opt_state["opt_state"][1][0]
-  plain = parallel.init_worker_states(tx, parallel.replicate(params, mesh),
+  plain = parallel.init_worker_states(tx, devices.replicate(params, mesh),
                                       mesh)
   plain = (plain[0], (plain[1][0]._replace(
       count=lion["count"][...],
       mu=jax.tree.map(lambda v: v[...], lion["mu"]),
       error=jax.tree.map(lambda v: v[...], lion["error"])),))
-  params4 = parallel.replicate(params, mesh4)
+  params4 = devices.replicate(params, mesh4)
   out = elastic.resize_worker_states(tx, opt_state, params4, mesh4)
   want = elastic.resize_worker_states(tx, plain, params4, mesh4)
   got = out["opt_state"][1][0]
@@ -353,8 +355,8 @@ def test_an_nnx_optimizers_state_resizes_like_its_optax_state():
   run = jax.jit(parallel.per_worker(
       train_step, mesh4, ins=("replicated", "stacked", "split"),
       outs=("replicated", "stacked")))
-  _, after = run(parallel.replicate(model_state, mesh4), out,
-                 parallel.shard_batch(np.ones((8, 4), np.float32), mesh4))
+  _, after = run(devices.replicate(model_state, mesh4), out,
+                 devices.shard_batch(np.ones((8, 4), np.float32), mesh4))
   np.testing.assert_array_equal(np.asarray(after["step"][...]),
                                 np.full(4, 4, np.uint32))
   # restore_target of such a state: its stacked leaves with the old rows.
@@ -371,10 +373,10 @@ def test_a_linen_train_states_opt_state_resizes_the_rest_kept():
   params"."""
   train_state = pytest.importorskip("flax.training.train_state")
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  params, state = stepped_state(tx, parallel.data_mesh(8))
+  params, state = stepped_state(tx, devices.data_mesh(8))
   ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
   ts = ts.replace(step=jnp.int32(3), opt_state=state)
-  mesh = parallel.data_mesh(2)
+  mesh = devices.data_mesh(2)
   params2 = zero_params(mesh)
   out = elastic.resize_worker_states(tx, ts, params2, mesh)
   assert_same_leaves(out.opt_state, elastic.resize_worker_states(
@@ -391,7 +393,7 @@ def test_a_state_holding_another_optimizers_state_is_refused():
   of its tx, naming the leaf it does not know."""
   train_state = pytest.importorskip("flax.training.train_state")
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  mesh = parallel.data_mesh(2)
+  mesh = devices.data_mesh(2)
   params = zero_params(mesh)
   adam = optax.adam(1e-2)
   ts = train_state.TrainState.create(apply_fn=None, params=params, tx=adam)
@@ -403,11 +405,11 @@ def test_a_state_holding_another_optimizers_state_is_refused():
   nnx = pytest.importorskip("flax.nnx")
   model = nnx.Linear(3, 2, rngs=nnx.Rngs(0))
   both = optax.chain(optax.scale_by_adam(), tx)
-  opt_state = parallel.stack_for_workers(
+  opt_state = devices.stack_for_workers(
       nnx.state(nnx.Optimizer(model, both, wrt=nnx.Param)), mesh)
   with pytest.raises(ValueError) as e:
     elastic.resize_worker_states(
-        tx, opt_state, parallel.replicate(nnx.state(model, nnx.Param), mesh),
+        tx, opt_state, devices.replicate(nnx.state(model, nnx.Param), mesh),
         mesh)
   assert_names(e, "more optimizer state", "['opt_state'][0]",
                "the whole optimizer")

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 import dlion_jax as dl
-from dlion_jax import accounting
+from dlion_jax import devices
+from dlion_jax import strategies
 from messages import assert_names
 
 PARAMS = {"w": jnp.zeros(5)}
@@ -44,7 +45,7 @@ def test_unbound_axis_says_where_update_must_run():
 def test_wrong_axis_name_inside_shard_map():
   """A mesh without the optimizer's axis: the axis it wants, where."""
   tx = dl.scale_by_distributed_lion(axis_name="batch")
-  mesh = dl.parallel.data_mesh(2)
+  mesh = dl.devices.data_mesh(2)
   fn = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
                      in_specs=jax.P("data"), out_specs=jax.P("data"))
   with pytest.raises(NameError) as e:
@@ -91,13 +92,13 @@ def test_state_from_another_optimizer():
 
 
 def test_field_widths_widen_with_the_worker_count():
-  assert accounting.int_container(127) == jnp.int8
-  assert accounting.int_container(128) == jnp.int16
+  assert strategies.int_container(127) == jnp.int8
+  assert strategies.int_container(128) == jnp.int16
   assert dl.wire_bits(200, comm="psum_int8") == pytest.approx(2 * 199 / 200
                                                               * 16)
   # psum counters: radix levels*N+1 always fits, words widen to uint32.
   for n in (2, 7, 64, 1000):
-    radix = accounting.psum_radix(n, dl.quantize.TERNARY)
+    radix = strategies.psum_radix(n, dl.quantize.TERNARY)
     assert radix ** dl.packing.digits_per_word(radix) <= 2**32
 
 
@@ -126,14 +127,14 @@ def test_state_restored_without_a_target_says_how_to_restore(tmp_path):
   the run's momenta; orbax restores NamedTuples as dicts without a target."""
   ocp = pytest.importorskip("orbax.checkpoint")
   from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
-  mesh = parallel.data_mesh(4)
+  mesh = devices.data_mesh(4)
   tx = optax.chain(optax.clip_by_global_norm(1.0),
                    dl.distributed_lion(1e-2, axis_name="data"))
-  params = parallel.replicate({"w": jnp.ones((3, 5))}, mesh)
+  params = devices.replicate({"w": jnp.ones((3, 5))}, mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(lambda p, b: jnp.mean((b @ p["w"]) ** 2),
                                   tx, mesh, donate=False)
-  batch = parallel.shard_batch(jnp.ones((8, 3)), mesh)
+  batch = devices.shard_batch(jnp.ones((8, 3)), mesh)
   state = step(params, state, batch)[1]
   checkpointer = ocp.StandardCheckpointer()
   checkpointer.save(tmp_path / "state", state)
@@ -151,14 +152,13 @@ def test_state_restored_without_a_target_says_how_to_restore(tmp_path):
 
 def _step_problem(n=4):
   """A linear model's replicated params and a batch over n workers."""
-  from dlion_jax import parallel   # pylint: disable=import-outside-toplevel
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   k = jax.random.split(jax.random.key(0), 2)
-  params = parallel.replicate({"w": jax.random.normal(k[0], (16,)),
-                               "b": jnp.zeros(())}, mesh)
+  params = devices.replicate({"w": jax.random.normal(k[0], (16,)),
+                              "b": jnp.zeros(())}, mesh)
   x = jax.random.normal(k[1], (8 * n, 16))
-  batch = parallel.shard_batch({"x": x, "y": x @ jnp.linspace(-1, 1, 16)},
-                               mesh)
+  batch = devices.shard_batch({"x": x, "y": x @ jnp.linspace(-1, 1, 16)},
+                              mesh)
   return mesh, params, batch
 
 

@@ -15,7 +15,9 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
-from dlion_jax import accounting
+from dlion_jax import devices
+from dlion_jax import hlo
+from dlion_jax import message
 from dlion_jax import parallel
 from compiled import AXIS
 from compiled import SHAPES
@@ -23,7 +25,7 @@ from compiled import SIZES
 from compiled import compile_on_mesh
 from compiled import compile_update
 
-COMMS = accounting.COMMS
+COMMS = message.COMMS
 D = sum(SIZES)
 
 
@@ -31,13 +33,13 @@ D = sum(SIZES)
 
 
 def _one(text, op):
-  found = [c for c in accounting.collectives(text) if c.op == op]
-  assert len(found) == 1, accounting.collectives(text)
+  found = [c for c in hlo.collectives(text) if c.op == op]
+  assert len(found) == 1, hlo.collectives(text)
   return found[0]
 
 
 def test_parses_all_reduce():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   text = compile_on_mesh(lambda x: lax.psum(x, AXIS), mesh, P(AXIS),
                          (8 * 64,)).as_text()
   c = _one(text, "all-reduce")
@@ -46,17 +48,17 @@ def test_parses_all_reduce():
 
 
 def test_parses_tuple_all_reduce():
-  mesh = parallel.data_mesh(4, axis_name=AXIS)
+  mesh = devices.data_mesh(4, axis_name=AXIS)
   fn = lambda x, y: lax.psum((x, y.astype(jnp.int32)), AXIS)
   text = compile_on_mesh(fn, mesh, (P(AXIS), P(AXIS)), (4 * 64,), (4 * 3,),
                          out_specs=(P(AXIS), P(AXIS))).as_text()
-  found = [c for c in accounting.collectives(text) if c.op == "all-reduce"]
+  found = [c for c in hlo.collectives(text) if c.op == "all-reduce"]
   assert sum(c.result_bytes for c in found) == 64 * 4 + 3 * 4
-  assert accounting.collective_bytes(text) == 2 * 3 / 4 * (64 * 4 + 3 * 4)
+  assert hlo.collective_bytes(text) == 2 * 3 / 4 * (64 * 4 + 3 * 4)
 
 
 def test_parses_all_gather():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   text = compile_on_mesh(lambda x: lax.all_gather(x, AXIS, tiled=True), mesh,
                          P(AXIS), (8 * 10,)).as_text()
   c = _one(text, "all-gather")
@@ -64,7 +66,7 @@ def test_parses_all_gather():
 
 
 def test_parses_all_to_all():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   fn = lambda x: lax.all_to_all(x.reshape(8, 16), AXIS, 0, 0).ravel()
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 128,)).as_text()
   c = _one(text, "all-to-all")       # XLA:CPU prints a tuple of 8 [1,16]
@@ -72,7 +74,7 @@ def test_parses_all_to_all():
 
 
 def test_parses_reduce_scatter():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   fn = lambda x: lax.psum_scatter(x, AXIS, tiled=True)
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
   c = _one(text, "reduce-scatter")
@@ -93,8 +95,8 @@ def test_parses_subgroups_of_a_2d_mesh():
 def test_collective_bytes_takes_compiled_or_text():
   compiled = compile_update(8, aggregation="mavo", vote="binary",
                             comm="psum_int8")
-  assert accounting.collective_bytes(compiled) == (
-      accounting.collective_bytes(compiled.as_text())) == 2 * 7 / 8 * D
+  assert hlo.collective_bytes(compiled) == (
+      hlo.collective_bytes(compiled.as_text())) == 2 * 7 / 8 * D
 
 
 # --- collectives(): handwritten HLO lines ------------------------------------
@@ -137,7 +139,7 @@ _HEADER = "HloModule m, num_partitions=8\n"
      "collective-permute", 64, 8),
 ])
 def test_parses_handwritten_lines(line, op, result_bytes, group_size):
-  (c,) = accounting.collectives(_HEADER + "  " + line + "\n")
+  (c,) = hlo.collectives(_HEADER + "  " + line + "\n")
   assert (c.op, c.result_bytes, c.group_size) == (op, result_bytes,
                                                   group_size)
   n = group_size
@@ -153,8 +155,8 @@ def test_ignores_non_collectives_and_done_ops():
       "  %agd = u8[80]{0} all-gather-done((u8[10]{0}, u8[80]{0}) %ags)",
       "  %c = f32[8]{0} copy(%all-gather.1)",
   ])
-  assert accounting.collectives(text) == []
-  assert accounting.collective_bytes(text) == 0
+  assert hlo.collectives(text) == []
+  assert hlo.collective_bytes(text) == 0
 
 
 # --- collectives(): loops count once per trip --------------------------------
@@ -163,7 +165,7 @@ def test_ignores_non_collectives_and_done_ops():
 def compile_steps(num_workers, steps, **options):
   """Compiled shard_map of ``steps`` distributed Lion updates: one plain
   update for ``steps=None``, else a ``lax.scan`` over ``steps`` (never run)."""
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   tx = dl.distributed_lion(1e-3, axis_name=AXIS, **options)
 
   def update(carry, grads):
@@ -188,26 +190,26 @@ def compile_steps(num_workers, steps, **options):
 
 @pytest.mark.parametrize("comm", COMMS)
 def test_scan_of_k_steps_sends_k_steps_bytes(comm):
-  one = accounting.collective_bytes(compile_steps(4, None, comm=comm))
+  one = hlo.collective_bytes(compile_steps(4, None, comm=comm))
   scanned = compile_steps(4, 10, comm=comm)
   assert one > 0
-  assert accounting.collective_bytes(scanned) == pytest.approx(10 * one,
-                                                               rel=1e-12)
-  assert {c.count for c in accounting.collectives(scanned.as_text())} == {10}
+  assert hlo.collective_bytes(scanned) == pytest.approx(10 * one,
+                                                        rel=1e-12)
+  assert {c.count for c in hlo.collectives(scanned.as_text())} == {10}
 
 
 def test_scan_keeps_momentum_syncs_conditional():
   """A momentum sync (lax.cond) in a scanned step: conditional, k times."""
   kw = dict(comm="alltoall", momentum_sync=3)
   one, scanned = compile_steps(8, None, **kw), compile_steps(8, 10, **kw)
-  found = accounting.collectives(scanned.as_text())
+  found = hlo.collectives(scanned.as_text())
   synced = [c for c in found if c.conditional]
   assert [(c.op, c.count) for c in synced] == [("all-reduce", 10)]
   assert synced[0].bytes_per_call == 10 * synced[0].sent_bytes
   for conditional in (True, False):
-    assert accounting.collective_bytes(
+    assert hlo.collective_bytes(
         scanned, conditional=conditional) == pytest.approx(
-            10 * accounting.collective_bytes(one, conditional=conditional))
+            10 * hlo.collective_bytes(one, conditional=conditional))
 
 
 def _psums(x, times):
@@ -217,23 +219,23 @@ def _psums(x, times):
 
 
 def test_nested_scans_multiply():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   fn = lambda x: lax.scan(lambda c, _: (_psums(c, 4), None), x, None,
                           length=3)[0]
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
   c = _one(text, "all-reduce")
   assert (c.count, c.conditional) == (12, False)
-  assert accounting.collective_bytes(text) == 12 * 2 * 7 / 8 * 256
+  assert hlo.collective_bytes(text) == 12 * 2 * 7 / 8 * 256
 
 
 def test_scan_inside_cond_stays_conditional():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   fn = lambda x: lax.cond(x[0] > 0, lambda y: _psums(y, 5), lambda y: y, x)
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
   c = _one(text, "all-reduce")
   assert (c.count, c.conditional) == (5, True)
-  assert accounting.collective_bytes(text) == 5 * 2 * 7 / 8 * 256
-  assert accounting.collective_bytes(text, conditional=False) == 0
+  assert hlo.collective_bytes(text) == 5 * 2 * 7 / 8 * 256
+  assert hlo.collective_bytes(text, conditional=False) == 0
 
 
 def _psum_bytes(floats, n=8):
@@ -245,32 +247,32 @@ def _psum_bytes(floats, n=8):
 def test_switch_counts_one_branch(sizes):
   """lax.switch runs one branch a call: its largest, or with
   conditional=False its smallest, not the sum of the three."""
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   branches = [lambda y, s=s: y.at[:s].set(lax.psum(y[:s], AXIS))
               for s in sizes]
   fn = lambda x: lax.switch(x[0].astype(jnp.int32) % 3, branches, x)
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
-  found = accounting.collectives(text)
+  found = hlo.collectives(text)
   assert sorted(c.result_bytes for c in found) == sorted(4 * s for s in sizes)
   assert all(c.conditional for c in found)
-  assert accounting.collective_bytes(text) == _psum_bytes(max(sizes))
-  assert accounting.collective_bytes(text, conditional=False) == (
+  assert hlo.collective_bytes(text) == _psum_bytes(max(sizes))
+  assert hlo.collective_bytes(text, conditional=False) == (
       _psum_bytes(min(sizes)))
   by_axis = dl.collective_bytes_by_axis(text, mesh)
   assert by_axis == {AXIS: _psum_bytes(max(sizes))}
 
 
 def test_fori_loop_with_static_bounds_counts_each_trip():
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   fn = lambda x: lax.fori_loop(0, 7, lambda i, y: lax.psum(y, AXIS) / 8, x)
   text = compile_on_mesh(fn, mesh, P(AXIS), (8 * 64,)).as_text()
   assert _one(text, "all-reduce").count == 7
-  assert accounting.collective_bytes(text) == 7 * 2 * 7 / 8 * 256
+  assert hlo.collective_bytes(text) == 7 * 2 * 7 / 8 * 256
 
 
 def test_dynamic_loop_without_collectives_is_fine():
   """An unknown trip count only matters when the loop sends something."""
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   def fn(x):
     halve = lambda c: (c[0] + 1, c[1] / 2)
     _, y = lax.while_loop(lambda c: c[0] < x[0].astype(jnp.int32), halve,
@@ -332,16 +334,16 @@ ENTRY %main (x: f32[16]) -> (s32[], f32[16]) {
 def test_handwritten_loop_module():
   """Calls inside a loop body multiply; its condition runs trips + 1 times;
   a conditional in the body stays conditional."""
-  found = accounting.collectives(_LOOP_MODULE)
+  found = hlo.collectives(_LOOP_MODULE)
   assert [(c.op, c.count, c.conditional) for c in found] == [
       ("collective-permute", 7, False),
       ("all-gather", 6, False),
       ("all-reduce", 6, True),
   ]
   sent = 7 * 64 + 6 * 7 / 8 * 64
-  assert accounting.collective_bytes(_LOOP_MODULE,
-                                     conditional=False) == pytest.approx(sent)
-  assert accounting.collective_bytes(_LOOP_MODULE) == pytest.approx(
+  assert hlo.collective_bytes(_LOOP_MODULE,
+                              conditional=False) == pytest.approx(sent)
+  assert hlo.collective_bytes(_LOOP_MODULE) == pytest.approx(
       sent + 6 * 2 * 7 / 8 * 64)
 
 
@@ -401,15 +403,15 @@ ENTRY %main (x: f32[16], y: f32[64], i: s32[]) -> f32[16] {
 def test_nested_conditionals_count_their_largest_or_smallest_branch():
   """Branches sending 112 (%one), 3 x 56 (%loop) and 28 + a nested
   conditional of 448 or 0 (%nested); an all-reduce of 112 after them."""
-  found = accounting.collectives(_SWITCH_MODULE)
+  found = hlo.collectives(_SWITCH_MODULE)
   assert [(c.instruction, c.count, c.conditional) for c in found] == [
       ("ar16", 1, True), ("ag16", 3, True), ("ag8", 1, True),
       ("ar64", 1, True), ("after", 1, False)]
   ar16, ag16, ag8, ar64 = (_psum_bytes(16), 7 / 8 * 64, 7 / 8 * 32,
                            _psum_bytes(64))
-  assert accounting.collective_bytes(_SWITCH_MODULE) == pytest.approx(
+  assert hlo.collective_bytes(_SWITCH_MODULE) == pytest.approx(
       ar16 + max(ar16, 3 * ag16, ag8 + ar64))
-  assert accounting.collective_bytes(
+  assert hlo.collective_bytes(
       _SWITCH_MODULE, conditional=False) == pytest.approx(
           ar16 + min(ar16, 3 * ag16, ag8 + 0))
 
@@ -427,14 +429,14 @@ ENTRY %main (x: u8[64]) -> u8[64] {
   ROOT %done = u8[64]{0} async-done(%start), calls=%wrapped
 }
 """
-  (c,) = accounting.collectives(text)
+  (c,) = hlo.collectives(text)
   assert (c.op, c.count, c.sent_bytes) == ("all-to-all", 1, 56)
 
 
 def test_lowered_text_marks_conditionals_and_refuses_loops():
   """Lowered HLO (``name {`` headers, no % signs) reads like compiled HLO,
   but its loops carry no trip count yet."""
-  mesh = parallel.data_mesh(8, axis_name=AXIS)
+  mesh = devices.data_mesh(8, axis_name=AXIS)
   mapped = lambda fn: jax.jit(jax.shard_map(
       fn, mesh=mesh, in_specs=P(AXIS), out_specs=P(AXIS), check_vma=False))
   arg = jax.ShapeDtypeStruct((8 * 64,), jnp.float32)
@@ -443,8 +445,8 @@ def test_lowered_text_marks_conditionals_and_refuses_loops():
   text = mapped(cond).lower(arg).as_text(dialect="hlo")
   c = _one(text, "all-reduce")
   assert (c.conditional, c.count) == (True, 1)
-  assert accounting.collective_bytes(text, conditional=False) == 0
+  assert hlo.collective_bytes(text, conditional=False) == 0
   lowered = mapped(lambda x: _psums(x, 5)).lower(arg)
   with pytest.raises(ValueError, match="known_trip_count"):
-    accounting.collective_bytes(lowered.as_text(dialect="hlo"))
-  assert accounting.collective_bytes(lowered.compile()) == 5 * 2 * 7 / 8 * 256
+    hlo.collective_bytes(lowered.as_text(dialect="hlo"))
+  assert hlo.collective_bytes(lowered.compile()) == 5 * 2 * 7 / 8 * 256

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import hlo
 from dlion_jax import message
 from dlion_jax import parallel
@@ -30,7 +31,7 @@ def linear_loss(params, batch):
 def compile_step(mesh, shapes, shard_axis=None, dtype=np.float32, **options):
   """The compiled D-Lion step on ``mesh``, voting over "data"."""
   workers = mesh.size
-  params = parallel.replicate(
+  params = devices.replicate(
       {k: np.ones(s, dtype) for k, s in shapes.items()}, mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data", **options)
   state = parallel.init_worker_states(tx, params, mesh, shard_axis=shard_axis)
@@ -42,9 +43,9 @@ def compile_step(mesh, shapes, shard_axis=None, dtype=np.float32, **options):
   return step.lower(params, state, batch).compile()
 
 
-def hybrid(nodes, per_node, devices=None, **options):
-  devices = jax.devices()[:nodes * per_node] if devices is None else devices
-  mesh = parallel.hybrid_mesh(nodes, devices=devices)
+def hybrid(nodes, per_node, order=None, **options):
+  order = jax.devices()[:nodes * per_node] if order is None else order
+  mesh = devices.hybrid_mesh(nodes, devices=order)
   return compile_step(mesh, SHAPES, shard_axis="fsdp", **options), mesh
 
 
@@ -56,7 +57,7 @@ def pmean_bytes(n):
 def flat_vote_bytes(nodes, leaf_sizes, **options):
   """What the flat ``nodes``-worker D-Lion step on leaves of ``leaf_sizes``
   sends, less its loss pmean: its vote."""
-  mesh = parallel.data_mesh(nodes)
+  mesh = devices.data_mesh(nodes)
   shapes = {f"l{i}": (s,) for i, s in enumerate(leaf_sizes)}
   return dl.collective_bytes(compile_step(mesh, shapes, **options)) - (
       pmean_bytes(nodes))
@@ -69,7 +70,7 @@ def flat_vote_bytes(nodes, leaf_sizes, **options):
 @pytest.mark.parametrize("comm", ["auto", "alltoall", "allgather", "psum"])
 def test_hybrid_step_splits_vote_and_shard_traffic(nodes, per_node, comm):
   shapes = dict(SHAPES, m=(8, 6))    # "m": cut over k = 2 or 4 devices
-  mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
+  mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
   compiled = compile_step(mesh, shapes, shard_axis="fsdp", comm=comm)
   by_axis = dl.collective_bytes_by_axis(compiled, mesh)
   k = per_node
@@ -96,7 +97,7 @@ def test_ids_are_positions_in_the_mesh_not_device_ids():
   """jit numbers devices by their place in mesh.devices.flat: a mesh of
   shuffled devices compiles to the same groups and the same split."""
   shuffled = [jax.devices()[i] for i in (0, 4, 1, 5, 2, 6, 3, 7)]
-  compiled, mesh = hybrid(2, 4, devices=shuffled)
+  compiled, mesh = hybrid(2, 4, order=shuffled)
   plain, plain_mesh = hybrid(2, 4)
   groups = [c.replica_groups for c in hlo.collectives(compiled.as_text())]
   assert groups == [c.replica_groups
@@ -106,7 +107,7 @@ def test_ids_are_positions_in_the_mesh_not_device_ids():
 
 
 def test_flat_mesh_puts_everything_under_data():
-  mesh = parallel.data_mesh(8)
+  mesh = devices.data_mesh(8)
   compiled = compile_step(mesh, SHAPES)
   by_axis = dl.collective_bytes_by_axis(compiled, mesh)
   assert list(by_axis) == ["data"]
@@ -131,7 +132,7 @@ def test_conditional_false_leaves_out_momentum_syncs():
 
 
 def test_ppermute_goes_under_the_axis_it_shifts_along():
-  mesh = parallel.hybrid_mesh(2, devices=jax.devices())
+  mesh = devices.hybrid_mesh(2, devices=jax.devices())
   shift = jax.shard_map(
       lambda x: jax.lax.ppermute(x, "data", [(0, 1), (1, 0)]), mesh=mesh,
       in_specs=P("data", "fsdp"), out_specs=P("data", "fsdp"))

@@ -22,6 +22,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
@@ -37,7 +38,7 @@ STEPS = 3
 
 
 def hybrid_mesh(nodes, per_node):
-  return parallel.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
+  return devices.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
 
 
 def linear_loss(params, batch):
@@ -110,9 +111,9 @@ def check_against_reference(nodes, per_node, dtype, *, mesh=None,
     p = {k: jax.device_put(v, NamedSharding(mesh, specs.get(k, P())))
          for k, v in params.items()}
   elif zero3:
-    p = parallel.shard_params(params, mesh)
+    p = devices.shard_params(params, mesh)
   else:
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
@@ -173,7 +174,7 @@ def test_apply_if_finite_skips_the_step_on_every_device():
   tx = dl.apply_if_finite(dl.distributed_lion(1e-2, axis_name="data"), 3,
                           axis_name="data")
   params = {"w": np.linspace(-1, 1, 12).astype(np.float32)}
-  p = parallel.replicate(params, mesh)
+  p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
@@ -191,11 +192,11 @@ def test_apply_if_finite_skips_the_step_on_every_device():
 
 
 def test_hybrid_mesh_rows_and_errors():
-  mesh = parallel.hybrid_mesh(2)
+  mesh = devices.hybrid_mesh(2)
   assert dict(mesh.shape) == {"data": 2, "fsdp": 4}
   assert [d.id for d in mesh.devices[1]] == [4, 5, 6, 7]
   with pytest.raises(ValueError, match=r"nodes=3 .*dividing the 8 devices"):
-    parallel.hybrid_mesh(3)
+    devices.hybrid_mesh(3)
 
 
 def test_size_one_fast_axis_is_the_flat_step():
@@ -206,7 +207,7 @@ def test_size_one_fast_axis_is_the_flat_step():
   rows = [{k: rng.normal(size=(8,) + s).astype(np.float32)
            for k, s in SHAPES.items()} for _ in range(STEPS)]
   tx = dl.distributed_lion(1e-2, axis_name="data", aggregation="avg")
-  runs = [trainer(tx, params, parallel.data_mesh(8), None),
+  runs = [trainer(tx, params, devices.data_mesh(8), None),
           trainer(tx, params, hybrid_mesh(8, 1), "fsdp")]
   for batch in rows:
     (flat_p, flat_mu), (hybrid_p, hybrid_mu) = [run(batch) for run in runs]
@@ -227,7 +228,7 @@ def test_micro_batches_average_before_the_scatter():
   split = NamedSharding(mesh, P(("data", "fsdp")))
   results = []
   for batch, micro in ((rows, 1), (doubled, 2)):
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
     step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                     micro_batches=micro)
@@ -253,7 +254,7 @@ def test_check_vma_true_gives_the_same_step(comm):
       NamedSharding(mesh, P(("data", "fsdp"))))
   out = []
   for check_vma in (False, True):
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
     step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                     check_vma=check_vma)
@@ -274,7 +275,7 @@ def test_large_leaf_l1_votes_within_the_rounding_of_the_scale():
   tx = dl.distributed_lion(lr, axis_name="data", quantizer="pbit_l1", bits=8,
                            aggregation="avg")
   hybrid = trainer(tx, params, hybrid_mesh(nodes, per_node), "fsdp")
-  flat = trainer(tx, params, parallel.data_mesh(nodes), None)
+  flat = trainer(tx, params, devices.data_mesh(nodes), None)
   one_level = lr / (nodes * level)     # a vote's level moves Avg by 1/(N L)
   for t in range(1, 4):
     rows = rng.integers(-3, 4, size=(nodes * per_node, size)).astype(
@@ -291,15 +292,15 @@ def test_large_leaf_l1_votes_within_the_rounding_of_the_scale():
 def trainer(tx, params, mesh, shard_axis):
   """``advance(rows) -> (params, momenta)`` on the host: one step of a run
   of ``linear_loss`` on ``mesh``, one row per worker."""
-  p = parallel.replicate(params, mesh)
+  p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis=shard_axis)
   axes = "data" if shard_axis is None else ("data", shard_axis)
 
   def advance(rows):
     nonlocal p, state
-    p, state, _ = step(p, state, parallel.shard_batch(rows, mesh,
-                                                      axis_name=axes))
+    p, state, _ = step(p, state, devices.shard_batch(rows, mesh,
+                                                     axis_name=axes))
     mu = optax.tree_utils.tree_get(state, "mu")
     return jax.device_get(p), jax.device_get(mu)
   return advance
@@ -339,7 +340,7 @@ def test_readme_chain_with_clip_and_rank_mask():
       1e-2, weight_decay=0.5, axis_name="data",
       mask=lambda p: jax.tree.map(lambda x: x.ndim > 1, p)))
   hybrid = trainer(tx, params, hybrid_mesh(2, 4), "fsdp")
-  flat = trainer(tx, params, parallel.data_mesh(2), None)
+  flat = trainer(tx, params, devices.data_mesh(2), None)
   for _ in range(STEPS):
     rows = {k: rng.integers(-3, 4, size=(8,) + s).astype(np.float32)
             for k, s in SHAPES.items()}
@@ -373,8 +374,8 @@ def test_fast_links_carry_one_reduce_scatter_and_one_all_gather(kind):
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
   whole = {k: jnp.zeros(s) for k, s in shapes.items()}
-  for params in (parallel.replicate(whole, mesh),
-                 parallel.shard_params(whole, mesh)):
+  for params in (devices.replicate(whole, mesh),
+                 devices.shard_params(whole, mesh)):
     state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
     sent = dl.collective_bytes_by_axis(
         step.lower(params, state, batch).compile(), mesh)
@@ -401,13 +402,13 @@ def test_integer_leaves_masked_out_stay_and_train_the_rest():
   out = []
   for mesh, shard_axis, batch in (
       (hybrid_mesh(2, 4), "fsdp", rows),
-      (parallel.data_mesh(2), None,
+      (devices.data_mesh(2), None,
        np.stack([m["m"] for m in node_means({"m": rows}, 2, 4)]))):
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
     step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
     axes = ("data", "fsdp") if shard_axis else "data"
-    p, _, _ = step(p, state, parallel.shard_batch(
+    p, _, _ = step(p, state, devices.shard_batch(
         {"m": batch, "n": np.zeros((len(batch), 8), np.int32)}, mesh,
         axis_name=axes))
     out.append(jax.device_get(p))
@@ -429,11 +430,11 @@ def test_multi_steps_on_explicit_axes(zero3):
   out = []
   for kind in (AxisType.Auto, AxisType.Explicit):
     mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind,) * 2)
-    p = (parallel.shard_params if zero3 else parallel.replicate)(params, mesh)
+    p = (devices.shard_params if zero3 else devices.replicate)(params, mesh)
     state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
     step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
     for b in batches:
-      p, state, _ = step(p, state, parallel.shard_batch(
+      p, state, _ = step(p, state, devices.shard_batch(
           b, mesh, axis_name=("data", "fsdp")))
     out.append(jax.device_get(p["m"]))
   np.testing.assert_array_equal(out[1], out[0])
@@ -452,7 +453,7 @@ def test_tensor_parallel_param_with_the_zero2_state_on_explicit_axes():
   state = parallel.init_worker_states(tx, p, mesh, shard_axis="fsdp")
   assert state[0].mu["u"].sharding.spec == P("data", "fsdp", "model")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
-  p, state, _ = step(p, state, parallel.shard_batch(
+  p, state, _ = step(p, state, devices.shard_batch(
       {"u": np.ones((4, 6, 4), np.float32)}, mesh,
       axis_name=("data", "fsdp")))
   assert p["u"].sharding.spec == P(None, "model")
@@ -475,7 +476,7 @@ def test_vote_over_the_shard_axis_is_refused():
   """Was (the hand-made layout): accepted, adding up votes of different
   entries."""
   mesh = hybrid_mesh(2, 4)
-  params = parallel.replicate({"w": jnp.ones((8, 6))}, mesh)
+  params = devices.replicate({"w": jnp.ones((8, 6))}, mesh)
   tx = dl.distributed_lion(1e-2, axis_name=("data", "fsdp"))
   state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp")
@@ -493,11 +494,11 @@ def test_state_without_shard_axis_is_the_same_step():
   placement; one with a row per device names the fix."""
   mesh = hybrid_mesh(2, 4)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  p = parallel.replicate({"w": np.linspace(-1, 1, 12, dtype=np.float32)},
-                         mesh)
+  p = devices.replicate({"w": np.linspace(-1, 1, 12, dtype=np.float32)},
+                        mesh)
   step = parallel.make_train_step(linear_loss, tx, mesh, shard_axis="fsdp",
                                   donate=False)
-  batch = parallel.shard_batch(
+  batch = devices.shard_batch(
       {"w": np.random.default_rng(0).normal(size=(8, 12)).astype(
           np.float32)}, mesh, axis_name=("data", "fsdp"))
   out = []
@@ -509,8 +510,8 @@ def test_state_without_shard_axis_is_the_same_step():
         "data", *([] if shard_axis is None else ["fsdp"]))
   for got, want in zip(*out):
     np.testing.assert_array_equal(got, want)
-  flat = parallel.data_mesh(8)
-  rows = parallel.init_worker_states(tx, parallel.replicate(
+  flat = devices.data_mesh(8)
+  rows = parallel.init_worker_states(tx, devices.replicate(
       {"w": np.zeros(12, np.float32)}, flat), flat)
   with pytest.raises(ValueError) as e:
     step(p, jax.device_put(jax.device_get(rows), NamedSharding(
@@ -531,7 +532,7 @@ def test_a_leaf_cut_over_shard_axis_with_another_axis_is_refused():
     step(p, state, jax.device_put({"w": jnp.ones((8, 8, 3))},
                                   NamedSharding(mesh, P(("data", "fsdp")))))
   assert_names(e, "params leaf ['w']", "('fsdp', 'model')",
-               "shard_axis='fsdp'", "parallel.shard_params(params, mesh, "
+               "shard_axis='fsdp'", "devices.shard_params(params, mesh, "
                "'fsdp')")
 
 
@@ -542,7 +543,7 @@ def test_shard_axis_misuse_names_shard_axis(build):
   was accepted by make_train_step (4 "workers" on 2 devices)."""
   mesh = hybrid_mesh(2, 4)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  p = parallel.replicate({"w": np.ones(11, np.float32)}, mesh)
+  p = devices.replicate({"w": np.ones(11, np.float32)}, mesh)
   call = {"make_train_step": lambda s: parallel.make_train_step(
               linear_loss, tx, mesh, shard_axis=s),
           "init_worker_states": lambda s: parallel.init_worker_states(

@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from dlion_jax import parallel
+from dlion_jax import devices
 from tests import hybrid_worker
 
 pytestmark = pytest.mark.integration
@@ -31,8 +31,8 @@ def test_two_processes_equal_one_process(tmp_path, layout):
       capture_output=True, text=True, timeout=180, cwd=ROOT)
   assert run.returncode == 0, run.stdout + run.stderr
   multi = np.load(out)
-  mesh = parallel.hybrid_mesh(hybrid_worker.NODES,
-                              devices=jax.devices()[:8])
+  mesh = devices.hybrid_mesh(hybrid_worker.NODES,
+                             devices=jax.devices()[:8])
   params, mu = hybrid_worker.run(mesh, layout)
   for k in hybrid_worker.SHAPES:
     np.testing.assert_array_equal(multi[f"p_{k}"], params[k])

@@ -357,11 +357,11 @@ def test_axis_of_size_one_is_optax_lion_without_collectives():
   chex.assert_trees_all_equal(out["ours"][1][0].mu,
                out["optax"][1][0].mu)
 
-  mesh = dl.parallel.data_mesh(1)
+  mesh = dl.devices.data_mesh(1)
   tx = dl.scale_by_distributed_lion(axis_name=AXIS)
   fn = jax.jit(jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
                              in_specs=jax.P(AXIS), out_specs=jax.P(AXIS)))
-  assert dl.accounting.collectives(
+  assert dl.hlo.collectives(
       fn.lower(jnp.ones((1, 64))).compile().as_text()) == []
 
 

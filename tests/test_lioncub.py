@@ -127,7 +127,7 @@ def test_eight_bit_levels_widen_the_int_container():
                       quantizer="pbit_l1", bits=8)
   assert_params_match(out, ref, 8)
   spec = dl.quantize.vote_spec("pbit_l1", bits=8)
-  assert dl.accounting.int_container(8, spec) == jnp.int16
+  assert dl.strategies.int_container(8, spec) == jnp.int16
 
 
 def test_ternary_l1_is_pbit_2():
@@ -191,7 +191,7 @@ def test_sync_mask_limits_which_momenta_are_averaged(as_function):
 
 def test_sync_is_a_conditional_all_reduce_of_the_masked_momenta():
   """The sync's bytes appear in a lax.cond branch, apart from the vote."""
-  mesh = dl.parallel.data_mesh(4)
+  mesh = dl.devices.data_mesh(4)
   params = {"w": jnp.zeros(1000), "b": jnp.zeros(10)}
   tx = dl.distributed_lion(1e-2, axis_name="data", momentum_sync=5,
                            momentum_sync_mask={"w": True, "b": False})
@@ -199,7 +199,7 @@ def test_sync_is_a_conditional_all_reduce_of_the_masked_momenta():
   step = dl.parallel.make_train_step(
       lambda p, x: jnp.mean((x @ p["w"] + p["b"].sum()) ** 2), tx, mesh)
   hlo = step.lower(params, state, jnp.ones((8, 1000))).compile().as_text()
-  found = dl.accounting.collectives(hlo)
+  found = dl.hlo.collectives(hlo)
   synced = [c for c in found if c.conditional]
   assert [c.op for c in synced] == ["all-reduce"]
   assert synced[0].sent_bytes == 2 * 3 / 4 * 4 * 1000     # fp32 'w' only
@@ -227,9 +227,9 @@ def test_small_leaves_are_exchanged_exactly():
 
 def test_min_compress_size_costs_an_exact_all_reduce():
   sizes = [1000, 37, 5]
-  packed = dl.accounting.message_bytes(sizes[:1], 4, comm="psum")
-  assert dl.accounting.message_bytes(sizes, 4, comm="psum",
-                                     min_compress_size=40) == (
+  packed = dl.message.message_bytes(sizes[:1], 4, comm="psum")
+  assert dl.message.message_bytes(sizes, 4, comm="psum",
+                                  min_compress_size=40) == (
                                          packed + 2 * 3 / 4 * 4 * 42)
 
 
@@ -339,8 +339,8 @@ def test_error_feedback_state_is_checked():
 
 def check_message_bytes(num_workers, quantizer, bits, aggregation):
   """What the compiled step sends, comm by comm, is what
-  accounting.message_bytes says."""
-  mesh = dl.parallel.data_mesh(num_workers)
+  message.message_bytes says."""
+  mesh = dl.devices.data_mesh(num_workers)
   params = {"w": jnp.zeros(1001), "b": jnp.zeros(13)}
   spec = dl.quantize.vote_spec(quantizer, bits=bits)
   for comm in COMMS:
@@ -353,7 +353,7 @@ def check_message_bytes(num_workers, quantizer, bits, aggregation):
     hlo = step.lower(params, state,
                      jnp.ones((num_workers, 1001))).compile().as_text()
     loss_bytes = 2 * (num_workers - 1) / num_workers * 4   # the loss pmean
-    expected = dl.accounting.message_bytes(
+    expected = dl.message.message_bytes(
         [13, 1001], num_workers, aggregation=aggregation, spec=spec,
         comm=comm)
     assert dl.collective_bytes(hlo) - loss_bytes == pytest.approx(expected)
@@ -372,7 +372,7 @@ BYTES_COVERING = [(n, *config) for n, config in zip(
                          BYTES_COVERING)
 def test_quantized_message_bytes_match_hlo(num_workers, quantizer, bits,
                                            aggregation):
-  """What the compiled step sends is what accounting.message_bytes says,
+  """What the compiled step sends is what message.message_bytes says,
   for every quantizer x aggregation x comm."""
   check_message_bytes(num_workers, quantizer, bits, aggregation)
 

@@ -7,10 +7,10 @@ import pytest
 from jax import lax
 
 import dlion_jax as dl
-from dlion_jax import accounting
+from dlion_jax import message
 
 
-@pytest.mark.parametrize("comm", accounting.COMMS)
+@pytest.mark.parametrize("comm", message.COMMS)
 @pytest.mark.parametrize("n,spec", [
     (2, dl.quantize.BINARY), (7, dl.quantize.TERNARY),
     (8, dl.quantize.vote_spec("pbit_l1", bits=4))])

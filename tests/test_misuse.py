@@ -18,6 +18,7 @@ import pytest
 pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 
 import dlion_jax as dl  # noqa: E402
+from dlion_jax import devices  # noqa: E402
 from dlion_jax import parallel  # noqa: E402
 from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import trainer  # noqa: E402
@@ -138,7 +139,7 @@ def _raised(fn):
 
 def micro_batches_zero(tmp_path, capsys):
   del tmp_path, capsys
-  mesh = parallel.data_mesh(2)
+  mesh = devices.data_mesh(2)
   return _raised(lambda: parallel.make_train_step(
       lambda p, b: 0.0, optax.sgd(1.0), mesh, micro_batches=0))
 
@@ -171,18 +172,18 @@ def grads_for_other_params(tmp_path, capsys):
 
 def replicated_state_not_per_worker(tmp_path, capsys):
   del tmp_path, capsys
-  mesh = parallel.data_mesh(2)
+  mesh = devices.data_mesh(2)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  params = parallel.replicate({"w": jnp.ones(4)}, mesh)
+  params = devices.replicate({"w": jnp.ones(4)}, mesh)
   step = parallel.make_train_step(lambda p, b: jnp.sum(p["w"] * b), tx, mesh)
-  batch = parallel.shard_batch(np.ones((2, 4), np.float32), mesh)
+  batch = devices.shard_batch(np.ones((2, 4), np.float32), mesh)
   return _raised(lambda: step(params, tx.init(params), batch))
 
 
 def pmap_state_from_stacked_params(tmp_path, capsys):
   del tmp_path, capsys
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  params = parallel.replicate_for_pmap({"w": jnp.ones(4)}, 2)
+  params = devices.replicate_for_pmap({"w": jnp.ones(4)}, 2)
   state = parallel.init_pmap_states(tx, params, 2)    # stacked twice
   step = parallel.make_pmap_train_step(
       lambda p, b: jnp.sum(p["w"] * b), tx, devices=jax.devices()[:2])
@@ -191,9 +192,9 @@ def pmap_state_from_stacked_params(tmp_path, capsys):
 
 def optimizer_without_axis_in_per_worker(tmp_path, capsys):
   del tmp_path, capsys
-  mesh = parallel.data_mesh(2)
+  mesh = devices.data_mesh(2)
   tx = dl.distributed_lion(1e-2)                      # no axis_name
-  params = parallel.replicate({"w": jnp.ones(3)}, mesh)
+  params = devices.replicate({"w": jnp.ones(3)}, mesh)
 
   def step(p, s, x):
     u, s = tx.update(jax.grad(lambda p: jnp.sum(p["w"] * x))(p), s, p)

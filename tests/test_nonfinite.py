@@ -1,6 +1,6 @@
 """NaN / Inf in one worker's gradient (docs/reliability.md, section 4).
 
-* Guarded with :func:`dlion_jax.parallel.apply_if_finite`: the step is
+* Guarded with :func:`dlion_jax.transforms.apply_if_finite`: the step is
   skipped on every worker at once; after ``max_consecutive_errors`` bad steps
   every worker applies the update together.
 * Plain :func:`optax.apply_if_finite` decides per worker: under ``vmap`` the
@@ -23,7 +23,9 @@ import optax
 import pytest
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from harness import AXIS
 from harness import run_on_mesh
 from messages import assert_names
@@ -64,7 +66,7 @@ def _assert_replicas_equal(tree):
     ("psum", -np.inf, "binary"), ("psum_int8", np.nan, "ternary")])
 def test_guard_skips_the_step_on_every_worker(comm, bad, vote):
   """Steps: good, bad (skipped everywhere), good == the run without it."""
-  guarded = parallel.apply_if_finite(
+  guarded = transforms.apply_if_finite(
       dl.distributed_lion(LR, axis_name=AXIS, comm=comm, vote=vote), 3,
       axis_name=AXIS)
   seq = [_grads(1), _grads(2, bad), _grads(3)]
@@ -88,8 +90,8 @@ def test_guard_skips_the_step_on_every_worker(comm, bad, vote):
 
 def test_guard_gives_up_on_every_worker_together():
   """max_consecutive_errors=1: the 2nd bad step in a row is applied by all."""
-  tx = parallel.apply_if_finite(dl.distributed_lion(LR, axis_name=AXIS), 1,
-                                axis_name=AXIS)
+  tx = transforms.apply_if_finite(dl.distributed_lion(LR, axis_name=AXIS), 1,
+                                  axis_name=AXIS)
   seq = [_grads(1, np.nan), _grads(2, np.nan)]
   params, state, updates = run_on_mesh({"g": tx}, _params(), seq, N,
                                        check_vma=False)["g"]
@@ -126,9 +128,10 @@ HANG = textwrap.dedent("""
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=2"
     import jax, jax.numpy as jnp, numpy as np, optax
     import dlion_jax as dl
+    from dlion_jax import devices
     from dlion_jax import parallel
     P = jax.P
-    mesh = parallel.data_mesh(2)
+    mesh = devices.data_mesh(2)
     tx = optax.apply_if_finite(dl.distributed_lion(1e-2, axis_name="data"), 3)
     params = {"w": jnp.ones(8)}
     state = parallel.init_worker_states(tx, params, mesh)
@@ -274,13 +277,13 @@ def test_guard_on_another_axis_names_the_argument():
 
 def _compiled_step(tx):
   """The compiled step of ``tx`` on N workers (never run)."""
-  mesh = parallel.data_mesh(N, axis_name=AXIS)
+  mesh = devices.data_mesh(N, axis_name=AXIS)
   step = parallel.make_train_step(
       lambda p, x: sum(jax.numpy.sum(p[k] * x[k]) for k in p), tx, mesh,
       donate=False)
-  params = parallel.replicate(_params(), mesh)
+  params = devices.replicate(_params(), mesh)
   return step.lower(params, parallel.init_worker_states(tx, params, mesh),
-                    parallel.shard_batch(_grads(0), mesh)).compile()
+                    devices.shard_batch(_grads(0), mesh)).compile()
 
 
 @pytest.mark.parametrize("sync", [None, 3])
@@ -297,7 +300,7 @@ def test_guarded_vote_is_counted_as_sent_on_every_step(sync):
     assert dl.collective_bytes(guarded, conditional=conditional) == (
         dl.collective_bytes(plain, conditional=conditional) + flag)
   assert dl.collective_bytes(plain, conditional=False) > flag
-  synced = [c for c in dl.accounting.collectives(guarded.as_text())
+  synced = [c for c in dl.hlo.collectives(guarded.as_text())
             if c.conditional]
   assert len(synced) == (sync is not None)
 

@@ -14,7 +14,9 @@ import pytest
 from jax import lax
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from messages import assert_names
 
 N = 4
@@ -36,14 +38,14 @@ def make_problem(seed=0, global_batch=32):
 
 
 def train_shard_map(tx, params, batches, *, check_vma, num_workers=N):
-  mesh = parallel.data_mesh(num_workers)
-  params = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(num_workers)
+  params = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(loss_fn, tx, mesh, check_vma=check_vma)
   losses = []
   for batch in batches:
     params, state, loss = step(params, state,
-                               parallel.shard_batch(batch, mesh))
+                               devices.shard_batch(batch, mesh))
     losses.append(float(loss))         # blocks: no queued collectives
   return params, state, losses, step
 
@@ -51,7 +53,7 @@ def train_shard_map(tx, params, batches, *, check_vma, num_workers=N):
 def train_pmap(tx, params, batches, num_workers=N):
   step = parallel.make_pmap_train_step(loss_fn, tx,
                                        devices=jax.devices()[:num_workers])
-  params = parallel.replicate_for_pmap(params, num_workers)
+  params = devices.replicate_for_pmap(params, num_workers)
   state = parallel.init_pmap_states(tx, params_single(params), num_workers)
   losses = []
   for batch in batches:
@@ -103,15 +105,15 @@ def test_step_sends_votes_not_gradients(tx, check_vma):
   """The only collectives are the vote exchange and the scalar loss mean."""
   params, batches = make_problem(2)
   *_, step = train_shard_map(tx, params, batches[:1], check_vma=check_vma)
-  mesh = parallel.data_mesh(N)
-  p = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(N)
+  p = devices.replicate(params, mesh)
   s = parallel.init_worker_states(tx, p, mesh)
-  text = step.lower(p, s, parallel.shard_batch(batches[0], mesh)).compile(
+  text = step.lower(p, s, devices.shard_batch(batches[0], mesh)).compile(
   ).as_text()
   sent = dl.collective_bytes(text)
   comm = dl.exchange.resolve_comm("auto", N, aggregation="mavo",
                                   leaf_sizes=[DIM, 1])
-  votes = dl.accounting.message_bytes([DIM, 1], N, comm=comm)
+  votes = dl.message.message_bytes([DIM, 1], N, comm=comm)
   loss_mean = 2 * (N - 1) / N * 4   # one f32 all-reduce
   assert sent == pytest.approx(votes + loss_mean)
   fp32_allreduce = dl.allreduce_bits(N) * (DIM + 1) / 8
@@ -136,10 +138,10 @@ def test_single_worker_mesh_is_plain_lion():
 
 def test_helper_errors_name_the_problem():
   with pytest.raises(ValueError, match="num_workers=99"):
-    parallel.data_mesh(99)
-  mesh = parallel.data_mesh(N)
+    devices.data_mesh(99)
+  mesh = devices.data_mesh(N)
   with pytest.raises(ValueError, match=r"\['x'\].*divisible by the 4 workers"):
-    parallel.shard_batch({"x": np.zeros((6, 2))}, mesh)
+    devices.shard_batch({"x": np.zeros((6, 2))}, mesh)
   with pytest.raises(ValueError, match="axis_name='batch'"):
     parallel.make_train_step(loss_fn, optax.sgd(1.0), mesh, axis_name="batch")
 
@@ -147,7 +149,7 @@ def test_helper_errors_name_the_problem():
 def test_global_lion_through_pmean_gradients():
   """The baseline: optax.lion on gradients averaged by an fp32 all-reduce."""
   params, batches = make_problem(5)
-  tx = optax.chain(parallel.pmean_gradients("data"), optax.lion(3e-2))
+  tx = optax.chain(transforms.pmean_gradients("data"), optax.lion(3e-2))
   trained, state, losses, step = train_shard_map(tx, params, batches,
                                                  check_vma=False)
   assert losses[-1] < losses[0]
@@ -160,10 +162,10 @@ def test_global_lion_through_pmean_gradients():
     p = optax.apply_updates(p, u)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                trained, p)
-  mesh = parallel.data_mesh(N)
-  text = step.lower(parallel.replicate(params, mesh),
+  mesh = devices.data_mesh(N)
+  text = step.lower(devices.replicate(params, mesh),
                     parallel.init_worker_states(tx, params, mesh),
-                    parallel.shard_batch(batches[0], mesh)).compile().as_text()
+                    devices.shard_batch(batches[0], mesh)).compile().as_text()
   bits = 8 * dl.collective_bytes(text) / (DIM + 1)
   assert bits >= dl.allreduce_bits(N)          # 56 bits a parameter and more
 
@@ -171,10 +173,10 @@ def test_global_lion_through_pmean_gradients():
 def test_micro_batches_exchange_once():
   params, batches = make_problem(6)
   tx = dl.distributed_lion(3e-2, axis_name="data")
-  mesh = parallel.data_mesh(N)
-  p0 = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(N)
+  p0 = devices.replicate(params, mesh)
   s0 = parallel.init_worker_states(tx, p0, mesh)
-  batch = parallel.shard_batch(batches[0], mesh)
+  batch = devices.shard_batch(batches[0], mesh)
   one = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
   two = parallel.make_train_step(loss_fn, tx, mesh, donate=False,
                                  micro_batches=2)
@@ -184,7 +186,7 @@ def test_micro_batches_exchange_once():
   np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6),
                p1, p2)
-  ops = lambda f: [c.op for c in dl.accounting.collectives(
+  ops = lambda f: [c.op for c in dl.hlo.collectives(
       f.lower(p0, s0, batch).compile().as_text())]
   assert ops(two) == ops(one)                  # one exchange, not two
   with pytest.raises(ValueError, match="micro_batches=3 must divide"):
@@ -216,7 +218,7 @@ def test_forgotten_axis_name_is_fine_on_one_worker():
 
 def test_global_optimizer_after_pmean_gradients_passes_the_check():
   params, batches = make_problem()
-  tx = optax.chain(parallel.pmean_gradients("data"), optax.lion(1e-2))
+  tx = optax.chain(transforms.pmean_gradients("data"), optax.lion(1e-2))
   _, _, losses, _ = train_shard_map(tx, params, batches, check_vma=False)
   assert losses[-1] < losses[0]
 
@@ -224,16 +226,17 @@ def test_global_optimizer_after_pmean_gradients_passes_the_check():
 _UNBLOCKED_LOOP = """
 import jax, jax.numpy as jnp
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
-mesh = parallel.data_mesh(8)
+mesh = devices.data_mesh(8)
 tx = dl.distributed_lion(1e-3, axis_name="data")
-params = parallel.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
-                            mesh)
+params = devices.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
+                           mesh)
 state = parallel.init_worker_states(tx, params, mesh)
 loss_fn = lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2)
 step = BUILDER
-batch = parallel.shard_batch(jax.random.normal(jax.random.key(0), (64, 256)),
-                             mesh)
+batch = devices.shard_batch(jax.random.normal(jax.random.key(0), (64, 256)),
+                            mesh)
 for _ in range(STEPS):
   params, state, loss = step(params, state, batch)   # never blocks
 print("finished", float(loss))
@@ -272,14 +275,15 @@ def _finishes(script: str) -> None:
 _DONATED_ONLY_LOOP = """
 import jax, jax.numpy as jnp
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
-mesh = parallel.data_mesh(8)
+mesh = devices.data_mesh(8)
 tx = dl.distributed_lion(1e-3, axis_name="data")
-params = parallel.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
-                            mesh)
+params = devices.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
+                           mesh)
 state = parallel.init_worker_states(tx, params, mesh)
-batch = parallel.shard_batch(jax.random.normal(jax.random.key(0), (64, 256)),
-                             mesh)
+batch = devices.shard_batch(jax.random.normal(jax.random.key(0), (64, 256)),
+                            mesh)
 def local(p, s, b):
   s = jax.tree.map(lambda x: x[0], s)
   g = jax.grad(lambda p: jnp.mean((b @ p["w"] + p["b"]) ** 2))(p)
@@ -344,15 +348,15 @@ def test_replicate_copies_so_a_donating_step_spares_the_callers_arrays(
   initial params were deleted ("Array has been deleted" when reused for a
   second run)."""
   params, batches = make_problem()
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   initial = (jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.P()))
              if placed == "replicated" else jax.tree.map(jnp.asarray, params))
   for _ in range(2):                           # two runs from the same start
     tx = dl.distributed_lion(1e-2, axis_name="data")
-    p = parallel.replicate(initial, mesh)
+    p = devices.replicate(initial, mesh)
     state = parallel.init_worker_states(tx, p, mesh)
     step = parallel.make_train_step(loss_fn, tx, mesh)
-    p, state, loss = step(p, state, parallel.shard_batch(batches[0], mesh))
+    p, state, loss = step(p, state, devices.shard_batch(batches[0], mesh))
     assert np.isfinite(float(loss))
   assert not any(x.is_deleted() for x in jax.tree.leaves(initial))
 
@@ -365,12 +369,12 @@ def test_pmap_step_on_fewer_devices_names_the_stacking():
   step = parallel.make_pmap_train_step(loss_fn, tx, devices=jax.devices()[:N])
   local = jax.tree.map(lambda x: x.reshape((N, -1) + x.shape[1:]), batches[0])
   with pytest.raises(ValueError) as e:
-    step(parallel.replicate_for_pmap(params),
+    step(devices.replicate_for_pmap(params),
          parallel.init_pmap_states(tx, params, N), local)
   assert_names(e, "params leaf ['b']", "shape (8,)", "size 4",
-               "parallel.replicate_for_pmap(params, 4)")
+               "devices.replicate_for_pmap(params, 4)")
   with pytest.raises(ValueError) as e:
-    step(parallel.replicate_for_pmap(params, N),
+    step(devices.replicate_for_pmap(params, N),
          parallel.init_pmap_states(tx, params, N), batches[0])
   assert_names(e, "batch leaf ['x']", "shape (32, 37)",
                "[4, local_batch, ...]")
@@ -392,18 +396,18 @@ def test_integer_leaves_left_out_with_masked_train_and_stay(micro_batches,
   so, the step still differentiated every leaf ("grad requires real- or
   complex-valued inputs ... int32"). Integer leaves get zero gradients."""
   params, tx, loss = _counter_problem()
-  mesh = parallel.data_mesh(N)
-  p = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(N)
+  p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh)
   step = parallel.make_train_step(loss, tx, mesh, micro_batches=micro_batches,
                                   check_vma=check_vma)
-  batch = parallel.shard_batch(jnp.ones((4 * N, 3)), mesh)
+  batch = devices.shard_batch(jnp.ones((4 * N, 3)), mesh)
   p, state, _ = step(p, state, batch)
   assert p["step"].dtype == jnp.int32 and int(p["step"]) == 0
   assert float(p["w"][0, 0]) < 1.0                       # the rest trains
   pmap_step = parallel.make_pmap_train_step(
       loss, tx, devices=jax.devices()[:N], micro_batches=micro_batches)
-  q, _, _ = pmap_step(parallel.replicate_for_pmap(params, N),
+  q, _, _ = pmap_step(devices.replicate_for_pmap(params, N),
                       parallel.init_pmap_states(tx, params, N),
                       jnp.ones((N, 4, 3)))
   chex.assert_trees_all_equal(params_single(q), jax.device_get(p))
@@ -411,13 +415,13 @@ def test_integer_leaves_left_out_with_masked_train_and_stay(micro_batches,
 
 def test_micro_batches_accept_an_empty_batch_leaf():
   """Was: ZeroDivisionError from the reshape of a [B, 0] leaf."""
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  p = parallel.replicate({"w": jnp.ones(3)}, mesh)
+  p = devices.replicate({"w": jnp.ones(3)}, mesh)
   loss = lambda p, b: jnp.mean((b["x"] @ p["w"]) ** 2) + jnp.sum(b["mask"])
   step = parallel.make_train_step(loss, tx, mesh, micro_batches=2)
-  batch = parallel.shard_batch({"x": jnp.ones((4 * N, 3)),
-                                "mask": jnp.ones((4 * N, 0))}, mesh)
+  batch = devices.shard_batch({"x": jnp.ones((4 * N, 3)),
+                               "mask": jnp.ones((4 * N, 0))}, mesh)
   _, _, loss = step(p, parallel.init_worker_states(tx, p, mesh), batch)
   assert float(loss) == 9.0
 
@@ -425,18 +429,18 @@ def test_micro_batches_accept_an_empty_batch_leaf():
 def test_steps_take_keyword_arguments():
   """Was: TypeError: __call__() got an unexpected keyword argument."""
   params, batches = make_problem()
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  batch = parallel.shard_batch(batches[0], mesh)
+  batch = devices.shard_batch(batches[0], mesh)
   step = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
-  p = parallel.replicate(params, mesh)
+  p = devices.replicate(params, mesh)
   s = parallel.init_worker_states(tx, p, mesh)
   chex.assert_trees_all_equal(step(params=p, state=s, batch=batch),
                               step(p, s, batch))
   pmap_step = parallel.make_pmap_train_step(loss_fn, tx,
                                             devices=jax.devices()[:N])
   local = jax.tree.map(lambda x: x.reshape((N, -1) + x.shape[1:]), batches[0])
-  new, _, _ = pmap_step(params=parallel.replicate_for_pmap(params, N),
+  new, _, _ = pmap_step(params=devices.replicate_for_pmap(params, N),
                         state=parallel.init_pmap_states(tx, params, N),
                         batch=local)
   chex.assert_trees_all_equal(params_single(new),
@@ -448,7 +452,7 @@ def test_per_worker_checks_stacked_rows_and_replicated_outputs():
   0, 2, 4, 6; a "replicated" output of a per-worker value returned worker
   0's; a layout list of the wrong length said "zip() argument 2 is
   longer"."""
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   double = parallel.per_worker(lambda x: 2 * x, mesh, ins=("stacked",),
                                outs="stacked")
   with pytest.raises(ValueError) as e:
@@ -494,10 +498,10 @@ def test_schedules_work_under_check_vma_and_match_it_off():
   off = train_shard_map(tx, params, batches, check_vma=False)
   chex.assert_trees_all_equal(on[0], off[0])
   assert on[2] == off[2] and on[2][-1] < on[2][0]
-  mesh = parallel.data_mesh(N)
-  p = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(N)
+  p = devices.replicate(params, mesh)
   s = parallel.init_worker_states(tx, p, mesh)
-  b = parallel.shard_batch(batches[0], mesh)
+  b = devices.shard_batch(batches[0], mesh)
   constant = dl.distributed_lion(3e-2, weight_decay=1e-2, axis_name="data")
   plain = parallel.make_train_step(loss_fn, constant, mesh)
   s0 = parallel.init_worker_states(constant, p, mesh)
@@ -511,9 +515,9 @@ def test_setting_an_injected_learning_rate_in_per_worker_states():
   """The README's recipe: every worker's copy of the learning rate, set with
   the leaf's own sharding, trains like an optimizer built with that rate."""
   params, batches = make_problem(4)
-  mesh = parallel.data_mesh(N)
-  p = parallel.replicate(params, mesh)
-  batch = parallel.shard_batch(batches[0], mesh)
+  mesh = devices.data_mesh(N)
+  p = devices.replicate(params, mesh)
+  batch = devices.shard_batch(batches[0], mesh)
   tx = optax.inject_hyperparams(dl.distributed_lion, static_args=(
       "axis_name",))(learning_rate=1e-2, axis_name="data")
   state = parallel.init_worker_states(tx, p, mesh)
@@ -644,7 +648,7 @@ def test_nnx_shard_map_step_without_pcast_is_refused_with_the_fix():
   n = 3
   mesh = explicit_mesh(n)
   graphdef, params = nnx.split(MLP(nnx.Rngs(0)), nnx.Param)
-  params = parallel.replicate(params, mesh)
+  params = devices.replicate(params, mesh)
   tx = readme_tx()
   state = parallel.init_worker_states(tx, params, mesh)
   loss = lambda p, x, y: jnp.mean((nnx.merge(graphdef, p)(x) - y) ** 2)
@@ -688,7 +692,7 @@ def test_per_worker_takes_raw_prng_keys_as_per_worker(n):
   """Was: a raw key (jax.random.PRNGKey's two uint32 words, as a Linen
   TrainState's dropout_rng holds it) counted as a step counter, equal on
   every worker: a value drawn from it came back "replicated", worker 0's."""
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   keys = jax.random.split(jax.random.PRNGKey(0), n)
   assert keys.dtype == jnp.uint32 and keys.shape == (n, 2)
   draw = parallel.per_worker(lambda k: jax.random.normal(k, (2,)), mesh,
@@ -726,16 +730,16 @@ def test_train_state_dropout_rng_laid_out_stacked_is_per_worker():
     dropout_rng: jax.Array
 
   n = 4
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   model = MLP()
   params = model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8)),
                       train=False)["params"]
   state = State.create(apply_fn=model.apply,
-                       params=parallel.replicate(params, mesh), tx=readme_tx(),
+                       params=devices.replicate(params, mesh), tx=readme_tx(),
                        dropout_rng=jax.random.PRNGKey(1))
   state = state.replace(
       step=jax.device_put(jnp.int32(0), jax.NamedSharding(mesh, jax.P())),
-      opt_state=parallel.stack_for_workers(state.opt_state, mesh),
+      opt_state=devices.stack_for_workers(state.opt_state, mesh),
       dropout_rng=jax.device_put(jax.random.split(state.dropout_rng, n),
                                  jax.NamedSharding(mesh, jax.P("data"))))
   layout = state.replace(step="replicated", params="replicated",
@@ -759,7 +763,7 @@ def test_train_state_dropout_rng_laid_out_stacked_is_per_worker():
                                        outs=(layout, "replicated")))
 
   x = jax.random.normal(jax.random.key(2), (8 * n, 8))
-  batch = parallel.shard_batch({"x": x, "y": x[:, :1]}, mesh)
+  batch = devices.shard_batch({"x": x, "y": x[:, :1]}, mesh)
   with pytest.raises(ValueError) as e:
     make(reduce=False)(state, batch)
   assert_names(e, "output 1", "['kept']", "differs from worker to worker",
@@ -885,14 +889,14 @@ def test_optax_counts_and_hyperparams_run_under_check_vma(case):
   hand-written step with parallel.typed_alike, equal check_vma=False bit
   for bit, params and state, over 3 steps at 3 workers."""
   n = 3
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   tx = VMA_TXS[case]()
   params, batch = vma_problem(n)
-  batch = parallel.shard_batch(batch, mesh)
+  batch = devices.shard_batch(batch, mesh)
   loss = lambda p, x, y: loss_fn(p, {"x": x, "y": y})
 
   def run(step, hand):
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
     s = parallel.init_worker_states(tx, p, mesh)
     for _ in range(3):
       p, s, value = (step(p, s, batch["x"], batch["y"]) if hand
@@ -959,11 +963,11 @@ def test_tuple_axis_name_votes_over_both_axes_like_a_flat_mesh(kind):
   sent = dl.collective_bytes_by_axis(step.lower(p, s, b).compile(), mesh)
   for _ in range(3):
     p, s, value = step(p, s, b)
-  flat_mesh = parallel.data_mesh(8)
+  flat_mesh = devices.data_mesh(8)
   flat_tx = readme_tx()
-  fp = parallel.replicate(params, flat_mesh)
+  fp = devices.replicate(params, flat_mesh)
   fs = parallel.init_worker_states(flat_tx, fp, flat_mesh)
-  fb = parallel.shard_batch(batch, flat_mesh)
+  fb = devices.shard_batch(batch, flat_mesh)
   flat = parallel.make_train_step(loss, flat_tx, flat_mesh, donate=False)
   flat_sent = dl.collective_bytes(flat.lower(fp, fs, fb).compile())
   for _ in range(3):
@@ -983,9 +987,9 @@ def test_per_worker_follows_carried_state_to_a_fixed_point():
   for bit; still refused: an optimizer that exchanges nothing, and params
   moved by a per-worker state that the step updates from its batch."""
   n = 5
-  mesh = parallel.data_mesh(n)
+  mesh = devices.data_mesh(n)
   params, batch = vma_problem(n)
-  batch = parallel.shard_batch(batch, mesh)
+  batch = devices.shard_batch(batch, mesh)
 
   def worker_step(tx):
     def step(params, state, batch):
@@ -998,13 +1002,13 @@ def test_per_worker_follows_carried_state_to_a_fixed_point():
         outs=("replicated", "stacked", "replicated")))
 
   def run(step, tx):
-    p = parallel.replicate(params, mesh)
+    p = devices.replicate(params, mesh)
     s = parallel.init_worker_states(tx, p, mesh)
     for _ in range(3):
       p, s, value = step(p, s, batch)
     return jax.device_get((p, s, value))
 
-  for tx in (optax.chain(parallel.pmean_gradients("data"), optax.adam(1e-2)),
+  for tx in (optax.chain(transforms.pmean_gradients("data"), optax.adam(1e-2)),
              optax.inject_hyperparams(dl.distributed_lion)(
                  learning_rate=1e-2, axis_name="data")):
     made = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
@@ -1023,10 +1027,10 @@ def test_per_worker_follows_carried_state_to_a_fixed_point():
   step = jax.jit(parallel.per_worker(
       carried, mesh, ins=("replicated", "stacked", "split"),
       outs=("replicated", "stacked", "replicated")))
-  rows = parallel.stack_for_workers(jax.tree.map(jnp.zeros_like, params),
-                                    mesh)
+  rows = devices.stack_for_workers(jax.tree.map(jnp.zeros_like, params),
+                                   mesh)
   with pytest.raises(ValueError) as e:
-    step(parallel.replicate(params, mesh), rows, batch)
+    step(devices.replicate(params, mesh), rows, batch)
   assert_names(e, "output 0", "differs from worker to worker")
 
 
@@ -1070,8 +1074,8 @@ def test_per_worker_gives_each_worker_its_own_key_stream():
   """A typed key laid out "replicated": each worker draws from its own
   stream (the worker's index folded in), the same in every run, and the
   key goes back as given. fold_in_worker=False: one stream for all."""
-  mesh = parallel.data_mesh(N)
-  key = parallel.replicate(jax.random.key(0), mesh)
+  mesh = devices.data_mesh(N)
+  key = devices.replicate(jax.random.key(0), mesh)
 
   def draw(key, x):
     return key, jax.random.bernoulli(key, 0.5, x.shape)

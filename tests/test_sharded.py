@@ -21,9 +21,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
+from dlion_jax import transforms
 from tests.reference import DistributedLionReference
 
 SHAPES = {"b": (3,), "big": (37,), "w": (8, 6), "v": (5, 12)}
@@ -188,13 +190,13 @@ def test_wire_bytes_are_each_devices_own_message(layout):
 
 def flat_run(tx, params, rows_per_step, nodes, per_node):
   """Flat Distributed Lion on ``nodes`` devices, each fed its node's rows."""
-  mesh = parallel.data_mesh(nodes)
-  p = parallel.replicate(params, mesh)
+  mesh = devices.data_mesh(nodes)
+  p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh)
   step = parallel.make_train_step(node_loss(per_node), tx, mesh,
                                   donate=False)
   for rows in rows_per_step:
-    p, state, _ = step(p, state, parallel.shard_batch(rows, mesh))
+    p, state, _ = step(p, state, devices.shard_batch(rows, mesh))
   return p, state
 
 
@@ -304,7 +306,7 @@ def test_zero_2_and_3_equal_the_reference(zero):
             for k, s in SHAPES.items()}
   tx = dl.distributed_lion(1e-2, axis_name="data")
   ref = DistributedLionReference(params, nodes)
-  sharded = parallel.shard_params(params, mesh)
+  sharded = devices.shard_params(params, mesh)
   state = parallel.init_worker_states(tx, sharded, mesh)
   p = sharded if zero == 3 else place(params, mesh, {})
   step = parallel.make_train_step(node_loss(per_node), tx, mesh,
@@ -329,7 +331,7 @@ def test_shard_params_picks_the_largest_divisible_dimension():
   mesh = make_mesh("fsdp at rest")
   tree = {"a": jnp.zeros((3, 8)), "b": jnp.zeros((8, 12)),
           "c": jnp.zeros((10,)), "d": jnp.zeros(())}
-  got = parallel.shard_params(tree, mesh)
+  got = devices.shard_params(tree, mesh)
   assert {k: tuple(v.sharding.spec) for k, v in got.items()} == {
       "a": (None, "fsdp"), "b": (None, "fsdp"), "c": (), "d": ()}
   assert got["a"] is not tree["a"]
@@ -339,9 +341,9 @@ def test_state_built_with_shard_axis_is_a_zero2_state():
   """init_worker_states' shard_axis shards each momentum as shard_params
   would: the state of ZeRO-2, which the step without shard_axis takes
   too (the gradient cut to the momentum's blocks)."""
-  mesh = parallel.hybrid_mesh(2)
-  params = parallel.replicate({"w": jnp.ones((8, 6)), "b": jnp.ones(3)},
-                              mesh)
+  mesh = devices.hybrid_mesh(2)
+  params = devices.replicate({"w": jnp.ones((8, 6)), "b": jnp.ones(3)},
+                             mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   state = parallel.init_worker_states(tx, params, mesh, shard_axis="fsdp")
   assert state[0].mu["w"].sharding.spec == P("data", "fsdp")
@@ -371,16 +373,16 @@ def test_inject_hyperparams_empty_leaf_and_bf16_pmean(kind):
   axes"), an empty leaf (was: all_gather of size 0), a bf16 pmean_gradients
   (was: XLA:CPU aborted) all step like the flat run."""
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind,) * 2)
-  params = parallel.shard_params({"w": jnp.ones((8, 3)), "e": jnp.zeros(0)},
-                                 mesh)
+  params = devices.shard_params({"w": jnp.ones((8, 3)), "e": jnp.zeros(0)},
+                                mesh)
   tx = optax.inject_hyperparams(dl.distributed_lion, static_args=(
       "axis_name",))(learning_rate=1e-2, axis_name="data")
   p, _, _ = one_step(tx, params, mesh)
   np.testing.assert_allclose(np.asarray(p["w"]), 1 - 1e-2 * (1 + 1e-3),
                              rtol=1e-6)
   assert p["e"].shape == (0,)
-  bf16 = parallel.replicate({"w": jnp.ones(6, jnp.bfloat16)}, mesh)
-  tx = optax.chain(parallel.pmean_gradients("data"), optax.sgd(0.5))
+  bf16 = devices.replicate({"w": jnp.ones(6, jnp.bfloat16)}, mesh)
+  tx = optax.chain(transforms.pmean_gradients("data"), optax.sgd(0.5))
   p, _, _ = one_step(tx, bf16, mesh, loss=lambda q, b: jnp.sum(
       q["w"] * b["w"].sum(0)).astype(jnp.float32) / 4)
   np.testing.assert_array_equal(np.asarray(p["w"], np.float32), 0.5)
@@ -393,7 +395,7 @@ def test_hand_written_per_worker_step_equals_make_train_step(kind):
   "leaf ['b'] differs from worker to worker", the nested region's blocks
   (varying over fsdp) taken for worker drift."""
   mesh = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(kind,) * 2)
-  params = parallel.replicate({"a": jnp.ones(1), "b": jnp.ones(256)}, mesh)
+  params = devices.replicate({"a": jnp.ones(1), "b": jnp.ones(256)}, mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   loss = lambda p, x: jnp.mean((x @ p["b"] + p["a"][0]) ** 2)
 
@@ -418,7 +420,7 @@ def test_step_under_set_mesh():
   """Was: "incompatible devices" from the in-flight limit's marker, after
   the step had consumed its donated params."""
   mesh = make_mesh("fsdp at rest")
-  params = parallel.shard_params({"w": jnp.ones((8, 3))}, mesh)
+  params = devices.shard_params({"w": jnp.ones((8, 3))}, mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   with jax.set_mesh(mesh):
     p, _, _ = one_step(tx, params, mesh)
@@ -430,7 +432,7 @@ def test_multi_steps_on_auto_axes_with_sharded_params():
   Explicit axes optax's skipped branch builds unsharded zeros for any
   sharded update, an optax limit)."""
   mesh = make_mesh("auto")
-  params = parallel.shard_params({"w": jnp.ones((8, 6))}, mesh)
+  params = devices.shard_params({"w": jnp.ones((8, 6))}, mesh)
   tx = optax.MultiSteps(dl.distributed_lion(1e-2, axis_name="data"), 2)
   state = parallel.init_worker_states(tx, params, mesh)
   step = parallel.make_train_step(node_loss(4), tx, mesh, donate=False)
@@ -466,19 +468,19 @@ def test_misplaced_state_and_params_are_refused_with_the_fix():
     step(params, parallel.init_worker_states(tx, other, mesh), batch)
   with pytest.raises(ValueError, match=r"sharded P\(\('data', 'fsdp'\),\), "
                      r"over axis_name='data'"):
-    parallel.init_worker_states(tx, parallel.shard_params(
+    parallel.init_worker_states(tx, devices.shard_params(
         {"w": w}, mesh, ("data", "fsdp")), mesh)
   small = make_mesh("4x2")
   with pytest.raises(ValueError, match=r"placed on the mesh \{'data': 4, "
                      r"'fsdp': 2\}.*not on the step's \{'data': 2, 'fsdp': "
                      r"4\}"):
-    step(parallel.shard_params({"w": w}, small),
+    step(devices.shard_params({"w": w}, small),
          parallel.init_worker_states(tx, params, mesh), batch)
 
 
 def test_micro_batches_too_small_to_share_name_the_fix():
   mesh = make_mesh("fsdp at rest")
-  params = parallel.shard_params({"w": jnp.ones((8, 3))}, mesh)
+  params = devices.shard_params({"w": jnp.ones((8, 3))}, mesh)
   tx = dl.distributed_lion(1e-2, axis_name="data")
   with pytest.raises(ValueError, match=r"micro_batches=4 leaves 2 rows .* "
                      r"4 devices .* multiple of 4 rows"):

@@ -13,7 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from benchmarks import soak
-from dlion_jax import parallel
+from dlion_jax import devices
 
 pytestmark = pytest.mark.integration
 
@@ -45,7 +45,7 @@ def test_random_spec_has_empty_one_element_and_bf16_leaves():
 
 def test_drift_is_detected():
   """The check can fail: one device's copy differs in one bit."""
-  mesh = parallel.data_mesh(4)
+  mesh = devices.data_mesh(4)
   copies = [np.zeros(3, np.float32) for _ in range(4)]
   copies[2] = copies[2].copy()
   copies[2][1] = np.float32(-0.0)                      # == 0.0, other bits

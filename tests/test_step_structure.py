@@ -30,6 +30,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import exchange
 from dlion_jax import message
 from dlion_jax import packing
@@ -58,7 +59,7 @@ def optimizer_step(tx, mesh):
 
 
 def compiled_text(aggregation, comm, vote, tx=None):
-  mesh = parallel.data_mesh(N)
+  mesh = devices.data_mesh(N)
   rng = np.random.default_rng(0)
   params = {k: rng.standard_normal(s).astype(np.float32)
             for k, s in SHAPES.items()}
@@ -69,7 +70,7 @@ def compiled_text(aggregation, comm, vote, tx=None):
     tx = dl.distributed_lion(1e-3, axis_name="data",
                              aggregation=aggregation, comm=comm, vote=vote)
   step = optimizer_step(tx, mesh)
-  params = parallel.replicate(params, mesh)
+  params = devices.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh)
   return step.lower(params, states, grads).compile().as_text()
 

@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import parallel
 
 SHAPES = {"w": (8, 3), "b": (3,)}
@@ -28,8 +29,8 @@ def two_steps(mesh, shard_axis, zero3, check_vma):
   tx = dl.distributed_lion(1e-2, axis_name="data", momentum_sync=2)
   values = {k: np.linspace(-1, 1, np.prod(s)).reshape(s).astype(np.float32)
             for k, s in SHAPES.items()}
-  params = (parallel.shard_params(values, mesh) if zero3 else
-            parallel.replicate(values, mesh))
+  params = (devices.shard_params(values, mesh) if zero3 else
+            devices.replicate(values, mesh))
   state = parallel.init_worker_states(tx, params, mesh,
                                       shard_axis=shard_axis)
   step = parallel.make_train_step(loss_fn, tx, mesh, shard_axis=shard_axis,
@@ -38,7 +39,7 @@ def two_steps(mesh, shard_axis, zero3, check_vma):
   for _ in range(2):
     batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
              "y": rng.normal(size=(16, 3)).astype(np.float32)}
-    params, state, _ = step(params, state, parallel.shard_batch(
+    params, state, _ = step(params, state, devices.shard_batch(
         batch, mesh, axis_name=("data", shard_axis) if shard_axis
         else "data"))
   return params, state
@@ -82,8 +83,8 @@ def test_apply_if_finite_reads_whole_leaves_on_two_axes(kind, shard_axis,
   tx = dl.apply_if_finite(dl.distributed_lion(1e-2, axis_name="data"), 3,
                           axis_name="data")
   values = {"w": np.linspace(-1, 1, 12).astype(np.float32)}
-  params = (parallel.shard_params(values, mesh) if zero3 else
-            parallel.replicate(values, mesh))
+  params = (devices.shard_params(values, mesh) if zero3 else
+            devices.replicate(values, mesh))
   state = parallel.init_worker_states(tx, params, mesh,
                                       shard_axis=shard_axis)
   step = parallel.make_train_step(

@@ -176,11 +176,12 @@ def test_the_resume_line_names_the_change(tmp_path, before, after, what):
 def _saved_for_8(tmp_path):
   """A Checkpointer holding step 1 of an 8-worker state, and the optimizer."""
   import dlion_jax as dl
+  from dlion_jax import devices
   from dlion_jax import parallel
   from dlion_jax.train import checkpoint
   tx = dl.distributed_lion(1e-2, axis_name="data")
-  mesh = parallel.data_mesh(8)
-  params = parallel.replicate({"w": np.ones((4, 3), np.float32)}, mesh)
+  mesh = devices.data_mesh(8)
+  params = devices.replicate({"w": np.ones((4, 3), np.float32)}, mesh)
   ckpt = checkpoint.Checkpointer(tmp_path / "checkpoints")
   ckpt.save(1, {"params": params,
                 "opt_state": parallel.init_worker_states(tx, params, mesh)},
@@ -193,12 +194,13 @@ def test_restoring_onto_another_worker_count_points_to_elastic(tmp_path):
   counts and dl.elastic's two calls, which then resume it. Was: "does not
   fit this run ... Resume with the config that wrote it"."""
   from dlion_jax import elastic
+  from dlion_jax import devices
   from dlion_jax import parallel
   from dlion_jax.train import checkpoint
   from messages import assert_names
   ckpt, tx = _saved_for_8(tmp_path)
-  mesh = parallel.data_mesh(4)
-  params = parallel.replicate({"w": np.zeros((4, 3), np.float32)}, mesh)
+  mesh = devices.data_mesh(4)
+  params = devices.replicate({"w": np.zeros((4, 3), np.float32)}, mesh)
   with pytest.raises(checkpoint.CheckpointError) as e:
     ckpt.restore({"params": params,
                   "opt_state": parallel.init_worker_states(tx, params, mesh)})
@@ -220,13 +222,14 @@ def test_restoring_onto_another_worker_count_points_to_elastic(tmp_path):
 def test_orbax_shape_error_is_not_called_corrupt(tmp_path, monkeypatch):
   """Should the shape check before orbax miss, orbax's own shape error
   says the same, not "corrupt or truncated ... delete that directory"."""
+  from dlion_jax import devices
   from dlion_jax import parallel
   from dlion_jax.train import checkpoint
   from messages import assert_names
   ckpt, tx = _saved_for_8(tmp_path)
   monkeypatch.setattr(ckpt, "_check_fits", lambda *_: None)
-  mesh = parallel.data_mesh(4)
-  params = parallel.replicate({"w": np.zeros((4, 3), np.float32)}, mesh)
+  mesh = devices.data_mesh(4)
+  params = devices.replicate({"w": np.zeros((4, 3), np.float32)}, mesh)
   with pytest.raises(checkpoint.CheckpointError) as e:
     ckpt.restore({"params": params,
                   "opt_state": parallel.init_worker_states(tx, params, mesh)})

@@ -14,6 +14,7 @@ from messages import assert_names
 
 pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 
+from dlion_jax import devices  # noqa: E402
 from dlion_jax import parallel  # noqa: E402
 from dlion_jax.train import cli  # noqa: E402
 from dlion_jax.train import optimizers  # noqa: E402
@@ -95,7 +96,7 @@ def _linear_loss(params, batch):
 def _run(tx, mesh, shard_axis, params, batches):
   step = parallel.make_train_step(_linear_loss, tx, mesh,
                                   shard_axis=shard_axis, donate=False)
-  p = parallel.replicate(params, mesh)
+  p = devices.replicate(params, mesh)
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   spec = jax.P(("data", "fsdp") if shard_axis else "data")
   for rows in batches:
@@ -120,8 +121,8 @@ def test_global_optimizers_on_shards_equal_them_whole(name):
             "w": rng.normal(size=(3, 5)).astype(np.float32)}
   batches = [{k: rng.integers(-3, 4, size=(8,) + v.shape).astype(np.float32)
               for k, v in params.items()} for _ in range(3)]
-  flat, flat_state = _run(tx, parallel.data_mesh(8), None, params, batches)
-  hybrid, state = _run(tx, parallel.hybrid_mesh(2, devices=jax.devices()[:8]),
+  flat, flat_state = _run(tx, devices.data_mesh(8), None, params, batches)
+  hybrid, state = _run(tx, devices.hybrid_mesh(2, devices=jax.devices()[:8]),
                        "fsdp", params, batches)
   for k in params:
     np.testing.assert_allclose(np.asarray(hybrid[k]), np.asarray(flat[k]),

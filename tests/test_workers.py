@@ -259,7 +259,7 @@ def test_mistakes_are_named():
       jax.jit(dl.workers.value_and_grad(lambda p, x: jnp.sum(x @ p)))(
           params["w"], jnp.ones((6, 4)))
   assert_names(e, "(6, 4)", "divisible by the 4 workers")
-  adam = optax.chain(dl.parallel.pmean_gradients(AXIS), optax.adam(LR))
+  adam = optax.chain(dl.transforms.pmean_gradients(AXIS), optax.adam(LR))
   with jax.set_mesh(mesh_of(4)):
     state = parallel.init_worker_states(adam, params, mesh_of(4))
     with pytest.raises(ValueError) as e:

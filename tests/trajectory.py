@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dlion_jax import devices
 from dlion_jax import parallel
 from harness import AXIS
 
@@ -28,7 +29,7 @@ def trajectory_on_mesh(tx, params, grads_seq, num_workers):
     (params, states): every leaf [N, steps, ...], worker first, then the
     value after each step.
   """
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   grads = jax.tree.map(lambda *g: np.stack(g, axis=1), *grads_seq)
 
   def worker(p, s, gs):
@@ -42,6 +43,6 @@ def trajectory_on_mesh(tx, params, grads_seq, num_workers):
   run = jax.jit(parallel.per_worker(worker, mesh, axis_name=AXIS,
                                     ins=("stacked",) * 3, outs="stacked",
                                     check_vma=True))
-  stack = lambda t: parallel.replicate_for_pmap(t, num_workers)
+  stack = lambda t: devices.replicate_for_pmap(t, num_workers)
   params = jax.tree.map(jnp.asarray, params)
   return jax.device_get(run(stack(params), stack(tx.init(params)), grads))

@@ -33,7 +33,9 @@ from typing import Iterable
 
 import jax
 
-from dlion_jax.parallel import use_cpu_devices  # noqa: F401  (re-export)
+from dlion_jax._deprecations import moved
+
+__getattr__ = moved(__name__, {"use_cpu_devices": "dlion_jax.devices"})
 
 
 def require_examples(parser: argparse.ArgumentParser, module: str,

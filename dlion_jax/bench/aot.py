@@ -32,7 +32,7 @@ library, the state sharded) with params replicated (``hybrid-dlion``,
 ``hybrid-adamw``: ZeRO-2) or sharded at rest (``hybrid3-*``: ZeRO-3), and
 the step that leaves ``fsdp`` wholly to the compiler, with params and
 state replicated (``sharded-*``), the state sharded (``zero2-*``) or both
-(``zero3-*``), as :func:`dlion_jax.parallel.shard_params` places them.
+(``zero3-*``), as :func:`dlion_jax.devices.shard_params` places them.
 Models:
 ``dlion_jax.bench.aot_models``.
 
@@ -72,6 +72,7 @@ from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 
@@ -81,7 +82,7 @@ COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")
 # inside a slice by the library) with params replicated (ZeRO-2) or sharded
 # at rest (ZeRO-3), and the
 # step manual over data only with params and state replicated, ZeRO-2 or
-# ZeRO-3 (parallel.shard_params).
+# ZeRO-3 (devices.shard_params).
 LAYOUTS = ("hybrid", "hybrid3", "sharded", "zero2", "zero3")
 SHARD_AXIS_LAYOUTS = ("hybrid", "hybrid3")
 VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
@@ -151,7 +152,7 @@ def variant(name: str, bucket_bytes: int | None = None) -> Variant:
       else ("flat", "", name)
   if base in ("lion", "adamw"):
     opt = optax.lion if base == "lion" else optax.adamw
-    tx = optax.chain(parallel.pmean_gradients("data"), opt(LEARNING_RATE))
+    tx = optax.chain(transforms.pmean_gradients("data"), opt(LEARNING_RATE))
     return Variant(name, tx, layout, None)
   comm = "auto" if base == "dlion" else base.removeprefix("dlion-")
   return Variant(name, dl.distributed_lion(
@@ -351,7 +352,7 @@ def _with_sharding(tree: Any, mesh: Mesh, spec: P) -> Any:
 
 
 def _fsdp(tree: Any, mesh: Mesh) -> Any:
-  """``tree`` as :func:`dlion_jax.parallel.shard_params` places it."""
+  """``tree`` as :func:`dlion_jax.devices.shard_params` places it."""
   k = mesh.shape["fsdp"]
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
       x.shape, x.dtype, sharding=NamedSharding(mesh, devices.fsdp_spec(

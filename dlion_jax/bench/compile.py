@@ -53,7 +53,9 @@ from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 from dlion_jax.bench import step as step_bench
@@ -100,7 +102,7 @@ def time_one(name, tx, pmean_grads, mesh, sizes) -> Timing:
   """Traces, lowers and compiles one variant's step from scratch (a name
   ending in :data:`dlion_jax.bench.step.PLAIN`: its plain jitted step)."""
   params = {f"leaf_{i:04d}": jnp.zeros(s) for i, s in enumerate(sizes)}
-  params = parallel.replicate(params, mesh)
+  params = devices.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
   n = mesh.shape[AXIS]
   grads = jax.device_put(
@@ -158,10 +160,10 @@ def program_lines(hlo_text: str) -> int:
 def time_gpt_step(name, tx, mesh) -> Timing:
   """Traces, lowers and compiles the train CLI's step for its GPT."""
   loss_fn, params, make_batch = aot_models.gpt_problem()
-  params = parallel.replicate(params, mesh)
+  params = devices.replicate(params, mesh)
   states = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS)
-  batch = parallel.shard_batch(make_batch(mesh.shape[AXIS]), mesh,
-                               axis_name=AXIS)
+  batch = devices.shard_batch(make_batch(mesh.shape[AXIS]), mesh,
+                              axis_name=AXIS)
   step = parallel.make_train_step(loss_fn, tx, mesh, axis_name=AXIS)
   return _time(step, (params, states, batch), len(jax.tree.leaves(params)),
                f"GPT train step, {name}")
@@ -170,7 +172,7 @@ def time_gpt_step(name, tx, mesh) -> Timing:
 def gpt_variants() -> dict[str, optax.GradientTransformation]:
   lr = step_bench.LEARNING_RATE
   return {
-      BASELINE: optax.chain(parallel.pmean_gradients(AXIS), optax.lion(lr)),
+      BASELINE: optax.chain(transforms.pmean_gradients(AXIS), optax.lion(lr)),
       "dlion mavo auto": dl.distributed_lion(lr, axis_name=AXIS),
   }
 
@@ -211,8 +213,8 @@ def main(argv=None) -> str:
   if args.gpt:
     bench.require_examples(parser, "dlion_jax.train.models",
                            "--gpt (the train CLI's GPT)")
-  bench.use_cpu_devices(args.workers)
-  mesh = parallel.data_mesh(args.workers, axis_name=AXIS)
+  devices.use_cpu_devices(args.workers)
+  mesh = devices.data_mesh(args.workers, axis_name=AXIS)
   jobs = [((n, name), functools.partial(time_one, name, tx, pmean, mesh,
                                         leaf_sizes(n)))
           for n in args.leaves for _ in range(args.reps)

@@ -8,7 +8,7 @@ over ``data``, on ``1/k`` of the params; inside a node, either
 the gradients (each device differentiates its rows, one reduce-scatter a
 leaf; params replicated, ZeRO-2, or sharded at rest, ZeRO-3), or the step
 leaves ``fsdp`` to the compiler (no ``shard_axis``) with params and state
-replicated, ZeRO-2 or ZeRO-3 (:func:`dlion_jax.parallel.shard_params`).
+replicated, ZeRO-2 or ZeRO-3 (:func:`dlion_jax.devices.shard_params`).
 This compiles the train CLI's GPT training step (forward, backward,
 optimizer) on 8 simulated CPU devices for each layout and reads off the
 compiled HLO what each device sends over each axis
@@ -45,7 +45,9 @@ from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import parallel
+from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 
@@ -58,7 +60,7 @@ DURATION = ("1 min 23 s on 2 CPU cores (Intel Xeon, a KVM guest; jax 0.10.2), "
 def optimizers() -> dict[str, optax.GradientTransformation]:
   return {
       "global lion (fp32 all-reduce)": optax.chain(
-          parallel.pmean_gradients("data"), optax.lion(LEARNING_RATE)),
+          transforms.pmean_gradients("data"), optax.lion(LEARNING_RATE)),
       "dlion mavo auto": dl.distributed_lion(LEARNING_RATE,
                                              axis_name="data"),
   }
@@ -69,7 +71,7 @@ def optimizers() -> dict[str, optax.GradientTransformation]:
 # ("shard_axis", ZeRO-2) or sharded at rest ("shard_axis zero3"); or the
 # step that leaves "fsdp" to the compiler, params and state replicated,
 # ZeRO-2 (state sharded) or ZeRO-3 (both sharded), placed by
-# parallel.shard_params.
+# devices.shard_params.
 PLACEMENTS = ("flat", "shard_axis", "shard_axis zero3", "replicated",
               "zero2", "zero3")
 
@@ -85,8 +87,8 @@ def measure(tx, mesh, placement, step_form: str | None = None
   count = sum(x.size for x in jax.tree.leaves(params))
   shard_axis = ("fsdp" if placement.startswith("shard_axis")
                 or step_form == "shard_axis" else None)
-  whole = parallel.replicate(params, mesh)
-  sharded = (parallel.shard_params(params, mesh)
+  whole = devices.replicate(params, mesh)
+  sharded = (devices.shard_params(params, mesh)
              if placement != "flat" and placement != "replicated" else whole)
   states = parallel.init_worker_states(tx, sharded, mesh)
   axes = "data" if placement == "flat" else ("data", "fsdp")
@@ -128,9 +130,9 @@ def report(workers: int) -> str:
   for layout, nodes, placement, name, tx in bench.progress(
       jobs, len(jobs), "compiling"):
     if nodes is None:
-      mesh = parallel.data_mesh(workers)
+      mesh = devices.data_mesh(workers)
     else:
-      mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:workers])
+      mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:workers])
     bits, mb, count = measure(tx, mesh, placement)
     rows.append([layout, name, f"{bits['data']:.3f}",
                  f"{bits.get('fsdp', 0.0):.3f}",
@@ -163,9 +165,9 @@ def plain_report(workers: int) -> str:
   for layout, nodes, placement, form in bench.progress(
       jobs, len(jobs), "compiling"):
     if nodes is None:
-      mesh = parallel.data_mesh(workers)
+      mesh = devices.data_mesh(workers)
     else:
-      mesh = parallel.hybrid_mesh(nodes, devices=jax.devices()[:workers])
+      mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:workers])
     bits, mb, count = measure(tx, mesh, placement, form)
     rows.append([layout, names[form],
                  f"{bits['data']:.3f}", f"{bits.get('fsdp', 0.0):.3f}",
@@ -196,7 +198,7 @@ def main(argv=None) -> str:
   args = parser.parse_args(argv)
   bench.require_examples(parser, "dlion_jax.train.models",
                          "the train CLI's GPT")
-  bench.use_cpu_devices(args.workers)
+  devices.use_cpu_devices(args.workers)
   make = plain_report if args.plain else report
   return reporting.emit(make(args.workers), args.out)
 

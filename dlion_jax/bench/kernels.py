@@ -51,7 +51,7 @@ def _variants(num_workers):
   out = {"optax.lion (no exchange)": lion_floor(),
          "optax.lion + fp32 pmean": lion_pmean()}
   for agg in ("mavo", "avg"):
-    for comm in dl.accounting.COMMS:
+    for comm in dl.message.COMMS:
       tx = dl.distributed_lion(1e-3, axis_name=AXIS, aggregation=agg,
                                comm=comm)
       out[f"dlion {agg} {comm}"] = (tx, lambda g: g)
@@ -145,7 +145,7 @@ def run_stages(num_workers: int, size: int, repeats: int) -> list[list]:
   whole step's (from :func:`run`'s variants), interleaved."""
   fns = {}
   for aggregation in ("mavo", "avg"):
-    for comm in dl.accounting.COMMS:
+    for comm in dl.message.COMMS:
       for stage, (fn, args) in stage_functions(num_workers, size,
                                                aggregation, comm).items():
         jax.block_until_ready(fn(*args))     # compile, warm
@@ -159,7 +159,7 @@ def run_stages(num_workers: int, size: int, repeats: int) -> list[list]:
   med = {k: statistics.median(t) * 1e3 for k, t in times.items()}
   return [[f"dlion {a} {c}"] + [f"{med[(a, c, st)]:.3f}" for st in STAGES]
           + [f"{sum(med[(a, c, st)] for st in STAGES):.3f}"]
-          for a in ("mavo", "avg") for c in dl.accounting.COMMS]
+          for a in ("mavo", "avg") for c in dl.message.COMMS]
 
 
 def main(argv=None):

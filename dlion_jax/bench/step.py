@@ -82,9 +82,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
-from dlion_jax import accounting
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import exchange
+from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
 from dlion_jax import workers
@@ -138,8 +139,8 @@ def variants(grid: bool = False
   ``grid``, every aggregation x comm x vote (ternary named as such)."""
   out = {}
   for vote in quantize.VOTES if grid else ("binary",):
-    for aggregation in accounting.AGGREGATIONS:
-      for comm in ("auto",) + accounting.COMMS:
+    for aggregation in message.AGGREGATIONS:
+      for comm in ("auto",) + message.COMMS:
         if aggregation == "avg" and comm != "auto" and not grid:
           continue
         tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS, vote=vote,
@@ -263,7 +264,7 @@ class Runner:
     else:
       self.step = (make_plain_step(tx) if plain else
                    make_step(tx, mesh, pmean_grads=pmean_grads))
-      self.params = parallel.replicate(params, mesh)
+      self.params = devices.replicate(params, mesh)
       self.states = parallel.init_worker_states(tx, self.params, mesh,
                                                 axis_name=AXIS)
     self.grads = grads
@@ -301,7 +302,7 @@ def build(num_workers: int, shapes: dict, *, vmap: bool = False,
     mesh = None
     grads = jax.device_put(grads)
   else:
-    mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+    mesh = devices.data_mesh(num_workers, axis_name=AXIS)
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
   runners = {}
   for name, (tx, pmean_grads) in variants(grid).items():
@@ -582,7 +583,7 @@ def main(argv=None) -> str:
     parser.error("--profile reads CPU device threads; leave it out with "
                  "--vmap")
   if not args.vmap:
-    bench.use_cpu_devices(args.workers)
+    devices.use_cpu_devices(args.workers)
   load = os.getloadavg()[0]
   start = time.perf_counter()
   shapes = TREES[args.tree]

@@ -4,7 +4,7 @@ For every axis size ``N``, aggregation, vote and ``comm`` strategy, builds the
 update of :func:`dlion_jax.scale_by_distributed_lion` inside
 :func:`jax.shard_map` over ``N`` simulated CPU devices, compiles it (nothing
 runs), and reads the bytes each worker sends off the HLO with
-:func:`dlion_jax.accounting.collectives`. The same is done for the fp32 and
+:func:`dlion_jax.hlo.collectives`. The same is done for the fp32 and
 bf16 gradient all-reduce (``lax.pmean``) that data-parallel ``optax.lion``
 needs. Prints markdown tables of measured against
 :func:`dlion_jax.wire_bits` / :func:`dlion_jax.allreduce_bits`.
@@ -33,16 +33,19 @@ import jax.numpy as jnp
 from jax import lax
 
 import dlion_jax as dl
-from dlion_jax import accounting
 from dlion_jax import bench
+from dlion_jax import devices
 from dlion_jax import exchange
+from dlion_jax import hlo
+from dlion_jax import message
 from dlion_jax import parallel
+from dlion_jax import quantize
 from dlion_jax import strategies
 from dlion_jax.bench import reporting
 
 AXIS = "data"
 DEFAULT_SIZES = (2, 4, 8, 16, 32, 64)
-COMMS = accounting.COMMS + ("auto",)
+COMMS = message.COMMS + ("auto",)
 # About 1.05M parameters in leaves of odd sizes: padding to packing units is
 # below 0.3% of the buffer even at N = 64.
 SHAPES = {
@@ -100,8 +103,8 @@ def hlo_bits(fn, *args) -> tuple[float, float, str]:
   """(compiled bits/param, lowered bits/param, collective ops) of ``fn``."""
   lowered = fn.lower(*args)
   compiled_text = lowered.compile().as_text()
-  per_param = lambda text: accounting.collective_bytes(text) * 8 / NUM_PARAMS
-  ops = "+".join(c.op for c in accounting.collectives(compiled_text))
+  per_param = lambda text: hlo.collective_bytes(text) * 8 / NUM_PARAMS
+  ops = "+".join(c.op for c in hlo.collectives(compiled_text))
   return (per_param(compiled_text),
           per_param(lowered.as_text(dialect="hlo")), ops)
 
@@ -109,12 +112,12 @@ def hlo_bits(fn, *args) -> tuple[float, float, str]:
 def measure_dlion(num_workers: int, aggregation: str, vote: str,
                   comm: str) -> Measurement:
   """Compiles one configuration and reads its wire bits."""
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   fn = dlion_update(mesh, aggregation=aggregation, vote=vote, comm=comm)
   args = (worker_arrays(num_workers),) * 2
   measured, lowered, ops = hlo_bits(fn, *args)
   picked = exchange.resolve_comm(comm, num_workers, aggregation=aggregation,
-                                 spec=accounting.vote_spec(vote=vote))
+                                 spec=quantize.vote_spec(vote=vote))
   analytic = dl.wire_bits(num_workers, aggregation=aggregation, vote=vote,
                           comm=comm)
   return Measurement(num_workers, aggregation, vote, comm, picked, measured,
@@ -123,7 +126,7 @@ def measure_dlion(num_workers: int, aggregation: str, vote: str,
 
 def measure_allreduce(num_workers: int, dtype) -> Measurement:
   """Wire bits of ``lax.pmean`` of ``dtype`` gradients."""
-  mesh = parallel.data_mesh(num_workers, axis_name=AXIS)
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
   args = (worker_arrays(num_workers, dtype),)
   measured, lowered, ops = hlo_bits(gradient_pmean(mesh), *args)
   name = jnp.dtype(dtype).name
@@ -133,8 +136,8 @@ def measure_allreduce(num_workers: int, dtype) -> Measurement:
 
 def configs(sizes):
   """Every (N, aggregation, vote, comm) to measure, in table order."""
-  return list(itertools.product(sizes, accounting.AGGREGATIONS,
-                                accounting.VOTES, COMMS))
+  return list(itertools.product(sizes, message.AGGREGATIONS,
+                                quantize.VOTES, COMMS))
 
 
 def run(sizes) -> tuple[list[Measurement], list[Measurement]]:
@@ -156,7 +159,7 @@ def dlion_table(dlion: list[Measurement]) -> str:
   rows = {}
   for m in dlion:
     rows.setdefault((m.num_workers, m.aggregation, m.vote), {})[m.comm] = m
-  headers = ["N", "aggregation", "vote"] + list(accounting.COMMS) + [
+  headers = ["N", "aggregation", "vote"] + list(message.COMMS) + [
       "auto", "auto picks"]
   body = [[n, agg, vote] + [_cell(r[c]) for c in COMMS] + [r["auto"].picked]
           for (n, agg, vote), r in rows.items()]
@@ -245,10 +248,10 @@ def pattern_floor_bits(num_workers: int, aggregation: str,
   ``alltoall`` with fractional-bit codes and no padding to words.
   """
   n = num_workers
-  up = math.log2(accounting.vote_spec(vote=vote).radix)
+  up = math.log2(quantize.vote_spec(vote=vote).radix)
   # The distinct values of D: what alltoall sends back.
   down = math.log2(strategies.alltoall_down_radix(
-      n, aggregation=aggregation, spec=accounting.vote_spec(vote=vote)))
+      n, aggregation=aggregation, spec=quantize.vote_spec(vote=vote)))
   return (n - 1) / n * (up + down)
 
 
@@ -266,7 +269,7 @@ def information_floor_bits(num_workers: int, aggregation: str,
   bits, whatever the scheme. Correlated votes (workers mostly agree) need
   less.
   """
-  n, r = num_workers, accounting.vote_spec(vote=vote).radix
+  n, r = num_workers, quantize.vote_spec(vote=vote).radix
   values = (-1, 1) if r == 2 else (-1, 0, 1)
   others = {0: 1.0}                      # distribution of the other votes' sum
   for _ in range(n - 1):
@@ -296,7 +299,7 @@ def plot(dlion: list[Measurement], baselines: list[Measurement],
   axes = fig.subplots(math.ceil(len(panels) / 2), 2, squeeze=False).ravel()
   sizes = sorted({m.num_workers for m in baselines + dlion})
   for ax, (agg, vote) in zip(axes, panels):
-    for comm in accounting.COMMS:
+    for comm in message.COMMS:
       pts = sorted((m.num_workers, m.measured) for m in dlion
                    if (m.aggregation, m.vote, m.comm) == (agg, vote, comm))
       ax.plot(*zip(*pts), marker="o", label=f"{comm} (measured)")
@@ -326,7 +329,7 @@ def plot(dlion: list[Measurement], baselines: list[Measurement],
 def floor_lines(sizes) -> list[str]:
   """The two floors next to auto's analytic bits, binary votes."""
   out = []
-  for agg in accounting.AGGREGATIONS:
+  for agg in message.AGGREGATIONS:
     cells = [f"N={n}: auto {dl.wire_bits(n, aggregation=agg):.3f}, pattern "
              f"{pattern_floor_bits(n, agg, 'binary'):.3f}, information "
              f"{information_floor_bits(n, agg, 'binary'):.3f}"
@@ -347,7 +350,7 @@ def main(argv=None) -> str:
   if args.plot:
     bench.require_examples(parser, "matplotlib", "--plot")
   sizes = [int(s) for s in args.sizes.split(",") if s]
-  bench.use_cpu_devices(max(sizes))
+  devices.use_cpu_devices(max(sizes))
   start = time.perf_counter()
   dlion, baselines = run(sizes)
   text = report(dlion, baselines, time.perf_counter() - start)

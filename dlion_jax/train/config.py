@@ -28,7 +28,8 @@ from typing import Any, Optional
 
 import yaml
 
-from dlion_jax import accounting
+from dlion_jax import quantize
+
 
 
 class ConfigError(ValueError):
@@ -108,7 +109,7 @@ class MeshConfig:
 
   ``nodes`` unset (null, the default): one data-parallel axis, every worker
   a voter. ``nodes: n``: a hybrid mesh of ``n`` nodes of ``workers / n``
-  devices (:func:`dlion_jax.parallel.hybrid_mesh`). A node's devices each
+  devices (:func:`dlion_jax.devices.hybrid_mesh`). A node's devices each
   differentiate their own rows, average their gradients exactly (one
   reduce-scatter) and each keeps its block of every leaf of the optimizer
   state (ZeRO-2); the optimizer works across the nodes only: dlion and
@@ -116,7 +117,7 @@ class MeshConfig:
   (the updates of a run without ``nodes`` up to the rounding of the sums).
 
   ``shard_params: true`` (with ``nodes``): the params are sharded over a
-  node's devices at rest too (:func:`dlion_jax.parallel.shard_params`,
+  node's devices at rest too (:func:`dlion_jax.devices.shard_params`,
   ZeRO-3) and gathered for each step.
   """
   nodes: Optional[int] = None
@@ -297,7 +298,7 @@ def _validate_lion_cub(opt: OptimizerConfig) -> None:
                       "a positive number of gradient bytes, or null for one "
                       "message.")
   try:
-    accounting.vote_spec(opt.quantizer, vote=opt.vote, bits=opt.bits)
+    quantize.vote_spec(opt.quantizer, vote=opt.vote, bits=opt.bits)
   except ValueError as e:
     raise ConfigError(f"optimizer: {e}") from None
   if opt.sync_leaves is not None:

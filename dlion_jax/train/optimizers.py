@@ -6,7 +6,7 @@
   ``b1 == b2 == momentum``.
 * ``lion``, ``adamw``, ``sgd`` (with momentum): global optimizers fed
   gradients averaged over the workers by an fp32 all-reduce
-  (:func:`dlion_jax.parallel.pmean_gradients`).
+  (:func:`dlion_jax.transforms.pmean_gradients`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import optax
 
 import dlion_jax as dl
-from dlion_jax.parallel import pmean_gradients
+from dlion_jax.transforms import pmean_gradients
 from dlion_jax.train.config import OptimizerConfig
 
 # Optimizers whose state is alike on every worker (fed all-reduced grads).

@@ -21,8 +21,9 @@ def main(argv=None) -> float:
   parser.add_argument("--steps", type=int, default=200)
   args = parser.parse_args(argv)
 
+  from dlion_jax import devices  # pylint: disable=g-import-not-at-top
   from dlion_jax import parallel  # pylint: disable=g-import-not-at-top
-  parallel.use_cpu_devices(args.workers)   # before jax touches a device
+  devices.use_cpu_devices(args.workers)   # before jax touches a device
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from flax import nnx  # pylint: disable=g-import-not-at-top
@@ -41,7 +42,7 @@ def main(argv=None) -> float:
   tx = dl.distributed_lion(3e-3, weight_decay=1e-2, axis_name="data")
   step = parallel.make_pmap_train_step(loss_fn, tx, axis_name="data",
                                        devices=jax.devices()[:n])
-  params, state = (parallel.replicate_for_pmap(params, n),
+  params, state = (devices.replicate_for_pmap(params, n),
                    parallel.init_pmap_states(tx, params, n))
   batches = data.Batches(digits.train, global_batch=32 * n, seed=0,
                          kind="classification")

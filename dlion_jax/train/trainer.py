@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import parallel
 from dlion_jax.train import checkpoint
@@ -114,12 +115,12 @@ def make_loss_fn(graphdef) -> Callable:
 def make_mesh(cfg: Config):
   """The first ``workers`` devices: one axis, or ``mesh.nodes`` rows of a
   hybrid mesh (row ``i`` is node ``i``)."""
-  mesh = parallel.data_mesh(cfg.workers, axis_name=AXIS)
+  mesh = devices.data_mesh(cfg.workers, axis_name=AXIS)
   if cfg.mesh.nodes is None:
     return mesh
-  return parallel.hybrid_mesh(cfg.mesh.nodes, axis_name=AXIS,
-                              shard_axis=SHARD_AXIS,
-                              devices=list(mesh.devices.flat))
+  return devices.hybrid_mesh(cfg.mesh.nodes, axis_name=AXIS,
+                             shard_axis=SHARD_AXIS,
+                             devices=list(mesh.devices.flat))
 
 
 def shard_axis(mesh) -> str | None:
@@ -139,8 +140,8 @@ def place_params(params, cfg: Config, mesh):
   devices (``mesh.shard_params``), from host values alike on every
   process."""
   if not cfg.mesh.shard_params:
-    return parallel.global_array(params, NamedSharding(mesh, P()))
-  return parallel.shard_params(params, mesh, SHARD_AXIS)
+    return devices.global_array(params, NamedSharding(mesh, P()))
+  return devices.shard_params(params, mesh, SHARD_AXIS)
 
 
 def make_eval_step(graphdef, mesh):
@@ -167,8 +168,8 @@ def evaluate(eval_step, params, split, *, batch_size, workers, sharding,
               for k, v in batch.items()}
     padded["mask"] = np.concatenate([np.ones(n), np.zeros(pad)]).astype(
         np.float32)
-    totals += np.asarray(eval_step(params, parallel.global_array(padded,
-                                                                 sharding)))
+    totals += np.asarray(eval_step(params, devices.global_array(padded,
+                                                                sharding)))
   loss, correct, count = totals
   return {"test_loss": loss / count, "test_accuracy": correct / count}
 
@@ -467,7 +468,7 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
                                      shard_axis=shard_axis(run.mesh),
                                      has_aux=True)
   position = run.batches.state()
-  example = parallel.global_array(next(run.batches), per_worker)
+  example = devices.global_array(next(run.batches), per_worker)
   run.batches.restore(position)
   compiled = step_fn.lower(run.params, run.opt_state, example).compile()
   sent = sent_bytes_per_step(cfg, compiled, cfg.train.steps)
@@ -557,7 +558,7 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
   schedule = optimizers.make_schedule(cfg.optimizer, cfg.train.steps)
   tic, last_step = time.perf_counter(), run.step
   for step in range(run.step, cfg.train.steps):
-    batch = parallel.global_array(next(run.batches), per_worker)
+    batch = devices.global_array(next(run.batches), per_worker)
     run.params, run.opt_state, (loss, aux) = compiled(run.params,
                                                       run.opt_state, batch)
     loss = float(loss)   # read every step: a NaN stops the run at once
