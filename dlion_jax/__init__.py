@@ -14,6 +14,7 @@ from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import parallel
 from dlion_jax import quantize
+from dlion_jax import rounds
 from dlion_jax import strategies
 from dlion_jax import sync
 from dlion_jax import transforms
@@ -27,6 +28,8 @@ from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
 from dlion_jax.lion import scale_by_distributed_lion
+from dlion_jax.rounds import LocalStepsState
+from dlion_jax.rounds import local_steps
 from dlion_jax.transforms import apply_if_finite
 
 __version__ = "0.2.0"
@@ -34,6 +37,7 @@ __version__ = "0.2.0"
 __all__ = (
     "DistributedLionState",
     "ErrorFeedbackState",
+    "LocalStepsState",
     "accounting",
     "allreduce_bits",
     "apply_if_finite",
@@ -45,10 +49,12 @@ __all__ = (
     "elastic",
     "exchange",
     "hlo",
+    "local_steps",
     "message",
     "packing",
     "parallel",
     "quantize",
+    "rounds",
     "scale_by_distributed_lion",
     "strategies",
     "sync",

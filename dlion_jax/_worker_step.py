@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _placement
+from dlion_jax import rounds
 from dlion_jax import shards
 from dlion_jax import workers
 
@@ -116,9 +117,10 @@ def worker_update(tx, placement=None):
     with (contextlib.nullcontext() if placement is None
           else shards.placed(placement)):
       updates, state = tx.update(grads, state, params)
-    new = jax.tree.map(shards.typed_like,
-                       optax.apply_updates(params, updates), params)
-    return new, state
+    # Local steps: a round's end puts every worker exactly on the anchor.
+    new = rounds.restart_at_anchor(optax.apply_updates(params, updates),
+                                   state)
+    return jax.tree.map(shards.typed_like, new, params), state
   return update
 
 

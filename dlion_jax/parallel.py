@@ -57,6 +57,7 @@ from dlion_jax import _placement
 from dlion_jax import _replication
 from dlion_jax import _worker_step
 from dlion_jax import devices
+from dlion_jax import rounds
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
@@ -288,7 +289,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     mesh: Mesh, *, axis_name: str = "data",
                     shard_axis: str | None = None,
                     check_vma: bool = False, donate: bool = True,
-                    has_aux: bool = False, micro_batches: int = 1):
+                    has_aux: bool = False, micro_batches: int = 1,
+                    params_per_worker: bool = False):
   """Builds a jitted ``shard_map`` data-parallel step.
 
   The step is manual over ``axis_name`` only: on a mesh with other axes
@@ -359,6 +361,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       average their gradients (a ``lax.scan``) and update once: one exchange
       per step, unlike :class:`optax.MultiSteps`, which exchanges on every
       micro-step.
+    params_per_worker: each worker trains its own params, stacked on a
+      leading axis of size ``N`` like the state
+      (:func:`~dlion_jax.devices.stack_for_workers`) and returned so: what
+      :func:`dlion_jax.local_steps` needs, whose workers' params differ
+      within a round. On a mesh of ``axis_name`` alone.
 
   Returns:
     ``step(params, state, batch) -> (params, state, loss)`` with the shapes of
@@ -381,6 +388,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   """
   _grads_first.check_shard_axis(axis_name, shard_axis, mesh)
   n = devices.axis_size(mesh, axis_name)
+  if params_per_worker:
+    _check_params_per_worker_mesh(mesh, axis_name, shard_axis)
   micro_batches = positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
@@ -409,13 +418,15 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         params, state, loss = learn(params, local_params, state, batch)
         return params, state, _worker_step.mean_of_workers(loss, axis_name)
 
+      params_layout = "stacked" if params_per_worker else "replicated"
       step = per_worker(local_step, mesh, axis_name=axis_name,
-                        ins=("replicated", "stacked", "split"),
-                        outs=("replicated", "stacked", "replicated"),
+                        ins=(params_layout, "stacked", "split"),
+                        outs=(params_layout, "stacked", "replicated"),
                         check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
       _per_worker.check_worker_states(state, n, mesh.devices.size)
+      _check_params_layout(params, state, n, params_per_worker)
       return step(params, state, batch)
 
     return jax.jit(checked_step, out_shardings=out_shardings,
@@ -429,9 +440,42 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         build, jitted, mesh, tx, check_placement=shard_axis is None)
   grads_first = shard_axis is not None or bool(
       _placement.explicit_axes(mesh, axis_name))
-  return limit_in_flight(
-      _replication.ExchangeCheck(jitted, axis_name, n, grads_first),
-      devices=mesh.devices.flat)
+  if not params_per_worker:     # whose params differ within a round
+    jitted = _replication.ExchangeCheck(jitted, axis_name, n, grads_first)
+  return limit_in_flight(jitted, devices=mesh.devices.flat)
+
+
+def _check_params_per_worker_mesh(mesh: Mesh, axis_name, shard_axis) -> None:
+  others = {a: s for a, s in mesh.shape.items()
+            if a not in _placement.names(axis_name) and s > 1}
+  if shard_axis is not None or others:
+    raise ValueError(
+        f"params_per_worker=True runs on a mesh of axis_name={axis_name!r} "
+        f"alone, got mesh axes {dict(mesh.shape)}"
+        + (f" and shard_axis={shard_axis!r}" if shard_axis else "") + ". "
+        "Build the mesh with dl.devices.data_mesh(num_workers); hybrid "
+        "and sharded layouts with per-worker params are not supported yet.")
+
+
+def _check_params_layout(params, state, n: int, params_per_worker: bool):
+  """Per-worker params where the step wants them, and where local steps
+  need them (:func:`dlion_jax.local_steps`)."""
+  if not params_per_worker:
+    if rounds.has_local_steps(state):
+      raise ValueError(
+          "the optimizer runs local steps (dl.local_steps), whose workers "
+          "each train their own params: build the step with "
+          "make_train_step(..., params_per_worker=True) and pass params "
+          "stacked per worker, dl.devices.stack_for_workers(params, mesh).")
+    return
+  for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+    if not leaf.shape or leaf.shape[0] != n:
+      raise ValueError(
+          f"params leaf {jax.tree_util.keystr(path)} has shape {leaf.shape}; "
+          f"with params_per_worker=True the step wants each of the {n} "
+          f"workers' own params stacked on a leading axis of size {n}. "
+          "Place them with dl.devices.stack_for_workers(params, mesh) "
+          "(after init_worker_states, which takes one worker's params).")
 
 
 def init_pmap_states(tx: optax.GradientTransformation, params: Any,

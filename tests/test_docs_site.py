@@ -17,6 +17,8 @@ ENTRIES = [
     ("api/optimizers.html", "dlion_jax.distributed_lion"),
     ("api/optimizers.html", "dlion_jax.scale_by_distributed_lion"),
     ("api/optimizers.html", "dlion_jax.apply_if_finite"),
+    ("api/rounds.html", "dlion_jax.local_steps"),
+    ("api/rounds.html", "dlion_jax.rounds.nesterov_outer"),
     ("api/workers.html", "dlion_jax.workers.value_and_grad"),
     ("api/workers.html", "dlion_jax.workers.update"),
     ("api/parallel.html", "dlion_jax.parallel.make_train_step"),

@@ -15,6 +15,7 @@ from dlion_jax import message
 from dlion_jax import packing
 from dlion_jax import parallel
 from dlion_jax import quantize
+from dlion_jax import rounds
 from dlion_jax import sync
 from dlion_jax import transforms
 from dlion_jax import workers
@@ -23,7 +24,8 @@ from dlion_jax import workers
 # per_worker lives in _per_worker (dl.parallel.per_worker): its example.
 @pytest.mark.parametrize("module", [_per_worker, accounting, devices, elastic,
                                     hlo, lion, message, packing, parallel,
-                                    quantize, sync, transforms, workers],
+                                    quantize, rounds, sync, transforms,
+                                    workers],
                          ids=lambda m: m.__name__)
 def test_docstring_examples(module):
   result = doctest.testmod(module, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -1,0 +1,214 @@
+"""dl.local_steps (dlion_jax.rounds) against numpy, in the step users build.
+
+Each worker runs SGD alone for a round, then Distributed Lion or Nesterov
+over the workers' pseudo-gradients. The numpy reference is written from the
+algorithm (Douillard et al. 2023 for the rounds; tests/reference.py for
+Distributed Lion). Gradients and learning rates are dyadic, so the inner
+steps and the pseudo-gradients are exact and the outer step is compared
+bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from dlion_jax import devices
+from dlion_jax import hlo
+from dlion_jax import message
+from dlion_jax import parallel
+from dlion_jax import rounds
+from messages import assert_names
+from reference import DistributedLionReference
+
+SHAPES = {"w": (5, 7), "b": (13,)}      # not multiples of 8 N
+INNER_LR, OUTER_LR, EVERY = 0.125, 0.25, 3
+
+
+def linear_loss(params, batch):
+  """Gradient = the worker's one batch row."""
+  return sum(jnp.sum(params[k] * batch[k][0]) for k in params)
+
+
+def problem(num_workers, steps, dtype=np.float32, seed=0):
+  rng = np.random.default_rng(seed)
+  params = {k: rng.integers(-8, 8, s).astype(dtype) / 4
+            for k, s in SHAPES.items()}
+  grads = [{k: rng.integers(-4, 5, (num_workers,) + s).astype(dtype)
+            for k, s in SHAPES.items()} for _ in range(steps)]
+  return params, grads
+
+
+def run_step(tx, params, grads, num_workers):
+  """Every worker's params after each step of make_train_step's
+  per-worker step, and the last state."""
+  mesh = devices.data_mesh(num_workers)
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  ps = devices.stack_for_workers(params, mesh)
+  step = parallel.make_train_step(linear_loss, tx, mesh,
+                                  params_per_worker=True)
+  history = []
+  for g in grads:
+    ps, state, _ = step(ps, state, devices.shard_batch(g, mesh))
+    history.append(jax.device_get(ps))
+  return history, state
+
+
+def numpy_rounds(params, grads, num_workers, outer):
+  """Each worker's params after each step: SGD within a round, ``outer``
+  (a function of the anchor and the workers' pseudo-gradients returning
+  the new anchor) at its end."""
+  anchor = {k: v.copy() for k, v in params.items()}
+  local = [{k: v.copy() for k, v in params.items()}
+           for _ in range(num_workers)]
+  history = []
+  for t, g in enumerate(grads, start=1):
+    for i, p in enumerate(local):
+      for k in p:
+        p[k] = (p[k] - p[k].dtype.type(INNER_LR) * g[k][i]).astype(p[k].dtype)
+    if t % EVERY == 0:
+      deltas = [{k: anchor[k] - p[k] for k in p} for p in local]
+      anchor = outer(anchor, deltas)
+      local = [{k: v.copy() for k, v in anchor.items()}
+               for _ in range(num_workers)]
+    history.append({k: np.stack([p[k] for p in local]) for k in params})
+  return history
+
+
+def dlion_outer(num_workers, aggregation):
+  ref = None
+
+  def outer(anchor, deltas):
+    nonlocal ref
+    if ref is None:
+      ref = DistributedLionReference(anchor, num_workers,
+                                     learning_rate=OUTER_LR, weight_decay=0.0,
+                                     aggregation=aggregation)
+    ref.params = {k: v.copy() for k, v in anchor.items()}
+    ref.step(deltas)
+    return ref.params
+  return outer
+
+
+@pytest.mark.parametrize("num_workers", [3, 4])
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_dlion_outer_matches_numpy_for_every_comm(num_workers, aggregation):
+  params, grads = problem(num_workers, 2 * EVERY + 1)
+  want = numpy_rounds(params, grads, num_workers,
+                      dlion_outer(num_workers, aggregation))
+  runs = {}
+  for comm in message.COMMS:
+    tx = dl.local_steps(optax.sgd(INNER_LR), dl.distributed_lion(
+        OUTER_LR, axis_name="data", aggregation=aggregation, comm=comm,
+        weight_decay=0.0), every=EVERY)
+    runs[comm], state = run_step(tx, params, grads, num_workers)
+    for t, (got, ref) in enumerate(zip(runs[comm], want), start=1):
+      for k in SHAPES:
+        np.testing.assert_array_equal(got[k], ref[k],
+                                      err_msg=f"{comm} step {t} {k}")
+    np.testing.assert_array_equal(             # the anchor of the last round
+        rounds.anchor(state)["w"], np.broadcast_to(
+            want[2 * EVERY - 1]["w"][0], (num_workers, *SHAPES["w"])))
+  # Mid-round the workers differ; at a round's end they are one model.
+  assert not np.array_equal(want[0]["w"][0], want[0]["w"][1])
+  for t in (EVERY, 2 * EVERY):
+    assert (want[t - 1]["w"] == want[t - 1]["w"][0]).all()
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_workers_restart_exactly_on_the_anchor(dtype):
+  """With values whose arithmetic rounds, params + (anchor - params) may
+  miss the anchor by a bit, a different one on each worker: the step puts
+  every worker exactly on it."""
+  num_workers, rng = 3, np.random.default_rng(1)
+  params = {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}
+  grads = [{k: rng.normal(size=(num_workers,) + s).astype(dtype)
+            for k, s in SHAPES.items()} for _ in range(EVERY)]
+  tx = dl.local_steps(optax.lion(0.1), dl.distributed_lion(
+      0.3, axis_name="data"), every=EVERY)
+  history, state = run_step(tx, params, grads, num_workers)
+  anchor = rounds.anchor(state)
+  for k in SHAPES:
+    assert history[-1][k].dtype == dtype
+    np.testing.assert_array_equal(history[-1][k], anchor[k])
+    np.testing.assert_array_equal(anchor[k], np.broadcast_to(
+        anchor[k][0], anchor[k].shape))
+
+
+def test_nesterov_outer_is_diloco():
+  """DiLoCo's outer step: Nesterov SGD on the mean pseudo-gradient."""
+  num_workers, momentum = 4, 0.5
+  params, grads = problem(num_workers, 2 * EVERY)
+  velocity = {k: np.zeros_like(v) for k, v in params.items()}
+
+  def outer(anchor, deltas):
+    new = {}
+    for k in anchor:
+      mean = np.mean([d[k] for d in deltas], axis=0)
+      velocity[k] = mean + momentum * velocity[k]
+      new[k] = anchor[k] - OUTER_LR * (mean + momentum * velocity[k])
+    return new
+  want = numpy_rounds(params, grads, num_workers, outer)
+  tx = dl.local_steps(optax.sgd(INNER_LR), rounds.nesterov_outer(
+      OUTER_LR, momentum=momentum), every=EVERY)
+  history, _ = run_step(tx, params, grads, num_workers)
+  for got, ref in zip(history, want):
+    for k in SHAPES:
+      np.testing.assert_allclose(got[k], ref[k], rtol=1e-6, atol=1e-6)
+
+
+def test_the_vote_is_sent_once_a_round():
+  """Read off the compiled step: the vote sits in a conditional (sent on a
+  round's last step), every other step sends the loss's mean alone."""
+  num_workers, size = 8, 1 << 16
+  params = {"w": jnp.zeros(size)}
+  mesh = devices.data_mesh(num_workers)
+  tx = dl.local_steps(optax.lion(1e-3), dl.distributed_lion(
+      1e-2, axis_name="data"), every=32)
+  step = parallel.make_train_step(linear_loss, tx, mesh,
+                                  params_per_worker=True)
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  batch = devices.shard_batch({"w": jnp.ones((num_workers, size))}, mesh)
+  compiled = step.lower(devices.stack_for_workers(params, mesh), state,
+                        batch).compile()
+  every_step = hlo.collective_bytes(compiled, conditional=False)
+  round_end = hlo.collective_bytes(compiled)
+  vote = (round_end - every_step) * 8 / size
+  assert every_step < 16                     # one float's all-reduce
+  np.testing.assert_allclose(vote, dl.wire_bits(num_workers), rtol=0.01)
+  assert (every_step * 8 / size + vote / 32) < 0.1
+
+
+def test_mistakes_are_named():
+  mesh = devices.data_mesh(4)
+  params = {"w": jnp.zeros(3)}
+  tx = dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+      0.1, axis_name="data"), every=2)
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  batch = devices.shard_batch({"w": jnp.ones((4, 3))}, mesh)
+  replicated = parallel.make_train_step(linear_loss, tx, mesh)
+  with pytest.raises(ValueError) as e:
+    replicated(devices.replicate(params, mesh), state, batch)
+  assert_names(e, "dl.local_steps", "params_per_worker=True",
+               "dl.devices.stack_for_workers(params, mesh)")
+  per_worker = parallel.make_train_step(linear_loss, tx, mesh,
+                                        params_per_worker=True)
+  with pytest.raises(ValueError) as e:
+    per_worker(devices.replicate(params, mesh), state, batch)
+  assert_names(e, "params leaf ['w'] has shape (3,)", "params_per_worker=True",
+               "dl.devices.stack_for_workers(params, mesh)")
+  with pytest.raises(ValueError) as e:
+    parallel.make_train_step(linear_loss, tx, devices.hybrid_mesh(2),
+                             params_per_worker=True)
+  assert_names(e, "params_per_worker=True", "dl.devices.data_mesh")
+  with pytest.raises(ValueError, match="every=0"):
+    dl.local_steps(optax.sgd(0.1), optax.sgd(0.1), every=0)
+  with pytest.raises(ValueError) as e:
+    tx.update(params, tx.init(params))
+  assert_names(e, "local_steps needs the params", "tx.update(grads, state, "
+               "params)")
