@@ -91,6 +91,18 @@ class OptimizerConfig:
   # dlion, signum: the vote in buckets of this many gradient bytes, each
   # exchanged on its own (overlaps the backward pass); None: one message.
   bucket_bytes: Optional[int] = None
+  # Local steps (dlion_jax.local_steps): each worker runs local_steps steps
+  # of the optimizer above alone (lion for dlion, signum alone for signum:
+  # nothing sent), then one outer step of the pseudo-gradients over the
+  # workers: dlion (Distributed Lion's vote, with aggregation, vote, comm
+  # and the Lion Cub options above) or nesterov (DiLoCo's, an fp32
+  # all-reduce). 1: every step is an optimizer step over the workers.
+  local_steps: int = 1
+  outer: str = "dlion"              # dlion | nesterov
+  # null: nesterov 0.7 (DiLoCo's); dlion 10 x learning_rate.
+  outer_learning_rate: Optional[float] = None
+  outer_momentum: float = 0.9       # nesterov's momentum; dlion's b1
+  outer_b2: float = 0.99            # dlion's b2
 
 
 @dataclasses.dataclass
@@ -153,9 +165,11 @@ _CHOICES = {
     "optimizer.comm": ("auto", "alltoall", "allgather", "psum", "psum_int8"),
     "optimizer.quantizer": ("sign", "ternary_l1", "pbit_l1"),
     "optimizer.sync_schedule": ("every", "growing"),
+    "optimizer.outer": ("dlion", "nesterov"),
 }
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
-             "train.steps", "train.log_every", "train.keep_checkpoints")
+             "train.steps", "train.log_every", "train.keep_checkpoints",
+             "optimizer.local_steps")
 _NON_NEGATIVE = ("train.eval_every", "train.checkpoint_every",
                  "optimizer.warmup_steps", "optimizer.learning_rate",
                  "optimizer.weight_decay", "optimizer.momentum_sync")
@@ -232,7 +246,33 @@ def validate(config: Config) -> Config:
         f"workers={config.workers}: each worker takes an equal share.")
   _validate_mesh(config)
   _validate_limits(config.data)
+  _validate_local_steps(config)
   return config
+
+
+def _validate_local_steps(config: Config) -> None:
+  """Local steps on a flat mesh, with an optimizer that has a local form
+  and no momentum sync inside the outer vote."""
+  opt = config.optimizer
+  if opt.local_steps == 1:
+    return
+  fix = "or drop optimizer.local_steps"
+  if config.mesh.nodes is not None:
+    raise ConfigError(
+        f"optimizer.local_steps={opt.local_steps} runs on one data axis of "
+        f"workers; mesh.nodes={config.mesh.nodes} is not supported with it "
+        f"yet. Set mesh.nodes=null, {fix}.", key="optimizer.local_steps")
+  if opt.momentum_sync:
+    raise ConfigError(
+        f"optimizer.momentum_sync={opt.momentum_sync} with optimizer."
+        f"local_steps={opt.local_steps}: the outer vote's momenta are not "
+        f"synced yet. Set optimizer.momentum_sync=0, {fix}.",
+        key="optimizer.momentum_sync")
+  if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
+    raise ConfigError(
+        f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
+        "positive (null: the outer optimizer's default).",
+        key="optimizer.outer_learning_rate")
 
 
 def schedule_warning(config: Config) -> str | None:

@@ -7,6 +7,12 @@
 * ``lion``, ``adamw``, ``sgd`` (with momentum): global optimizers fed
   gradients averaged over the workers by an fp32 all-reduce
   (:func:`dlion_jax.transforms.pmean_gradients`).
+
+With ``local_steps: H`` above 1 each worker runs the optimizer alone
+(``dlion`` as Lion, ``signum`` as Signum: nothing sent) and every ``H``
+steps an ``outer`` step of the pseudo-gradients goes over the workers
+(:func:`dlion_jax.local_steps`): ``dlion``, Distributed Lion's vote with
+the options above, or ``nesterov``, DiLoCo's.
 """
 
 from __future__ import annotations
@@ -19,6 +25,17 @@ from dlion_jax.train.config import OptimizerConfig
 
 # Optimizers whose state is alike on every worker (fed all-reduced grads).
 GLOBAL_OPTIMIZERS = ("lion", "adamw", "sgd")
+# Where optimizer.outer_learning_rate is null: DiLoCo's for nesterov
+# (Douillard et al., 2023); for dlion's sign steps, this many times the
+# inner learning rate (docs/training.md, "Local steps").
+NESTEROV_OUTER_LEARNING_RATE = 0.7
+DLION_OUTER_LEARNING_RATE_FACTOR = 10
+
+
+def state_alike_on_every_worker(cfg: OptimizerConfig) -> bool:
+  """Whether every worker holds the same optimizer state (a global
+  optimizer, every step over the workers)."""
+  return cfg.name in GLOBAL_OPTIMIZERS and cfg.local_steps == 1
 
 
 def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
@@ -63,36 +80,77 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
                     axis_name: str = "data") -> optax.GradientTransformation:
   """The optimizer a config names, bound to the data-parallel axis."""
   lr = make_schedule(cfg, total_steps)
-  wd = cfg.weight_decay
+  if cfg.local_steps > 1:
+    return dl.local_steps(_alone(cfg, lr), _outer(cfg, axis_name),
+                          every=cfg.local_steps)
   if cfg.name == "dlion":
     return dl.distributed_lion(
-        lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99), weight_decay=wd,
-        axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
-        comm=cfg.comm, bucket_bytes=cfg.bucket_bytes,
-        **lion_cub_options(cfg))
+        lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
+        weight_decay=cfg.weight_decay, axis_name=axis_name,
+        aggregation=cfg.aggregation, vote=cfg.vote, comm=cfg.comm,
+        bucket_bytes=cfg.bucket_bytes, **lion_cub_options(cfg))
   if cfg.name == "signum":
     return dl.distributed_lion(
-        lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=wd,
+        lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=cfg.weight_decay,
         axis_name=axis_name, aggregation="mavo", vote=cfg.vote,
         comm=cfg.comm, bucket_bytes=cfg.bucket_bytes)
-  if cfg.name == "lion":
-    inner = optax.lion(lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
+  return optax.chain(pmean_gradients(axis_name), _alone(cfg, lr))
+
+
+def _alone(cfg: OptimizerConfig, lr) -> optax.GradientTransformation:
+  """The optimizer of one worker that sends nothing: Lion for ``dlion``,
+  Signum (Lion with ``b1 = b2``) for ``signum``."""
+  wd = cfg.weight_decay
+  if cfg.name in ("dlion", "lion"):
+    return optax.lion(lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
+                      weight_decay=wd)
+  if cfg.name == "signum":
+    return optax.lion(lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=wd)
+  if cfg.name == "adamw":
+    return optax.adamw(lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.999),
                        weight_decay=wd)
-  elif cfg.name == "adamw":
-    inner = optax.adamw(lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.999),
-                        weight_decay=wd)
-  elif cfg.name == "sgd":
-    inner = optax.chain(optax.add_decayed_weights(wd),
-                        optax.sgd(lr, momentum=cfg.momentum))
-  else:
-    raise ValueError(f"Unknown optimizer.name={cfg.name!r}.")
-  return optax.chain(pmean_gradients(axis_name), inner)
+  if cfg.name == "sgd":
+    return optax.chain(optax.add_decayed_weights(wd),
+                       optax.sgd(lr, momentum=cfg.momentum))
+  raise ValueError(f"Unknown optimizer.name={cfg.name!r}.")
+
+
+def _outer(cfg: OptimizerConfig,
+           axis_name: str) -> optax.GradientTransformation:
+  """The outer optimizer of local steps, over ``axis_name``."""
+  lr = cfg.outer_learning_rate
+  if lr is None:
+    lr = (NESTEROV_OUTER_LEARNING_RATE if cfg.outer == "nesterov"
+          else DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate)
+  if cfg.outer == "nesterov":
+    return dl.rounds.nesterov_outer(lr, momentum=cfg.outer_momentum,
+                                    axis_name=axis_name)
+  # The inner optimizer decays the weights: none in the outer step.
+  return dl.distributed_lion(
+      lr, b1=cfg.outer_momentum, b2=cfg.outer_b2, weight_decay=0.0,
+      axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
+      comm=cfg.comm, bucket_bytes=cfg.bucket_bytes, **lion_cub_options(cfg))
+
+
+def outer_steps(cfg: OptimizerConfig, steps: int) -> int:
+  """How many of the first ``steps`` steps end a round of local steps
+  (every step without local steps)."""
+  return steps // cfg.local_steps
 
 
 def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
                             steps: int | None = None) -> float:
   """Wire bits per parameter per step each worker sends (analytic; a sync
-  is counted as if it covered every parameter)."""
+  is counted as if it covered every parameter), averaged over ``steps``
+  with local steps (over a round where ``steps`` is None)."""
+  if cfg.local_steps > 1:
+    rate = (1 / cfg.local_steps if steps is None
+            else outer_steps(cfg, steps) / steps)
+    if cfg.outer == "nesterov":
+      return dl.allreduce_bits(num_workers) * rate
+    return rate * dl.wire_bits(
+        num_workers, aggregation=cfg.aggregation, vote=cfg.vote,
+        comm=cfg.comm, quantizer=cfg.quantizer, bits=cfg.bits)
   if cfg.name == "signum":
     return dl.wire_bits(num_workers, vote=cfg.vote, comm=cfg.comm)
   if cfg.name == "dlion":

@@ -243,7 +243,10 @@ def sent_bytes_by_axis(cfg: Config, compiled, mesh, steps: int) -> dict:
 
 
 def _sync_rate(cfg: Config, steps: int) -> float:
-  """The fraction of steps that run the conditional momentum sync."""
+  """The fraction of steps that run the conditional momentum sync (the
+  outer step, with local steps)."""
+  if cfg.optimizer.local_steps > 1:
+    return optimizers.outer_steps(cfg.optimizer, steps) / steps
   schedule = optimizers.sync_schedule(cfg.optimizer)
   if schedule is None or cfg.optimizer.name != "dlion":
     return 0.0
@@ -420,14 +423,17 @@ def _setup(cfg: Config, mesh) -> _Run:
   params = place_params(params, cfg, mesh)
   opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS,
                                           shard_axis=shard_axis(mesh))
+  num_params = models.count_params(params)
+  if cfg.optimizer.local_steps > 1:      # each worker trains its own copy
+    params = devices.stack_for_workers(params, mesh, axis_name=AXIS)
   batches = data_lib.Batches(dataset.train, global_batch=cfg.data.global_batch,
                              seed=cfg.seed, kind=dataset.kind,
                              seq_len=(cfg.data.seq_len if dataset.kind == "lm"
                                       else None))
   ckpt = checkpoint.Checkpointer(cfg.run_path / "checkpoints",
                                  keep=cfg.train.keep_checkpoints)
-  return _Run(mesh, dataset, graphdef, params, opt_state,
-              models.count_params(params), tx, batches, ckpt)
+  return _Run(mesh, dataset, graphdef, params, opt_state, num_params, tx,
+              batches, ckpt)
 
 
 def _build_model(cfg: Config, dataset):
@@ -463,10 +469,10 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   """Compiles the step, trains from ``run.step`` on, evaluates, saves and
   reports."""
   per_worker = NamedSharding(run.mesh, P(worker_axes(run.mesh)))
-  step_fn = parallel.make_train_step(make_loss_fn(run.graphdef), run.tx,
-                                     run.mesh, axis_name=AXIS,
-                                     shard_axis=shard_axis(run.mesh),
-                                     has_aux=True)
+  step_fn = parallel.make_train_step(
+      make_loss_fn(run.graphdef), run.tx, run.mesh, axis_name=AXIS,
+      shard_axis=shard_axis(run.mesh), has_aux=True,
+      params_per_worker=cfg.optimizer.local_steps > 1)
   position = run.batches.state()
   example = devices.global_array(next(run.batches), per_worker)
   run.batches.restore(position)
@@ -479,11 +485,11 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
     run.wire_before = tuple(rate * run.step for rate in run.wire_per_step)
   run.since = run.step
   kind = run.dataset.kind
-  run_eval = functools.partial(
+  run_eval = _model_of(cfg, run.mesh, functools.partial(
       evaluate, make_eval_step(run.graphdef, run.mesh),
       split=run.dataset.test, batch_size=cfg.data.eval_batch,
       workers=cfg.workers, sharding=per_worker,
-      seq_len=cfg.data.seq_len if kind == "lm" else None)
+      seq_len=cfg.data.seq_len if kind == "lm" else None))
   say(_headline(cfg, run.num_params))
   writer = _Writer(cfg.run_path / "metrics.jsonl", main_process)
   bar = _progress(cfg.train.steps, run.step, progress)
@@ -493,7 +499,7 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   finally:
     if bar is not None:
       bar.close()
-  final = {"step": cfg.train.steps, **run_eval(run.params)}
+  final = {"step": cfg.train.steps, **run_eval(run.params, run.opt_state)}
   writer.write(final)
   _save(run, cfg.train.steps, cfg)
   run.ckpt.close()
@@ -504,8 +510,30 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
     (cfg.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     _plot(cfg.run_path, kind)
   say(_summary_text(summary, cfg))
-  return {"summary": summary, "params": run.params,
+  return {"summary": summary,
+          "params": model_params(cfg, run.mesh, run.params, run.opt_state),
           "opt_state": run.opt_state}
+
+
+def model_params(cfg: Config, mesh, params, opt_state) -> Any:
+  """The run's model: its params, or with local steps the anchor (the
+  params of the last outer step, replicated), which every worker shares."""
+  if cfg.optimizer.local_steps == 1:
+    return params
+  return _first_row(mesh)(dl.rounds.anchor(opt_state))
+
+
+@functools.cache
+def _first_row(mesh):
+  return jax.jit(lambda tree: jax.tree.map(lambda x: x[0], tree),
+                 out_shardings=NamedSharding(mesh, P()))
+
+
+def _model_of(cfg: Config, mesh, run_eval):
+  """``run_eval`` as a function of the params and the optimizer state:
+  with local steps it evaluates the anchor (:func:`model_params`)."""
+  return lambda params, opt_state: run_eval(
+      model_params(cfg, mesh, params, opt_state))
 
 
 def _headline(cfg: Config, num_params: int) -> str:
@@ -516,8 +544,12 @@ def _headline(cfg: Config, num_params: int) -> str:
               f"{'s' if k > 1 else ''} each")
   layout = "" if cfg.mesh.nodes is None else (
       f" as {cfg.mesh.nodes} nodes of {cfg.workers // cfg.mesh.nodes}")
+  opt = cfg.optimizer
+  optimizer = opt.name if opt.local_steps == 1 else (
+      f"{opt.name} alone for {opt.local_steps} steps then a {opt.outer} "
+      "outer step")
   return (f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
-          f"{cfg.optimizer.name} on {cfg.workers} workers{layout} ({where}), "
+          f"{optimizer} on {cfg.workers} workers{layout} ({where}), "
           f"{cfg.data.global_batch} examples a step "
           f"({cfg.data.global_batch // cfg.workers} per worker)")
 
@@ -583,7 +615,7 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     _terminate(cfg, run, terminated)
     if (cfg.train.eval_every and done % cfg.train.eval_every == 0
         and done < cfg.train.steps):
-      writer.write({"step": done, **run_eval(run.params)})
+      writer.write({"step": done, **run_eval(run.params, run.opt_state)})
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
         and done < cfg.train.steps):
       _save(run, done, cfg)
@@ -647,6 +679,12 @@ def _resume(ckpt, cfg, run, *, policy: str):
         "cannot be resumed. Start the run afresh (--overwrite, or --set "
         "run_dir=...).")
   rows = meta["workers"] if rows is None else rows
+  if cfg.optimizer.local_steps > 1 and rows != _state_rows(cfg):
+    raise ValueError(
+        f"The checkpoint at step {latest} was written by {rows} workers; "
+        f"this run has {_state_rows(cfg)}. Resuming local steps "
+        "(optimizer.local_steps) on another number of workers is not "
+        f"supported yet: resume with workers={rows}.")
   axes = dict(axis_name=AXIS, shard_axis=shard_axis(run.mesh))
   state_like = run.opt_state if rows == _state_rows(cfg) else (
       elastic.restore_target(run.tx, run.params, run.mesh, rows, **axes))
@@ -654,12 +692,13 @@ def _resume(ckpt, cfg, run, *, policy: str):
                              latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
   run.batches.restore(meta["data"])
-  state["opt_state"] = elastic.resize_worker_states(
-      run.tx, state["opt_state"], state["params"], run.mesh, policy=policy,
-      **axes)
+  if cfg.optimizer.local_steps == 1:   # local steps: the same rows, above
+    state["opt_state"] = elastic.resize_worker_states(
+        run.tx, state["opt_state"], state["params"], run.mesh, policy=policy,
+        **axes)
   resized = None
   if _voters(cfg) != _voters_of(meta["workers"], saved):
-    if cfg.optimizer.name in optimizers.GLOBAL_OPTIMIZERS:
+    if optimizers.state_alike_on_every_worker(cfg.optimizer):
       what = "the optimizer state, alike on every worker, kept"
     else:
       what = elastic.describe(rows, _state_rows(cfg), policy,
