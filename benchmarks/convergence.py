@@ -23,7 +23,11 @@ text, test bits per byte) and ``charlm_long`` (the same 5x longer on 4.7 MB
 of Python's standard library, with test loss curves: ``--curves``),
 ``mlp_many_workers`` (the MLP from 4 to 64 workers at 3 epochs) and
 ``mlp_many_workers_steps`` (from 4 to 128 workers at a fixed 352 steps);
-``digits`` is a seconds-long smoke version for tests. The slower tasks
+``mlp_local_steps`` (the MLP with local steps: each worker trains alone
+for H steps, then a 1-bit outer vote or DiLoCo's Nesterov step, against
+voting every step and the global optimizers; ``--plot-bits``);
+``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
+for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
 ``--workers`` and ``--seeds`` ask for more.
 
@@ -33,6 +37,7 @@ Usage::
       [--workers 4 8 16] [--seeds 0 1] [--json runs.json [--resume]]
       [--out docs/benchmarks.md [--section bench.convergence]]
       [--plot docs/img/convergence.png] [--curves docs/img/curves.png]
+      [--plot-bits docs/img/local_steps.png]
   python -m benchmarks.convergence --from-json runs.json [--out ...]
 """
 
@@ -53,6 +58,7 @@ from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax.bench import reporting
 
+LOCAL_STEPS = (8, 32, 128)
 # row -> config overrides on top of the task's config.
 ROWS = {
     "SGD momentum": {"optimizer.name": "sgd", "optimizer.momentum": 0.9},
@@ -68,8 +74,18 @@ ROWS = {
                     "pbit_l1", "optimizer.bits": 4},
     "MaVo, ternary_l1": {"optimizer.name": "dlion",
                          "optimizer.quantizer": "ternary_l1"},
+    # Local steps (dl.local_steps): H steps of Lion on each worker alone,
+    # then an outer step: Distributed Lion's 1-bit vote (MaVo) or DiLoCo's
+    # Nesterov step on the fp32 mean.
+    **{f"{name}, H={h}": {"optimizer.name": "dlion",
+                          "optimizer.local_steps": h,
+                          "optimizer.outer": outer}
+       for name, outer in (("D-Lion outer", "dlion"),
+                           ("DiLoCo outer", "nesterov"))
+       for h in LOCAL_STEPS},
 }
 PAPER_ROWS = tuple(ROWS)[:6]
+LOCAL_ROWS = tuple(row for row in ROWS if ", H=" in row)
 # The values a tuned setting may take, in order. A row's grid starts on a
 # slice of each ladder and steps one rung past any edge pick (:func:`tune`);
 # a ladder's ends are the bounds a pick may stop at.
@@ -78,6 +94,8 @@ SGD_LRS = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 DECAYS = (0.0, 1e-3, 0.01, 0.1, 1.0)     # decoupled: times the lr (optax)
 L2S = (0.0, 5e-4, 5e-3, 5e-2)            # SGD: added to the gradient
 B2S = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
+SIGN_OUTER_LRS = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
+NESTEROV_OUTER_LRS = (0.1, 0.3, 0.7, 1.0, 1.4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +119,22 @@ LR, WD = "optimizer.learning_rate", "optimizer.weight_decay"
 _SIGN = {"lr": Axis(LR, SIGN_LRS, (3e-4, 1e-3, 3e-3)),
          "wd": Axis(WD, DECAYS, (0.01, 0.1))}
 # row -> its tuned settings by name (the run records' keys).
+OUTER_LR = "optimizer.outer_learning_rate"
 AXES = {
     "SGD momentum": {"lr": Axis(LR, SGD_LRS, (0.01, 0.03, 0.1)),
                      "wd": Axis(WD, L2S, (0.0, 5e-4))},
     **{row: _SIGN for row in ROWS if row != "SGD momentum"},
+    # The inner learning rate and the outer one (sign steps, or Nesterov's
+    # around DiLoCo's 0.7).
+    **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, SIGN_OUTER_LRS,
+                                       (0.01, 0.03))}
+       for row in LOCAL_ROWS if row.startswith("D-Lion")},
+    **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, NESTEROV_OUTER_LRS,
+                                       (0.3, 0.7))}
+       for row in LOCAL_ROWS if row.startswith("DiLoCo")},
 }
 LION_ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion")
-SETTINGS = ("lr", "wd", "b2")
+SETTINGS = ("lr", "wd", "b2", "outer_lr")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +215,17 @@ TASKS = {
         Task("quickstart", "test_accuracy", True, epochs=None, steps=30,
              overrides=("model.hidden=[32]",)),
         workers=(2, 3), tune_decay=False),
+    # Local steps: H in LOCAL_STEPS against voting every step and the
+    # global optimizers, at N = 8 (--plot-bits: the metric against bits).
+    "mlp_local_steps": ConvergenceTask(
+        Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
+        workers=(8,), tune_decay=False,
+        rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
+    "digits_local_steps": ConvergenceTask(
+        Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
+             overrides=("model.hidden=[32]",)),
+        workers=(4,), tune_decay=False,
+        rows=("D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8")),
 }
 DEFAULT_TASKS = ("fashion_mnist_mlp", "fashion_mnist_cnn", "charlm")
 
@@ -514,7 +552,42 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
                      f"{'ahead of' if ahead > 0 else 'behind'} {rival} by "
                      f"{abs(ahead):.2f}")
     lines.append("; ".join(parts) + ".")
-  return lines + breakdown(runs, task)
+  return lines + breakdown(runs, task) + local_steps_verdicts(runs, task)
+
+
+def _mean_bits(runs, task, row, n) -> float | None:
+  sent = [r["bits"] for r in _evals(runs, task, row, n)
+          if math.isfinite(r["bits"])]
+  return statistics.fmean(sent) if sent else None
+
+
+def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
+  """Per H: the 1-bit outer vote against DiLoCo's Nesterov step and
+  against voting every step, with the bits each sends."""
+  conv = TASKS[task]
+  better = 1 if conv.task.higher_is_better else -1
+  unit = "points" if conv.task.scale == 100 else "bits/byte"
+  lines = []
+  for n in eval_workers(runs, task):
+    every = _mean(runs, task, "D-Lion MaVo", n)
+    for h in LOCAL_STEPS:
+      ours, theirs = f"D-Lion outer, H={h}", f"DiLoCo outer, H={h}"
+      m_ours, m_theirs = (_mean(runs, task, r, n) for r in (ours, theirs))
+      if m_ours is None or m_theirs is None:
+        continue
+      b_ours, b_theirs = (_mean_bits(runs, task, r, n)
+                          for r in (ours, theirs))
+      ahead = (m_ours - m_theirs) * better
+      line = (f"N={n}, H={h}: the 1-bit outer vote is {abs(ahead):.2f} "
+              f"{unit} {'ahead of' if ahead >= 0 else 'behind'} DiLoCo's "
+              f"Nesterov step ({m_ours:.2f} at {b_ours:.3f} bits/param/step "
+              f"against {m_theirs:.2f} at {b_theirs:.2f}, "
+              f"{b_theirs / b_ours:.0f}x the bits)")
+      if every is not None:
+        line += (f"; {(m_ours - every) * better:+.2f} {unit} against "
+                 "voting every step")
+      lines.append(line + ".")
+  return lines
 
 
 def breakdown(runs: list[dict], task: str, points: float = 1.0) -> list[str]:
@@ -600,6 +673,48 @@ def mean_curves(runs: list[dict], task: str, n: int) -> list[tuple]:
   return out
 
 
+def plot_bits(runs: list[dict], path: str) -> None:
+  """Metric against the bits each worker sent per parameter per step
+  (log scale), one panel per task with local-steps rows: each outer
+  optimizer's rows joined across H, the every-step rows as points."""
+  # pylint: disable=g-import-not-at-top
+  from matplotlib.figure import Figure
+  tasks = [t for t in dict.fromkeys(r["task"] for r in runs
+                                    if r["phase"] == "eval")
+           if set(LOCAL_ROWS) & set(TASKS[t].rows)]
+  fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
+  for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
+    n = max(eval_workers(runs, task))
+    series = {"D-Lion outer": [], "DiLoCo outer": []}
+    for row in TASKS[task].rows:
+      stats, bits = seed_stats(runs, task, row, n), _mean_bits(
+          runs, task, row, n)
+      if stats is None or bits is None:
+        continue
+      point = (bits, stats[0], stats[1], row.rpartition("=")[2])
+      if row in LOCAL_ROWS:
+        series[row.partition(",")[0]].append(point)
+      else:
+        ax.errorbar([bits], [stats[0]], yerr=[stats[1]], marker="s",
+                    capsize=3, ls="none", label=f"{row} (every step)")
+    for name, points in series.items():
+      if points:
+        xs, ys, errs, hs = zip(*sorted(points))
+        ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3,
+                    label=f"{name}, H = {', '.join(reversed(hs))}")
+        for x, y, h in zip(xs, ys, hs):
+          ax.annotate(f"H={h}", (x, y), textcoords="offset points",
+                      xytext=(4, 4), fontsize=7)
+    ax.set_xscale("log")
+    ax.get_xaxis().set_major_formatter("{x:g}")
+    ax.set(xlabel="bits each worker sends per parameter per step",
+           ylabel=f"test {TASKS[task].task.unit} (N={n})", title=task)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+  pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
+  fig.savefig(path, dpi=110)
+
+
 def plot_curves(runs: list[dict], path: str) -> None:
   """Test metric against step per row, per task whose runs saved curves:
   every step (left) and the second half zoomed in (right). A row equal to
@@ -676,6 +791,8 @@ def parse_args(argv):
                       help="the markers in --out to write between")
   parser.add_argument("--plot", help="write the PNG here")
   parser.add_argument("--curves", help="write the test-curve PNG here")
+  parser.add_argument("--plot-bits", help="write the PNG of the metric "
+                      "against bits sent here (tasks with local steps)")
   args = parser.parse_args(argv)
   if args.resume and not args.json:
     parser.error("--resume needs --json FILE (the runs to keep)")
@@ -710,6 +827,8 @@ def main(argv=None) -> str:
     plot(runs, args.plot)
   if args.curves:
     plot_curves(runs, args.curves)
+  if args.plot_bits:
+    plot_bits(runs, args.plot_bits)
   return reporting.write_section(report(runs, heading), args.out,
                                  args.section)
 

@@ -10,6 +10,7 @@ import pytest
 pytest.importorskip("flax", reason="the study trains with the [examples] "
                     "extra (flax, orbax-checkpoint, pyyaml, scikit-learn)")
 
+import dlion_jax as dl  # noqa: E402  pylint: disable=g-import-not-at-top
 from benchmarks import convergence  # noqa: E402  pylint: disable=g-import-not-at-top
 from benchmarks import study as study_lib  # noqa: E402  pylint: disable=g-import-not-at-top
 
@@ -314,3 +315,25 @@ def test_every_task_trains_a_few_steps(name, tmp_path, monkeypatch):
   assert run["steps"] == 2 and not run["diverged"]
   assert 0 < run["bits"] < 4                     # a vote, not fp32
   assert ("text" in run) == (task.text is not None)
+
+
+def test_local_steps_rows_report_the_vote_against_diloco(monkeypatch,
+                                                          tmp_path):
+  """The local-steps task's rows train, send what their H says, and the
+  report and plot compare them (each row at one point: its first values)."""
+  rows = ["D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8"]
+  for row in rows:
+    monkeypatch.setitem(convergence.AXES, row, {
+        name: axis.fixed() for name, axis in convergence.AXES[row].items()})
+  text = convergence.main([
+      "--tasks", "digits_local_steps", "--rows", *rows, "--seeds", "0",
+      "--tune-workers", "4", "--plot-bits", str(tmp_path / "bits.png")])
+  every = float(table(text, "D-Lion MaVo")[2].split()[0])
+  vote = float(table(text, "D-Lion outer, H=8")[2].split()[0])
+  mean = float(table(text, "DiLoCo outer, H=8")[2].split()[0])
+  # 32 steps, 4 outer steps: an eighth of what a step would send (and the
+  # loss's mean and padding of the 2,442-parameter message).
+  assert every / 8 < vote < every / 6
+  assert mean == pytest.approx(dl.allreduce_bits(4) / 8, rel=0.02)
+  assert "N=4, H=8: the 1-bit outer vote is" in text
+  assert (tmp_path / "bits.png").stat().st_size > 10_000

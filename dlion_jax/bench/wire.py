@@ -13,10 +13,16 @@ needs. Prints markdown tables of measured against
 every strategy, the fp32 / bf16 all-reduce and two analytic floors
 (``pattern_floor_bits``, ``information_floor_bits``).
 
+``--local-steps H ...`` instead compiles whole train steps with local steps
+(:func:`dlion_jax.local_steps`: Lion alone on each worker, every ``H``
+steps an outer step, Distributed Lion's vote or DiLoCo's Nesterov step)
+and reads what a step sends averaged over a round: the collectives outside
+the outer step's conditional, plus those inside it over ``H``.
+
 Usage::
 
   python -m dlion_jax.bench.wire [--sizes 2,4,8,16,32,64] [--out FILE.md]
-      [--plot FILE.png]
+      [--plot FILE.png] [--local-steps 1 8 32 128]
 """
 
 from __future__ import annotations
@@ -30,6 +36,8 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+import optax
 from jax import lax
 
 import dlion_jax as dl
@@ -132,6 +140,52 @@ def measure_allreduce(num_workers: int, dtype) -> Measurement:
   name = jnp.dtype(dtype).name
   return Measurement(num_workers, "-", "-", f"pmean {name}", "-", measured,
                      lowered, dl.allreduce_bits(num_workers, dtype), ops)
+
+
+def local_steps_bits(num_workers: int, outer: str, every: int
+                     ) -> tuple[float, float]:
+  """(measured, analytic) bits a worker sends per parameter per step,
+  averaged over a round of ``every`` local steps, for the ``outer`` step
+  (``"dlion"`` or ``"nesterov"``)."""
+  mesh = devices.data_mesh(num_workers, axis_name=AXIS)
+  outer_tx = (dl.distributed_lion(1e-2, axis_name=AXIS) if outer == "dlion"
+              else dl.rounds.nesterov_outer(0.7, axis_name=AXIS))
+  tx = dl.local_steps(optax.lion(1e-3), outer_tx, every=every)
+  params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
+  loss = lambda p, batch: sum(jnp.sum(p[k] * batch[k][0]) for k in p)
+  step = parallel.make_train_step(loss, tx, mesh, params_per_worker=True)
+  batch = {k: np.zeros((num_workers,) + s, np.float32)
+           for k, s in SHAPES.items()}
+  compiled = step.lower(
+      devices.stack_for_workers(params, mesh, axis_name=AXIS),
+      parallel.init_worker_states(tx, devices.replicate(params, mesh), mesh),
+      devices.shard_batch(batch, mesh)).compile()
+  always = hlo.collective_bytes(compiled, conditional=False)
+  outer_bytes = hlo.collective_bytes(compiled) - always
+  analytic = (dl.wire_bits(num_workers) if outer == "dlion"
+              else dl.allreduce_bits(num_workers))
+  return ((always + outer_bytes / every) * 8 / NUM_PARAMS,
+          analytic / every)
+
+
+def local_steps_report(sizes, hs) -> str:
+  """Markdown: per N and H, what a step with local steps sends."""
+  todo = list(itertools.product(sizes, hs))
+  body = []
+  for n, h in bench.progress(todo, len(todo), "compiling"):
+    ours, theirs = (local_steps_bits(n, outer, h)
+                    for outer in ("dlion", "nesterov"))
+    body.append([str(n), str(h), f"{ours[0]:.4f} ({ours[1]:.4f})",
+                 f"{theirs[0]:.3f} ({theirs[1]:.3f})",
+                 f"{theirs[0] / ours[0]:.1f}x",
+                 f"{dl.allreduce_bits(n) / ours[0]:.0f}x"])
+  return ("Bits each worker sends per parameter per step with local steps, "
+          "averaged over a round, read off the compiled train step "
+          f"({NUM_PARAMS:,} parameters; analytic in parentheses):\n\n"
+          + reporting.markdown_table(
+              ["N", "H", "D-Lion outer (1-bit vote)",
+               "DiLoCo outer (fp32 mean)", "DiLoCo / D-Lion",
+               "fp32 all-reduce every step / D-Lion"], body))
 
 
 def configs(sizes):
@@ -346,12 +400,19 @@ def main(argv=None) -> str:
   parser.add_argument("--out", default=None, help="also write markdown here")
   parser.add_argument("--plot", default=None,
                       help="write the bits-vs-N PNG here")
+  parser.add_argument("--local-steps", type=int, nargs="+", metavar="H",
+                      help="instead, the steps with local steps: every H "
+                      "steps an outer step (dl.local_steps)")
   args = parser.parse_args(argv)
   if args.plot:
     bench.require_examples(parser, "matplotlib", "--plot")
   sizes = [int(s) for s in args.sizes.split(",") if s]
   devices.use_cpu_devices(max(sizes))
   start = time.perf_counter()
+  if args.local_steps:
+    text = local_steps_report(sizes, args.local_steps)
+    return reporting.emit(
+        text + f"\n\ntook {time.perf_counter() - start:.0f} s", args.out)
   dlion, baselines = run(sizes)
   text = report(dlion, baselines, time.perf_counter() - start)
   text += "".join(f"\n- {line}" for line in floor_lines(sizes))
