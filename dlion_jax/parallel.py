@@ -447,7 +447,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
 def _check_params_per_worker_mesh(mesh: Mesh, axis_name, shard_axis) -> None:
   others = {a: s for a, s in mesh.shape.items()
-            if a not in _placement.names(axis_name) and s > 1}
+            if a not in _placement.names(axis_name)}
   if shard_axis is not None or others:
     raise ValueError(
         f"params_per_worker=True runs on a mesh of axis_name={axis_name!r} "

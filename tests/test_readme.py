@@ -140,3 +140,32 @@ def test_doc_commands_run_in_order_never_reuse_a_run_dir():
     fresh = [_run_dir(c) for c in commands
              if "--resume" not in c and "--overwrite" not in c]
     assert len(fresh) == len(set(fresh)), (doc.name, fresh)
+
+
+def test_readme_local_steps_run_after_the_example(tmp_path):
+  """The README's local steps, run from the Example's params on: they
+  train on, the workers end on one model, and a step sends the vote over
+  a round of 32."""
+  blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                      re.S)
+  example, local = blocks[0], next(b for b in blocks if "dl.local_steps" in b)
+  check = (
+      "\nimport numpy as np\n"
+      "rows = np.asarray(model['w'])\n"
+      "assert (rows == rows[0]).all()\n"
+      "print(f'local loss {float(loss):.4f}')\n"
+      "c = step.lower(params, state, (x, y)).compile()\n"
+      "always = dl.collective_bytes(c, conditional=False)\n"
+      "rounds = always + (dl.collective_bytes(c) - always) / 32\n"
+      "print(f'local sent {8 * rounds / 1024:.4f}')\n")
+  script = tmp_path / "local.py"
+  script.write_text(example + "\n" + local + check)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  first = float(re.search(r"loss (\S+);", out.stdout).group(1))
+  assert float(re.search(r"local loss (\S+)", out.stdout).group(1)) < first
+  sent = float(re.search(r"local sent (\S+)", out.stdout).group(1))
+  # The padded votes (2.84 bits a parameter) once in 32 steps, and every
+  # step the loss's mean (7 bytes: 0.055 bits a parameter of 1,024).
+  assert sent == pytest.approx(2.84 / 32 + 0.055, abs=0.005), out.stdout
