@@ -94,8 +94,8 @@ SGD_LRS = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0)
 DECAYS = (0.0, 1e-3, 0.01, 0.1, 1.0)     # decoupled: times the lr (optax)
 L2S = (0.0, 5e-4, 5e-3, 5e-2)            # SGD: added to the gradient
 B2S = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
-SIGN_OUTER_LRS = (1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
-NESTEROV_OUTER_LRS = (0.1, 0.3, 0.7, 1.0, 1.4)
+SIGN_OUTER_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
+NESTEROV_OUTER_LRS = (0.01, 0.03, 0.1, 0.3, 0.7, 1.0, 1.4)
 
 
 @dataclasses.dataclass(frozen=True)

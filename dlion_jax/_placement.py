@@ -61,7 +61,9 @@ def check_not_over(params: Any, axis_name: str) -> None:
           "workers vote over: each worker holds every param. Shard params "
           "over the mesh's other axes only (dl.devices.shard_params(params, "
           f"mesh, axis_name=...) with an axis other than {axis_name!r}), or "
-          "vote over another axis.")
+          "vote over another axis. (Params stacked per worker for local "
+          "steps? init_worker_states takes one worker's params: build the "
+          "state first, then dl.devices.stack_for_workers(params, mesh).)")
 
 
 def _ids(mesh) -> list[int]:

@@ -23,6 +23,7 @@ import optax
 from dlion_jax import _drift
 from dlion_jax import _placement
 from dlion_jax import _worker_step
+from dlion_jax import rounds
 
 
 def _drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
@@ -148,6 +149,76 @@ class ExchangeCheck:
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
+
+
+class AnchorCheck:
+  """A jitted per-worker-params ``shard_map`` step (local steps) that,
+  when first traced, checks that the anchor its optimizer state holds
+  (:mod:`dlion_jax.rounds`) comes out equal on every worker: the outer
+  step must exchange over the workers' axis."""
+
+  def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
+    functools.update_wrapper(self, jitted)
+    self._jitted, self._axis, self._n = jitted, axis_name, num_workers
+    self._checked = num_workers == 1
+
+  def trace(self, params, state, batch):
+    traced = self._jitted.trace(params, state, batch)
+    if not self._checked:
+      region = [e for e in traced.jaxpr.jaxpr.eqns
+                if e.primitive.name == "shard_map"][-1]
+      _check_anchor_alike(region.params["jaxpr"], params, state, batch,
+                          self._axis)
+      self._checked = True
+    return traced
+
+  def lower(self, params, state, batch):
+    return self.trace(params, state, batch).lower()
+
+  def __call__(self, params, state, batch):
+    if not self._checked:
+      self.trace(params, state, batch)
+    return self._jitted(params, state, batch)
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
+
+
+def _check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:
+  """Raises unless every anchor leaf of the new state is equal on all
+  workers, given per-worker params and batch (the region's last inputs,
+  after the constants it closes over) and a state alike on all."""
+  axes = frozenset(_placement.names(axis_name))
+  n_params, n_state, n_batch = (len(jax.tree.leaves(t))
+                                for t in (params, state, batch))
+  consts = len(_drift.open_jaxpr(jaxpr).invars) - n_params - n_state - n_batch
+  varying = _drift.varying_outputs(
+      jaxpr, [frozenset()] * consts + [axes] * n_params
+      + [frozenset()] * n_state + [axes] * n_batch)
+  new_state = varying[n_params:n_params + n_state]
+  flags = jax.tree.leaves(rounds.anchor_flags(state))
+  drifting = [jax.tree_util.keystr(path) for (path, _), flag, axes_ in zip(
+      jax.tree_util.tree_leaves_with_path(state), flags, new_state)
+              if flag and axes_ & axes]
+  if not drifting:
+    return
+  named = ", ".join(drifting[:3]) + (
+      f" and {len(drifting) - 3} more" if len(drifting) > 3 else "")
+  finite = any(isinstance(x, optax.ApplyIfFiniteState) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState)))
+  raise ValueError(
+      f"dl.local_steps: the anchor (state leaves {named}) would differ "
+      "from worker to worker after a round: "
+      + ("optax.apply_if_finite decides from each worker's own gradients "
+         "whether it applies the round's outer step. Wrap the optimizer in "
+         f"dl.apply_if_finite(tx, max_consecutive_errors, "
+         f"axis_name={axis_name!r}) instead, which decides alike."
+         if finite else
+         f"the outer optimizer exchanges nothing over axis {axis_name!r} "
+         "(or applies a per-worker value after its exchange). Build it with "
+         f"axis_name={axis_name!r}: dl.distributed_lion(lr, "
+         f"axis_name={axis_name!r}, weight_decay=0.0) or "
+         f"dl.rounds.nesterov_outer(lr, axis_name={axis_name!r})."))
 
 
 def require_exchange(fn: Callable, axis_name: str, num_workers: int,

@@ -414,7 +414,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
       def local_step(params, state, batch):
         local_params = (lax.pcast(params, axis_name, to="varying")
-                        if check_vma else params)
+                        if check_vma and not params_per_worker else params)
         params, state, loss = learn(params, local_params, state, batch)
         return params, state, _worker_step.mean_of_workers(loss, axis_name)
 
@@ -440,7 +440,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         build, jitted, mesh, tx, check_placement=shard_axis is None)
   grads_first = shard_axis is not None or bool(
       _placement.explicit_axes(mesh, axis_name))
-  if not params_per_worker:     # whose params differ within a round
+  if params_per_worker:     # whose params differ within a round
+    jitted = _replication.AnchorCheck(jitted, axis_name, n)
+  else:
     jitted = _replication.ExchangeCheck(jitted, axis_name, n, grads_first)
   return limit_in_flight(jitted, devices=mesh.devices.flat)
 
@@ -461,12 +463,7 @@ def _check_params_layout(params, state, n: int, params_per_worker: bool):
   """Per-worker params where the step wants them, and where local steps
   need them (:func:`dlion_jax.local_steps`)."""
   if not params_per_worker:
-    if rounds.has_local_steps(state):
-      raise ValueError(
-          "the optimizer runs local steps (dl.local_steps), whose workers "
-          "each train their own params: build the step with "
-          "make_train_step(..., params_per_worker=True) and pass params "
-          "stacked per worker, dl.devices.stack_for_workers(params, mesh).")
+    rounds.refuse(state, "make_train_step's step without params_per_worker")
     return
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     if not leaf.shape or leaf.shape[0] != n:
@@ -544,6 +541,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   @functools.wraps(step)          # keeps pmap's lower, trace, ...
   def checked_step(params, state, batch):
+    rounds.refuse(state, "make_pmap_train_step's step")
     stacked = "a copy for each of its devices stacked"
     _per_worker.check_leading_axis(
         params, n, "params", stacked,

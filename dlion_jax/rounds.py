@@ -72,6 +72,14 @@ def local_steps(inner: optax.GradientTransformation,
   the new anchor. ``inner`` keeps its state across rounds (DiLoCo's
   AdamW); ``outer`` steps once a round, so its schedules count rounds.
 
+  The outer optimizer sees only pseudo-gradients: a param the inner one
+  never moves (frozen by :func:`optax.masked` or :func:`optax.set_to_zero`)
+  has a zero one, which Distributed Lion's binary vote counts as -1 (as it
+  counts ``c = 0``), so freeze it in ``outer`` too (the same
+  :func:`optax.multi_transform` around both) or vote ``"ternary"``. Weight
+  decay belongs to ``inner``: give ``dl.distributed_lion`` as ``outer``
+  ``weight_decay=0.0`` (its default, 1e-3, would decay the anchor again).
+
   ``params + update`` is the new anchor up to the rounding of the
   subtraction that made the update: the steps of
   :func:`dlion_jax.parallel.make_train_step` put every worker exactly on it
@@ -82,7 +90,8 @@ def local_steps(inner: optax.GradientTransformation,
     inner: the optimizer each worker runs on its own params, e.g.
       ``optax.lion(lr)`` or ``optax.adamw(lr)``: one that sends nothing.
     outer: the optimizer of the pseudo-gradients over the workers' axis,
-      e.g. ``dl.distributed_lion(outer_lr, axis_name="data")`` or
+      e.g. ``dl.distributed_lion(outer_lr, axis_name="data",
+      weight_decay=0.0)`` or
       :func:`~dlion_jax.rounds.nesterov_outer`. Its update must be the same
       on every worker.
     every: ``H``, the steps of a round (1: an outer step every step).
@@ -92,9 +101,8 @@ def local_steps(inner: optax.GradientTransformation,
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
-    >>> tx = dl.local_steps(
-    ...     optax.sgd(0.1), dl.distributed_lion(0.5, axis_name="data"),
-    ...     every=2)
+    >>> tx = dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+    ...     0.5, axis_name="data", weight_decay=0.0), every=2)
     >>> def worker(g, p):                  # one worker's two steps
     ...   state = tx.init(p)
     ...   for _ in range(2):
@@ -111,11 +119,15 @@ def local_steps(inner: optax.GradientTransformation,
   every = positive_int("every", every)
 
   def init_fn(params):
+    inner_state = inner.init(params)
+    if has_local_steps(inner_state):
+      raise ValueError(
+          "local_steps: the inner optimizer runs local steps of its own; "
+          "nest none: one local_steps around the whole optimizer.")
     return LocalStepsState(
         count=jnp.zeros([], jnp.int32),
-        anchor=jax.tree.map(jnp.asarray, params),
-        inner_state=inner.init(params), outer_state=outer.init(params),
-        restart=jnp.zeros([], bool))
+        anchor=jax.tree.map(jnp.asarray, params), inner_state=inner_state,
+        outer_state=outer.init(params), restart=jnp.zeros([], bool))
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -180,17 +192,39 @@ def restart_at_anchor(params: Any, state: Any) -> Any:
   where its last update ended a round: every worker restarts exactly there
   (``params + update`` may differ from it in the last bit, and by a
   different bit on each worker). ``params`` unchanged where ``state`` holds
-  no local steps."""
-  found = _local_steps_states(state)
-  if not found:
-    return params
-  if len(found) > 1:
+  no local steps, and on the leaves a local steps inside
+  :func:`optax.masked` or :func:`optax.multi_transform` does not own."""
+  masked = lambda x: isinstance(x, optax.MaskedNode)
+  for local in _local_steps_states(state):
+    params = jax.tree.map(
+        lambda a, p, restart=local.restart: p if masked(a) else jnp.where(
+            restart, a, p).astype(p.dtype), local.anchor, params,
+        is_leaf=masked)
+  return params
+
+
+def refuse(state: Any, where: str) -> None:
+  """Raises a ValueError naming the step that runs local steps where
+  ``where`` (a step holding one copy of the params) cannot."""
+  if has_local_steps(state):
     raise ValueError(
-        f"the optimizer state holds {len(found)} local_steps states; "
-        "nest one local_steps around the whole optimizer.")
-  (local,) = found
-  return jax.tree.map(lambda a, p: jnp.where(local.restart, a, p).astype(
-      p.dtype), local.anchor, params)
+        f"{where} holds one copy of the params for every worker, but the "
+        "optimizer runs local steps (dl.local_steps), whose workers each "
+        "train their own: build the step with dl.parallel.make_train_step("
+        "loss_fn, tx, mesh, params_per_worker=True) and params from "
+        "dl.devices.stack_for_workers(params, mesh).")
+
+
+def anchor_flags(state: Any) -> Any:
+  """``state`` with True at the leaves of a :class:`LocalStepsState`'s
+  anchor and False elsewhere (what must be the same on every worker)."""
+  def flags(x):
+    if isinstance(x, LocalStepsState):
+      return jax.tree.map(lambda _: False, x)._replace(
+          anchor=jax.tree.map(lambda _: True, x.anchor))
+    return jax.tree.map(lambda _: False, x)
+  return jax.tree.map(flags, state,
+                      is_leaf=lambda x: isinstance(x, LocalStepsState))
 
 
 def anchor(state: Any) -> Any:

@@ -525,7 +525,8 @@ def update(tx, *, axis_name: str = "data",
                     axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
-    from dlion_jax import _per_worker, shards     # import this module
+    from dlion_jax import _per_worker, rounds, shards  # import this module
+    rounds.refuse(state, "dl.workers.update's step")
     n = _mesh_size(axis_name)
     fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
            "not jax.grad of the whole batch.")

@@ -212,3 +212,121 @@ def test_mistakes_are_named():
     tx.update(params, tx.init(params))
   assert_names(e, "local_steps needs the params", "tx.update(grads, state, "
                "params)")
+
+
+def test_check_vma_gives_the_same_steps():
+  params, grads = problem(3, EVERY + 1)
+  tx = dl.local_steps(optax.sgd(INNER_LR), dl.distributed_lion(
+      OUTER_LR, axis_name="data"), every=EVERY)
+  mesh = devices.data_mesh(3)
+  runs = []
+  for check_vma in (False, True):
+    state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                        mesh)
+    ps = devices.stack_for_workers(params, mesh)
+    step = parallel.make_train_step(linear_loss, tx, mesh, check_vma=check_vma,
+                                    params_per_worker=True)
+    for g in grads:
+      ps, state, _ = step(ps, state, devices.shard_batch(g, mesh))
+    runs.append(jax.device_get(ps))
+  for k in SHAPES:
+    np.testing.assert_array_equal(runs[0][k], runs[1][k])
+
+
+@pytest.mark.parametrize("outer,named", [
+    (optax.sgd(0.7, momentum=0.9, nesterov=True),     # no pmean: DiLoCo
+     "dl.rounds.nesterov_outer(lr, axis_name='data')"),   # written wrongly
+    (dl.distributed_lion(0.1), "axis_name='data'"),
+])
+def test_an_outer_step_that_sends_nothing_is_refused(outer, named):
+  """Each worker would move its own anchor: refused when the step is
+  traced, naming the outer optimizer's fix."""
+  tx = dl.local_steps(optax.sgd(0.1), outer, every=2)
+  params, grads = problem(3, 1)
+  with pytest.raises(ValueError) as e:
+    run_step(tx, params, grads, 3)
+  assert_names(e, "dl.local_steps: the anchor", named)
+
+
+def test_optax_apply_if_finite_around_local_steps_names_the_fix():
+  tx = optax.apply_if_finite(dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+      0.1, axis_name="data"), every=2), 3)
+  params, grads = problem(3, 1)
+  with pytest.raises(ValueError) as e:
+    run_step(tx, params, grads, 3)
+  assert_names(e, "optax.apply_if_finite", "dl.apply_if_finite(tx, "
+               "max_consecutive_errors, axis_name='data')")
+  guarded = dl.apply_if_finite(dl.local_steps(optax.sgd(0.1),
+                                              dl.distributed_lion(
+                                                  0.1, axis_name="data"),
+                                              every=2), 3)
+  run_step(guarded, params, grads, 3)                 # accepted
+
+
+def test_frozen_params_stay_when_the_outer_step_freezes_them_too():
+  """A param the inner optimizer never moves has a zero pseudo-gradient,
+  which a binary vote counts as -1 (as Distributed Lion counts c = 0): the
+  docstring's recipe freezes it in the outer optimizer as well."""
+  num_workers = 3
+  params, grads = problem(num_workers, 2 * EVERY)
+  labels = {"w": "train", "b": "frozen"}
+  freeze = lambda tx: optax.multi_transform(
+      {"train": tx, "frozen": optax.set_to_zero()}, labels)
+  tx = dl.local_steps(freeze(optax.sgd(INNER_LR)), freeze(
+      dl.distributed_lion(OUTER_LR, axis_name="data", weight_decay=0.0)),
+                      every=EVERY)
+  history, _ = run_step(tx, params, grads, num_workers)
+  np.testing.assert_array_equal(history[-1]["b"], np.broadcast_to(
+      params["b"], (num_workers, *SHAPES["b"])))
+  assert not np.array_equal(history[-1]["w"][0], params["w"])
+  unfrozen = dl.local_steps(freeze(optax.sgd(INNER_LR)), dl.distributed_lion(
+      OUTER_LR, axis_name="data", weight_decay=0.0), every=EVERY)
+  moved, _ = run_step(unfrozen, params, grads, num_workers)
+  assert not np.array_equal(moved[-1]["b"][0], params["b"])
+
+
+def test_local_steps_under_multi_transform_restart_their_own_leaves():
+  num_workers = 3
+  params, grads = problem(num_workers, EVERY)
+  local = dl.local_steps(optax.lion(0.1), dl.distributed_lion(
+      0.3, axis_name="data"), every=EVERY)
+  tx = optax.multi_transform({"local": local, "global": optax.chain(
+      dl.transforms.pmean_gradients("data"), optax.sgd(0.1))},
+                             {"w": "local", "b": "global"})
+  history, _ = run_step(tx, params, grads, num_workers)
+  for k in SHAPES:          # one model at the round's end, on both leaves
+    np.testing.assert_array_equal(history[-1][k], np.broadcast_to(
+        history[-1][k][0], history[-1][k].shape))
+
+
+def test_local_steps_inside_local_steps_is_refused():
+  inner = dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+      0.1, axis_name="data"), every=2)
+  tx = dl.local_steps(inner, dl.distributed_lion(0.1, axis_name="data"),
+                      every=4)
+  with pytest.raises(ValueError, match="nest none"):
+    tx.init({"w": jnp.zeros(3)})
+
+
+def test_steps_holding_one_copy_of_the_params_name_params_per_worker():
+  mesh = devices.data_mesh(2)
+  params = {"w": jnp.zeros(3)}
+  tx = dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+      0.1, axis_name="data"), every=2)
+  pmap_step = parallel.make_pmap_train_step(linear_loss, tx,
+                                            devices=jax.devices()[:2])
+  with pytest.raises(ValueError) as e:
+    pmap_step(devices.replicate_for_pmap(params, 2),
+              parallel.init_pmap_states(tx, params, 2),
+              {"w": jnp.ones((2, 1, 3))})
+  assert_names(e, "make_pmap_train_step's step", "params_per_worker=True")
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
+    dl.workers.update(tx)({"w": jnp.ones((2, 3))}, state, params)
+  assert_names(e, "dl.workers.update's step", "params_per_worker=True")
+  with pytest.raises(ValueError) as e:       # stacked before the state
+    parallel.init_worker_states(tx, devices.stack_for_workers(params, mesh),
+                                mesh)
+  assert_names(e, "build the state first, then "
+               "dl.devices.stack_for_workers(params, mesh)")

@@ -9,6 +9,8 @@ import pytest
 pytest.importorskip("flax", reason="the train CLI needs the [examples] extra")
 
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
 
 import dlion_jax as dl  # noqa: E402
 from dlion_jax.train import cli  # noqa: E402
@@ -93,3 +95,48 @@ def test_config_mistakes_name_the_key(tmp_path):
     load_config(quickstart, [*base, "optimizer.local_steps=0"])
   with pytest.raises(ConfigError, match="optimizer.outer='adam'"):
     load_config(quickstart, [*base, "optimizer.outer=adam"])
+
+
+def test_the_vote_steps_take_the_schedule_shape_at_each_round_end():
+  """Zero gradients: no inner step moves, every pseudo-gradient is 0, which
+  the binary vote counts as -1, so the anchor rises by the outer learning
+  rate of each round: the peak times the cosine at the round's last step."""
+  from dlion_jax.train import optimizers    # pylint: disable=import-outside-toplevel
+  cfg = load_config(cli.resolve_config("quickstart"), [
+      "optimizer.local_steps=4", "train.steps=16", "optimizer.warmup_steps=0",
+      "optimizer.weight_decay=0", "optimizer.outer_learning_rate=0.5"])
+  cfg = cfg.optimizer
+  tx = optimizers.build_optimizer(cfg, total_steps=16)
+  schedule = optimizers.make_schedule(cfg, 16)
+
+  def worker(params):
+    state, anchors = tx.init(params), []
+    for _ in range(16):
+      updates, state = tx.update(jax.tree.map(jnp.zeros_like, params), state,
+                                 params)
+      params = dl.rounds.restart_at_anchor(
+          optax.apply_updates(params, updates), state)
+      anchors.append(params["w"])
+    return jnp.stack(anchors)
+  # Two workers: one alone would take Lion's own sign(0) = 0.
+  anchors = jax.vmap(worker, axis_name="data")(
+      {"w": jnp.zeros((2, 1))})[0, :, 0]
+  rises = np.diff(np.asarray(anchors)[3::4], prepend=0.0)
+  want = [0.5 * schedule(4 * r + 3) / cfg.learning_rate for r in range(4)]
+  np.testing.assert_allclose(rises, want, rtol=1e-5)
+  assert rises[0] > rises[-1] > 0
+
+
+def test_a_run_that_ends_mid_round_is_warned_about():
+  from dlion_jax.train.config import local_steps_warning    # pylint: disable=import-outside-toplevel
+  quickstart = cli.resolve_config("quickstart")
+  warn = lambda *o: local_steps_warning(load_config(quickstart, list(o)))
+  assert warn("optimizer.local_steps=8", "train.steps=64") is None
+  assert_names(warn("optimizer.local_steps=32", "train.steps=40"),
+               "the last 8 steps end no round", "step 32's",
+               "train.steps=32 or 64")
+  assert_names(warn("optimizer.local_steps=32", "train.steps=20"),
+               "shorter than one round", "the untrained one")
+  with pytest.raises(ConfigError, match=r"optimizer.outer_momentum=1.5"):
+    load_config(quickstart, ["optimizer.local_steps=4",
+                             "optimizer.outer_momentum=1.5"])

@@ -99,7 +99,8 @@ class OptimizerConfig:
   # all-reduce). 1: every step is an optimizer step over the workers.
   local_steps: int = 1
   outer: str = "dlion"              # dlion | nesterov
-  # null: nesterov 0.7 (DiLoCo's); dlion 10 x learning_rate.
+  # nesterov: constant, null 0.7 (DiLoCo's); dlion: the peak, null 10 x
+  # learning_rate, shaped by the schedule above at each round's last step.
   outer_learning_rate: Optional[float] = None
   outer_momentum: float = 0.9       # nesterov's momentum; dlion's b1
   outer_b2: float = 0.99            # dlion's b2
@@ -268,6 +269,10 @@ def _validate_local_steps(config: Config) -> None:
         f"local_steps={opt.local_steps}: the outer vote's momenta are not "
         f"synced yet. Set optimizer.momentum_sync=0, {fix}.",
         key="optimizer.momentum_sync")
+  for key in ("outer_momentum", "outer_b2"):
+    if not 0 <= getattr(opt, key) < 1:
+      raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
+                        "[0, 1).", key=f"optimizer.{key}")
   if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
     raise ConfigError(
         f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
@@ -289,6 +294,24 @@ def schedule_warning(config: Config) -> str | None:
           + ("" if opt.schedule == "constant" else
              ", and the cosine decay never starts")
           + f". Lower it, e.g. --set optimizer.warmup_steps={steps // 10}.")
+
+
+def local_steps_warning(config: Config) -> str | None:
+  """What a run with local steps leaves out of its model, if anything: the
+  steps after the last round's end (the model is the anchor of the last
+  outer step), or every step of a run shorter than a round."""
+  h, steps = config.optimizer.local_steps, config.train.steps
+  if h == 1 or steps % h == 0:
+    return None
+  if steps < h:
+    return (f"train.steps={steps} is shorter than one round of "
+            f"optimizer.local_steps={h}: no outer step runs, and the model "
+            "evaluated and returned is the untrained one. Set train.steps to "
+            f"a multiple of {h}, or lower optimizer.local_steps.")
+  return (f"train.steps={steps} is not a multiple of optimizer.local_steps="
+          f"{h}: the last {steps % h} steps end no round, so the model "
+          f"evaluated and saved (the anchor) is step {steps - steps % h}'s. "
+          f"Set train.steps={steps - steps % h} or {steps - steps % h + h}.")
 
 
 # The data.limit_* keys each dataset's loader takes.

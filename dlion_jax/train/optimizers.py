@@ -81,7 +81,7 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
   """The optimizer a config names, bound to the data-parallel axis."""
   lr = make_schedule(cfg, total_steps)
   if cfg.local_steps > 1:
-    return dl.local_steps(_alone(cfg, lr), _outer(cfg, axis_name),
+    return dl.local_steps(_alone(cfg, lr), _outer(cfg, lr, axis_name),
                           every=cfg.local_steps)
   if cfg.name == "dlion":
     return dl.distributed_lion(
@@ -115,16 +115,21 @@ def _alone(cfg: OptimizerConfig, lr) -> optax.GradientTransformation:
   raise ValueError(f"Unknown optimizer.name={cfg.name!r}.")
 
 
-def _outer(cfg: OptimizerConfig,
+def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
            axis_name: str) -> optax.GradientTransformation:
-  """The outer optimizer of local steps, over ``axis_name``."""
-  lr = cfg.outer_learning_rate
-  if lr is None:
-    lr = (NESTEROV_OUTER_LEARNING_RATE if cfg.outer == "nesterov"
-          else DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate)
+  """The outer optimizer of local steps, over ``axis_name``. Nesterov's
+  learning rate is constant (DiLoCo's); the vote's sign steps take the
+  inner ``schedule``'s shape at each round's last step, their size not
+  shrinking with the pseudo-gradients'."""
+  peak = cfg.outer_learning_rate
   if cfg.outer == "nesterov":
-    return dl.rounds.nesterov_outer(lr, momentum=cfg.outer_momentum,
-                                    axis_name=axis_name)
+    return dl.rounds.nesterov_outer(
+        _or(peak, NESTEROV_OUTER_LEARNING_RATE),
+        momentum=cfg.outer_momentum, axis_name=axis_name)
+  peak = _or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate)
+  h = cfg.local_steps
+  lr = peak if not cfg.learning_rate else (
+      lambda rounds: peak * schedule((rounds + 1) * h - 1) / cfg.learning_rate)
   # The inner optimizer decays the weights: none in the outer step.
   return dl.distributed_lion(
       lr, b1=cfg.outer_momentum, b2=cfg.outer_b2, weight_decay=0.0,

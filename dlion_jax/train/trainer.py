@@ -48,6 +48,7 @@ from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import Config
 from dlion_jax.train.config import ConfigError
+from dlion_jax.train.config import local_steps_warning
 from dlion_jax.train.config import schedule_warning
 from dlion_jax.train.config import to_dict
 
@@ -354,8 +355,9 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     say(f"resumed from step {start}" + (f" on {resized}" if resized else ""))
   if main_process:
     _start_files(cfg, start)
-    if schedule_warning(cfg):
-      print(f"warning: {schedule_warning(cfg)}", file=sys.stderr, flush=True)
+    for warning in (schedule_warning(cfg), local_steps_warning(cfg)):
+      if warning:
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
   run.step = start
   try:
     return _train_from(cfg, run, say=say, progress=progress and main_process,
