@@ -64,7 +64,8 @@ LAYOUT_ROWS = ("flat, 4 voters", "2 nodes x 2, shard_axis",
                "2 nodes x 2, zero3")
 
 
-@pytest.mark.parametrize("placement", ["zero3", "replicated"])
+@pytest.mark.parametrize("placement", [
+    "zero3", pytest.param("replicated", marks=pytest.mark.slow)])
 def test_the_plain_step_sends_what_the_shard_axis_step_sends(placement):
   """bench.hybrid --plain's measurement: D-Lion's plain jitted step on a
   2 x 4 mesh, given the params' placement, sends over data what

@@ -93,8 +93,9 @@ def dlion_outer(num_workers, aggregation):
   return outer
 
 
-@pytest.mark.parametrize("num_workers", [3, 4])
-@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("num_workers,aggregation", [
+    (3, "mavo"), (4, "avg"), pytest.param(4, "mavo", marks=pytest.mark.slow),
+    pytest.param(3, "avg", marks=pytest.mark.slow)])
 def test_dlion_outer_matches_numpy_for_every_comm(num_workers, aggregation):
   params, grads = problem(num_workers, 2 * EVERY + 1)
   want = numpy_rounds(params, grads, num_workers,

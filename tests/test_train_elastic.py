@@ -37,7 +37,8 @@ def _from_step_100(run_dir, copy):
   return copy
 
 
-@pytest.mark.parametrize("old,new", [(8, 4), (4, 8)])
+@pytest.mark.parametrize("old,new", [
+    (8, 4), pytest.param(4, 8, marks=pytest.mark.slow)])
 def test_resumed_on_other_workers_ends_near_the_uninterrupted_run(
     tmp_path, old, new):
   full = trainer.train(_config(tmp_path / "full", f"workers={old}"),

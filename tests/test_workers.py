@@ -342,10 +342,12 @@ def placed_steps(txs, shape, kind, steps=3, seed=0):
   return out
 
 
-@pytest.mark.parametrize("kind", [AxisType.Explicit, AxisType.Auto])
-@pytest.mark.parametrize("shape", [
-    (2, 4), pytest.param((4, 2), marks=pytest.mark.slow),
-    pytest.param((2, 2, 2), marks=pytest.mark.slow)])
+@pytest.mark.parametrize("shape,kind", [
+    ((2, 4), AxisType.Auto),
+    pytest.param((2, 4), AxisType.Explicit, marks=pytest.mark.slow),
+    *(pytest.param(shape, kind, marks=pytest.mark.slow)
+      for shape in ((4, 2), (2, 2, 2))
+      for kind in (AxisType.Explicit, AxisType.Auto))])
 def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
   """Params sharded over the fast axes (FSDP, tensor parallel): each
   device votes on its own block of every leaf, the params and states
