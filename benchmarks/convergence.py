@@ -465,9 +465,8 @@ def summary_table(runs: list[dict], task: str) -> str:
 def _bits(runs, task, row, workers, n_bits) -> str:
   """Bits a worker sent per param per step at ``n_bits``, and their range
   over ``workers`` (they grow with N)."""
-  bits = {n: statistics.fmean(sent) for n in workers
-          if (sent := [r["bits"] for r in _evals(runs, task, row, n)
-                       if math.isfinite(r["bits"])])}   # not a NaN run's
+  bits = {n: mean for n in workers
+          if (mean := _mean_bits(runs, task, row, n)) is not None}
   text = f"{bits[n_bits]:.2f} (N={n_bits})"
   if len(bits) > 1:
     text += (f"; {min(bits.values()):.2f}-{max(bits.values()):.2f} at "
@@ -556,6 +555,8 @@ def verdicts(runs: list[dict], task: str) -> list[str]:
 
 
 def _mean_bits(runs, task, row, n) -> float | None:
+  """The mean bits per param per step of ``row``'s runs at ``n`` at its
+  pick (not a NaN run's), or None."""
   sent = [r["bits"] for r in _evals(runs, task, row, n)
           if math.isfinite(r["bits"])]
   return statistics.fmean(sent) if sent else None

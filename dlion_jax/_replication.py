@@ -107,81 +107,76 @@ def _check_no_drift(jaxpr, params: Any, num_varying: int, axis_name,
                        state)
 
 
-class ExchangeCheck:
-  """A jitted ``shard_map`` step that, when first traced, checks that its
-  new params are equal on every worker (:mod:`dlion_jax._drift`). It reads
-  the trace jit caches anyway, so the check costs no second trace."""
+class _CheckedOnFirstTrace:
+  """A jitted ``shard_map`` step that, when first traced, runs a check on
+  its update's region (the last ``shard_map``). It reads the trace jit
+  caches anyway, so the check costs no second trace."""
+
+  def __init__(self, jitted: Callable, num_workers: int):
+    functools.update_wrapper(self, jitted)
+    self._jitted = jitted
+    self._checked = num_workers == 1
+
+  def _check_region(self, region, params, state, batch) -> None:
+    raise NotImplementedError
+
+  def trace(self, params, state, batch):
+    traced = self._jitted.trace(params, state, batch)
+    if not self._checked:
+      region = [e for e in traced.jaxpr.jaxpr.eqns
+                if e.primitive.name == "shard_map"][-1]
+      self._check_region(region, params, state, batch)
+      self._checked = True
+    return traced
+
+  def lower(self, params, state, batch):
+    return self.trace(params, state, batch).lower()
+
+  def __call__(self, params, state, batch):
+    if not self._checked:
+      self.trace(params, state, batch)
+    return self._jitted(params, state, batch)
+
+  def __getattr__(self, name):
+    return getattr(self._jitted, name)
+
+
+class ExchangeCheck(_CheckedOnFirstTrace):
+  """A step whose new params must be equal on every worker
+  (:mod:`dlion_jax._drift`)."""
 
   def __init__(self, jitted: Callable, axis_name: str, num_workers: int,
                grads_first: bool):
-    functools.update_wrapper(self, jitted)
-    self._jitted, self._axis, self._n = jitted, axis_name, num_workers
-    self._grads_first = grads_first
-    self._checked = num_workers == 1
+    super().__init__(jitted, num_workers)
+    self._axis, self._n, self._grads_first = axis_name, num_workers, grads_first
 
-  def trace(self, params, state, batch):
-    traced = self._jitted.trace(params, state, batch)
-    if not self._checked:
-      # The update's region is the last. Its last inputs differ by worker:
-      # the batch, or (a step that differentiates before the region) each
-      # worker's loss and float gradients, the loss also among its outputs
-      # after the params and state. (Constants it closes over come first.)
-      region = [e for e in traced.jaxpr.jaxpr.eqns
-                if e.primitive.name == "shard_map"][-1]
-      if self._grads_first:
-        varying = (len(region.outvars) - len(jax.tree.leaves(params))
-                   - len(jax.tree.leaves(state))
-                   + len(_worker_step.float_leaves(params)))
-      else:
-        varying = len(jax.tree.leaves(batch))
-      _check_no_drift(region.params["jaxpr"], params, varying,
-                      self._axis, self._n, state)
-      self._checked = True
-    return traced
-
-  def lower(self, params, state, batch):
-    return self.trace(params, state, batch).lower()
-
-  def __call__(self, params, state, batch):
-    if not self._checked:
-      self.trace(params, state, batch)
-    return self._jitted(params, state, batch)
-
-  def __getattr__(self, name):
-    return getattr(self._jitted, name)
+  def _check_region(self, region, params, state, batch) -> None:
+    # The region's last inputs differ by worker: the batch, or (a step
+    # that differentiates before the region) each worker's loss and float
+    # gradients, the loss also among its outputs after the params and
+    # state. (Constants it closes over come first.)
+    if self._grads_first:
+      varying = (len(region.outvars) - len(jax.tree.leaves(params))
+                 - len(jax.tree.leaves(state))
+                 + len(_worker_step.float_leaves(params)))
+    else:
+      varying = len(jax.tree.leaves(batch))
+    _check_no_drift(region.params["jaxpr"], params, varying, self._axis,
+                    self._n, state)
 
 
-class AnchorCheck:
-  """A jitted per-worker-params ``shard_map`` step (local steps) that,
-  when first traced, checks that the anchor its optimizer state holds
-  (:mod:`dlion_jax.rounds`) comes out equal on every worker: the outer
-  step must exchange over the workers' axis."""
+class AnchorCheck(_CheckedOnFirstTrace):
+  """A per-worker-params step (local steps) whose new anchor
+  (:mod:`dlion_jax.rounds`) must be equal on every worker: the outer step
+  must exchange over the workers' axis."""
 
   def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
-    functools.update_wrapper(self, jitted)
-    self._jitted, self._axis, self._n = jitted, axis_name, num_workers
-    self._checked = num_workers == 1
+    super().__init__(jitted, num_workers)
+    self._axis = axis_name
 
-  def trace(self, params, state, batch):
-    traced = self._jitted.trace(params, state, batch)
-    if not self._checked:
-      region = [e for e in traced.jaxpr.jaxpr.eqns
-                if e.primitive.name == "shard_map"][-1]
-      _check_anchor_alike(region.params["jaxpr"], params, state, batch,
-                          self._axis)
-      self._checked = True
-    return traced
-
-  def lower(self, params, state, batch):
-    return self.trace(params, state, batch).lower()
-
-  def __call__(self, params, state, batch):
-    if not self._checked:
-      self.trace(params, state, batch)
-    return self._jitted(params, state, batch)
-
-  def __getattr__(self, name):
-    return getattr(self._jitted, name)
+  def _check_region(self, region, params, state, batch) -> None:
+    _check_anchor_alike(region.params["jaxpr"], params, state, batch,
+                        self._axis)
 
 
 def _check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:

@@ -48,12 +48,25 @@ def test_readme_example_runs_with_a_schedule(tmp_path):
   assert float(re.search(r"loss (\S+);", out.stdout).group(1)) < 5.0
 
 
+def _run_after_the_example(tmp_path, block: str, check: str) -> str:
+  """The stdout of the README's Example, then ``block``, then ``check``,
+  run as one script (which must exit 0)."""
+  example = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                      re.S).group(1)
+  script = tmp_path / "after_example.py"
+  script.write_text(example + "\n" + block + check)
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  return out.stdout
+
+
 def test_readme_plain_step_runs_after_the_example(tmp_path):
   """The README's plain jitted step (dl.workers), run from the Example's
   params on: it trains on, and sends what the Example's step sends."""
   blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
                       re.S)
-  example, plain = blocks[0], blocks[1]
+  plain = blocks[1]
   assert "dl.workers.update(tx)" in plain
   check = (
       "\nprint(f'plain loss {float(loss):.4f}')\n"
@@ -61,17 +74,13 @@ def test_readme_plain_step_runs_after_the_example(tmp_path):
       "  plain_sent = dl.collective_bytes(\n"
       "      plain_step.lower(params, state, x, y).compile())\n"
       "print(f'plain sent {plain_sent:.0f}')\n")
-  script = tmp_path / "plain.py"
-  script.write_text(example + "\n" + plain + check)
-  out = subprocess.run([sys.executable, str(script)], capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  assert float(re.search(r"plain loss (\S+)", out.stdout).group(1)) < 1.0
-  first = float(re.search(r"sent (\S+) bits/param/step", out.stdout).group(1))
-  plain_sent = float(re.search(r"plain sent (\S+)", out.stdout).group(1))
+  out = _run_after_the_example(tmp_path, plain, check)
+  assert float(re.search(r"plain loss (\S+)", out).group(1)) < 1.0
+  first = float(re.search(r"sent (\S+) bits/param/step", out).group(1))
+  plain_sent = float(re.search(r"plain sent (\S+)", out).group(1))
   # The votes' bytes, and each step's mean of its 8 losses (7 bytes by a
   # pmean, 28 by the plain step's gather): within 0.25 bits/param.
-  assert abs(8 * plain_sent / 1024 - first) < 0.25, out.stdout
+  assert abs(8 * plain_sent / 1024 - first) < 0.25, out
 
 
 def _clone_folder(readme: str) -> str:
@@ -148,7 +157,7 @@ def test_readme_local_steps_run_after_the_example(tmp_path):
   a round of 32."""
   blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
                       re.S)
-  example, local = blocks[0], next(b for b in blocks if "dl.local_steps" in b)
+  local = next(b for b in blocks if "dl.local_steps" in b)
   check = (
       "\nimport numpy as np\n"
       "rows = np.asarray(model['w'])\n"
@@ -158,14 +167,10 @@ def test_readme_local_steps_run_after_the_example(tmp_path):
       "always = dl.collective_bytes(c, conditional=False)\n"
       "rounds = always + (dl.collective_bytes(c) - always) / 32\n"
       "print(f'local sent {8 * rounds / 1024:.4f}')\n")
-  script = tmp_path / "local.py"
-  script.write_text(example + "\n" + local + check)
-  out = subprocess.run([sys.executable, str(script)], capture_output=True,
-                       text=True, timeout=300)
-  assert out.returncode == 0, out.stderr[-2000:]
-  first = float(re.search(r"loss (\S+);", out.stdout).group(1))
-  assert float(re.search(r"local loss (\S+)", out.stdout).group(1)) < first
-  sent = float(re.search(r"local sent (\S+)", out.stdout).group(1))
+  out = _run_after_the_example(tmp_path, local, check)
+  first = float(re.search(r"loss (\S+);", out).group(1))
+  assert float(re.search(r"local loss (\S+)", out).group(1)) < first
+  sent = float(re.search(r"local sent (\S+)", out).group(1))
   # The padded votes (2.84 bits a parameter) once in 32 steps, and every
   # step the loss's mean (7 bytes: 0.055 bits a parameter of 1,024).
-  assert sent == pytest.approx(2.84 / 32 + 0.055, abs=0.005), out.stdout
+  assert sent == pytest.approx(2.84 / 32 + 0.055, abs=0.005), out
