@@ -331,3 +331,22 @@ def test_steps_holding_one_copy_of_the_params_name_params_per_worker():
                                 mesh)
   assert_names(e, "build the state first, then "
                "dl.devices.stack_for_workers(params, mesh)")
+
+
+def test_per_worker_params_step_equals_the_replicated_step_bit_for_bit():
+  """Without local steps, each worker's row of the per-worker-params step
+  is the replicated step's params, bit for bit (every comm)."""
+  num_workers = 3
+  params, grads = problem(num_workers, 3)
+  mesh = devices.data_mesh(num_workers)
+  for comm in message.COMMS:
+    tx = dl.distributed_lion(OUTER_LR, axis_name="data", comm=comm)
+    history, _ = run_step(tx, params, grads, num_workers)
+    step = parallel.make_train_step(linear_loss, tx, mesh)
+    p = devices.replicate(params, mesh)
+    state = parallel.init_worker_states(tx, p, mesh)
+    for g in grads:
+      p, state, _ = step(p, state, devices.shard_batch(g, mesh))
+    for k in SHAPES:
+      np.testing.assert_array_equal(history[-1][k], np.broadcast_to(
+          np.asarray(p[k]), history[-1][k].shape), err_msg=comm)
