@@ -3,6 +3,9 @@ the test tiers: every test not marked ``integration`` or ``slow`` is
 ``core``."""
 
 import os
+import shutil
+import signal
+import tempfile
 
 import pytest
 
@@ -12,6 +15,15 @@ os.environ["XLA_FLAGS"] = (
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # pytest-xdist's workers each load libtpu for the ahead-of-time TPU compiles.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+# One XLA compilation cache for the run, shared by pytest-xdist's workers
+# and the processes the tests start (they inherit it): many tests compile
+# the same steps, the CLI's above all. Made here, in the controller, before
+# the workers start; removed when the run ends.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
+      prefix="dlion_jax-tests-xla-cache-")
+  os.environ["DLION_JAX_TESTS_OWN_CACHE"] = "1"
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
@@ -26,3 +38,30 @@ def pytest_collection_modifyitems(items):
     if not (item.get_closest_marker("integration")
             or item.get_closest_marker("slow")):
       item.add_marker(pytest.mark.core)
+
+
+def pytest_unconfigure(config):
+  if not hasattr(config, "workerinput") and os.environ.pop(
+      "DLION_JAX_TESTS_OWN_CACHE", None):
+    shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
+
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+@pytest.fixture(autouse=True)
+def _signal_handling_left_as_found():
+  """A test that leaves SIGINT ignored or blocked would make every later
+  test's Ctrl-C to a training process (which inherits both) hang."""
+  handlers = {s: signal.getsignal(s) for s in SIGNALS}
+  blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+  yield
+  changed = {signal.Signals(s).name: (h, signal.getsignal(s))
+             for s, h in handlers.items() if signal.getsignal(s) != h}
+  now_blocked = signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+  for s, h in handlers.items():
+    if h is not None:
+      signal.signal(s, h)
+  assert not changed, f"the test left signal handlers changed: {changed}"
+  assert now_blocked == blocked, (
+      f"the test left signals blocked: {now_blocked - blocked}")
