@@ -119,10 +119,13 @@ class Cluster:
 class Collective:
   """One collective of a step: ``bits`` each device sends per model param,
   among ``group``: ``'all'`` devices, each ``'node'``'s, or ``'across'``
-  (one device per node, every node's devices in parallel)."""
+  (one device per node, every node's devices in parallel). ``every``: it
+  runs once every ``every`` steps (the outer step of
+  :func:`dlion_jax.local_steps`), its time averaged over them."""
   kind: str
   bits: float
   group: str = "all"
+  every: int = 1
 
   def __post_init__(self):
     if self.kind not in KINDS:
@@ -145,13 +148,18 @@ def messages(kind: str, peers: int) -> int:
 def hub_seconds(plan: Sequence[Collective], params: float, devices: int,
                 link: Link) -> float:
   """An exchange with all ``devices``' bits through one shared medium."""
-  bits = devices * params * sum(c.bits for c in plan)
-  return (sum(messages(c.kind, devices) for c in plan) * link.latency
-          + max(bits - link.burst, 0.0) / link.bandwidth)
+  bits = devices * params * sum(c.bits / c.every for c in plan)
+  return (sum(messages(c.kind, devices) / c.every for c in plan)
+          * link.latency + max(bits - link.burst, 0.0) / link.bandwidth)
 
 
 def cluster_seconds(c: Collective, params: float, cluster: Cluster) -> float:
-  """One collective on a two-level cluster (see the module docstring)."""
+  """One collective on a two-level cluster (see the module docstring),
+  averaged over the ``c.every`` steps it runs once in."""
+  return _once(c, params, cluster) / c.every
+
+
+def _once(c: Collective, params: float, cluster: Cluster) -> float:
   n, k = cluster.nodes, cluster.per_node
   sent = c.bits * params
   if c.group == "node":
@@ -201,6 +209,13 @@ def hybrid_plan(cluster: Cluster, *, aggregation: str = "mavo"
           + vote_plan(cluster.nodes, aggregation=aggregation,
                       group="across", share=1 / k)
           + [Collective("all-gather", inside, "node")])
+
+
+def local_steps_plan(plan: Sequence[Collective], every: int
+                     ) -> list[Collective]:
+  """``plan`` as the outer step of :func:`dlion_jax.local_steps` sends it:
+  once a round of ``every`` steps, nothing in between."""
+  return [dataclasses.replace(c, every=every) for c in plan]
 
 
 def exchange_seconds(plan: Sequence[Collective], params: float,
@@ -619,6 +634,33 @@ def break_even_table(cluster: Cluster, cases) -> str:
       + [f"{t}x below (Gb/s a node)" for t in TARGETS], rows)
 
 
+# Steps a round of the local-steps rows (H = 1: an exchange every step).
+LOCAL_STEPS = (1, 8, 32, 128)
+
+
+def local_steps_table(clusters: Sequence[Cluster], compute: float) -> str:
+  """The paper's 3B model with local steps: Distributed Lion's vote as the
+  outer step (flat MaVo auto) against DiLoCo's fp32 all-reduce, once a
+  round of ``H`` steps; each step's exchange averaged over the round, and
+  the speedup over global Lion's fp32 all-reduce every step."""
+  rows = []
+  for cluster in clusters:
+    p = cluster.devices
+    baseline = global_plan(p)
+    for h in LOCAL_STEPS:
+      cells = [cluster.name, str(h)]
+      for plan in (vote_plan(p), global_plan(p)):
+        plan = local_steps_plan(plan, h)
+        ex = exchange_seconds(plan, PAPER_PARAMS, cluster)
+        cells += [_ms(ex), _ms(compute + ex), "{:.2f}x".format(
+            speedup(plan, baseline, PAPER_PARAMS, compute, cluster))]
+      rows.append(cells)
+  return reporting.markdown_table(
+      ["interconnect", "H", "D-Lion outer: exchange ms a step", "step ms",
+       "speedup", "DiLoCo outer (fp32): exchange ms a step", "step ms",
+       "speedup"], rows)
+
+
 def plot(rows, constants, cluster: Cluster, compute: float, path: str
          ) -> None:
   """Model against measurement (left); projected speedup against the
@@ -703,6 +745,14 @@ def report(data: dict, plot_path: str | None = None,
          "there too; no other row overlaps anything."]
         if overlap is not None else []),
       paper_gap(clusters[0]),
+      "With local steps (`dl.local_steps`, `optimizer.local_steps`), the "
+      "same model and compute, an outer exchange once a round of H steps "
+      "and nothing in between; the round's last step pays the whole "
+      "exchange, the table its average over the round (speedups over "
+      "global Lion's fp32 all-reduce every step). What H costs in accuracy "
+      "is measured in docs/training.md (\"Local steps\"), not modelled "
+      "here:",
+      local_steps_table(clusters, compute),
       f"Break-even network bandwidths, {clusters[0].devices} devices, "
       f"{clusters[0].per_node} a node on NVLink, against global Lion's fp32 "
       "all-reduce:",

@@ -16,11 +16,13 @@ row is built from the old rows it takes over:
 Leaves shaped like a param are the momenta (and, with error feedback, the
 residuals: ``error="clear"`` zeroes those instead of mapping them, as
 DeepSpeed's 1-bit Adam does on every load). Every other leaf (step
-counts, schedules' states) is the same on every worker and keeps the
-first old row. N' = N returns the state as it is, bit for bit. A pytree
-that holds the state (a Linen ``TrainState``, an ``nnx.Optimizer``'s
-``nnx.State``) has it resized in place, and the optimizer's own step
-counter, the rest kept.
+counts, schedules' states, the anchor of :func:`dlion_jax.local_steps`)
+is the same on every worker and keeps the first old row. With local
+steps each worker also trains params of its own:
+:func:`resize_worker_params` maps them as the momenta are mapped.
+N' = N returns the state as it is, bit for bit. A pytree that holds the
+state (a Linen ``TrainState``, an ``nnx.Optimizer``'s ``nnx.State``) has
+it resized in place, and the optimizer's own step counter, the rest kept.
 docs/training.md ("Resuming on another number of workers") measures the
 policies; ``"mean"`` is the default.
 """
@@ -42,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from dlion_jax import devices
 from dlion_jax import lion
 from dlion_jax import parallel
+from dlion_jax import rounds
 from dlion_jax._checks import check_choice
 
 RESIZE_POLICIES = ("mean", "all", "keep")
@@ -141,11 +144,12 @@ def _kinds(tx, state: Any, params: Any, error: str) -> Any:
       jax.tree.map(lambda _: False, node), state,
       is_leaf=lambda x: isinstance(x, lion.ErrorFeedbackState))
 
-  def kind(mapped, is_residual):
+  def kind(mapped, is_residual, is_anchor):
     if error == "clear" and is_residual:
       return "clear"
-    return "map" if mapped else "first"
-  return jax.tree.map(kind, param_like, residual)
+    return "map" if mapped and not is_anchor else "first"
+  # Local steps' anchor is the same on every worker: kept as it is.
+  return jax.tree.map(kind, param_like, residual, rounds.anchor_flags(state))
 
 
 def _target_shardings(tx, params, mesh, axis_name, shard_axis) -> Any:
@@ -480,3 +484,81 @@ def restore_target(tx: optax.GradientTransformation, params: Any,
           (num_workers,) + np.shape(x)[1:], jnp.result_type(x),
           sharding=NamedSharding(mesh, P(lead)))
   return jax.tree.unflatten(treedef, leaves)
+
+
+def resize_worker_params(params: Any, mesh: Mesh, *,
+                         axis_name: str = "data",
+                         policy: str = "mean") -> Any:
+  """Per-worker params, stacked for N workers, as those of the N' workers
+  of ``axis_name`` on ``mesh``: what a run of
+  :func:`dlion_jax.local_steps` needs besides its state, since each of its
+  workers trains a copy of its own between outer steps.
+
+  New worker ``j`` takes the mean of the old workers' params that
+  :func:`old_rows` gives it (an average of their copies partway through a
+  round, as its momenta are averaged), or a copy of one. The anchor, in the
+  state, is the same on every worker and :func:`resize_worker_states`
+  keeps it as it is, so the round goes on from the same outer step;
+  a resume at a round's end (every copy on the anchor) changes nothing.
+  Integer leaves take the first of their rows. N' = N returns the params
+  as they are, bit for bit.
+
+  Args:
+    params: every leaf with a leading axis of the N old workers
+      (:func:`dlion_jax.devices.stack_for_workers`' layout; a checkpoint's
+      restores onto ``mesh`` with :func:`worker_params_target`).
+    mesh: the new mesh.
+    axis_name: the workers' axis on ``mesh``.
+    policy: ``"mean"``, ``"all"`` or ``"keep"``, as for the state.
+
+  Returns:
+    ``params`` with N' rows, placed as ``stack_for_workers`` places them.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import devices, elastic
+    >>> mesh = devices.data_mesh(1)
+    >>> params = {"w": jnp.array([[1.0, 2.0], [3.0, 6.0]])}   # 2 workers
+    >>> elastic.resize_worker_params(params, mesh)["w"]
+    Array([[2., 4.]], dtype=float32)
+  """
+  check_choice("policy", policy, RESIZE_POLICIES)
+  num_new = devices.axis_size(mesh, axis_name)
+  leaves = jax.tree.leaves(params)
+  rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
+  if len(rows) != 1 or None in rows:
+    raise ValueError(
+        "params must be stacked for their workers, every leaf on a leading "
+        f"axis of the same size; its leaves lead with "
+        f"{sorted(rows, key=str)}. Pass the per-worker params of a "
+        "local-steps run (dl.devices.stack_for_workers), or a checkpoint "
+        "of them restored with elastic.worker_params_target.")
+  num_old = rows.pop()
+  groups = old_rows(num_old, num_new, policy)
+
+  def one(leaf):
+    if num_old == num_new:
+      return leaf
+    if not jnp.issubdtype(leaf.dtype, jnp.inexact):
+      return jnp.stack([leaf[g[0]] for g in groups])
+    return jnp.stack([_mean(leaf, g) for g in groups])
+  # The old rows onto the new mesh first (a no-op for params restored
+  # there): as the state's, over axis_name where its devices divide them.
+  params = jax.device_put(params, jax.tree.map(
+      lambda _: NamedSharding(mesh, P(_lead(mesh, axis_name, num_old))),
+      params))
+  out = jax.tree.map(lambda _: NamedSharding(mesh, P(axis_name)), params)
+  return jax.jit(lambda t: jax.tree.map(one, t), out_shardings=out)(params)
+
+
+def worker_params_target(params: Any, mesh: Mesh, num_workers: int, *,
+                         axis_name: str = "data") -> Any:
+  """Abstract arrays of per-worker ``params`` (stacked, as the new run
+  holds them) with ``num_workers`` rows on ``mesh``: what a checkpoint of
+  a local-steps run on that many workers restores into before
+  :func:`resize_worker_params`."""
+  lead = _lead(mesh, axis_name, num_workers)
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          (num_workers,) + np.shape(x)[1:], jnp.result_type(x),
+          sharding=NamedSharding(mesh, P(lead))), params)

@@ -142,7 +142,10 @@ def local_steps(inner: optax.GradientTransformation,
     def outer_step(anchor, outer_state):
       trained = optax.apply_updates(params, inner_updates)
       delta = jax.tree.map(jnp.subtract, anchor, trained)
-      outer_updates, outer_state = outer.update(delta, outer_state, anchor)
+      outer_updates, new_state = outer.update(delta, outer_state, anchor)
+      # As it was (a trace of an int leaf would come back float): the
+      # state of both branches of the cond.
+      outer_state = optax.tree_utils.tree_cast_like(new_state, outer_state)
       anchor = optax.apply_updates(anchor, outer_updates)
       to_anchor = jax.tree.map(lambda a, p, u: (a - p).astype(u.dtype),
                                anchor, params, inner_updates)

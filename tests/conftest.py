@@ -26,6 +26,7 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from jax.experimental.compilation_cache import compilation_cache  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
 assert jax.device_count() >= 8, jax.devices()
 
@@ -40,6 +41,16 @@ def pytest_collection_modifyitems(items):
       item.add_marker(pytest.mark.core)
 
 
+@pytest.hookimpl(tryfirst=True)   # before the test's fixtures
+def pytest_runtest_setup(item):
+  """No compilation cache for the compile-only TPU devices (``tpu_aot``):
+  they cannot read an executable back, and jax warns on every read."""
+  on = item.get_closest_marker("tpu_aot") is None
+  if jax.config.jax_enable_compilation_cache != on:
+    jax.config.update("jax_enable_compilation_cache", on)
+    compilation_cache.reset_cache()     # jax reads the option once
+
+
 def pytest_unconfigure(config):
   if not hasattr(config, "workerinput") and os.environ.pop(
       "DLION_JAX_TESTS_OWN_CACHE", None):
@@ -47,12 +58,18 @@ def pytest_unconfigure(config):
 
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# Started in the background (``pytest ... &`` in a script), the run inherits
+# SIGINT ignored, and so would the training processes whose Ctrl-C the tests
+# check: Python's own handling, as in a terminal.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+  signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(autouse=True)
 def _signal_handling_left_as_found():
   """A test that leaves SIGINT ignored or blocked would make every later
-  test's Ctrl-C to a training process (which inherits both) hang."""
+  test's Ctrl-C to a training process (which inherits both) hang; one that
+  leaves a handler of its own, act on a signal as nothing else expects."""
   handlers = {s: signal.getsignal(s) for s in SIGNALS}
   blocked = signal.pthread_sigmask(signal.SIG_BLOCK, [])
   yield

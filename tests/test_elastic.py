@@ -46,12 +46,15 @@ def zero_params(mesh):
 
 
 def expected(rows: np.ndarray, groups) -> np.ndarray:
-  """Each group's rows summed in order in float32, times 1/k, rounded."""
+  """Each group's rows summed in order in float32, times 1/k, rounded;
+  where the group's rows agree, their value."""
   def mean(group):
     total = np.zeros(rows.shape[1:], np.float32)
     for i in group:
       total = total + rows[i].astype(np.float32)
-    return (total * np.float32(1 / len(group))).astype(rows.dtype)
+    alike = np.all(rows[group] == rows[group[0]], axis=0)
+    return np.where(alike, rows[group[0]], (
+        total * np.float32(1 / len(group))).astype(rows.dtype))
   return np.stack([rows[g[0]] if len(g) == 1 else mean(g) for g in groups])
 
 
@@ -413,3 +416,72 @@ def test_a_state_holding_another_optimizers_state_is_refused():
         mesh)
   assert_names(e, "more optimizer state", "['opt_state'][0]",
                "the whole optimizer")
+
+
+def local_steps_run(tx, mesh, steps):
+  """A local-steps run of ``steps`` on random per-worker gradients: each
+  worker's own params (stacked) and the state."""
+  rng = np.random.default_rng(1)
+  params = devices.replicate(
+      {k: rng.normal(size=s).astype(np.float32) for k, s in SHAPES.items()},
+      mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  params = devices.stack_for_workers(params, mesh)
+  step = parallel.make_train_step(
+      lambda p, b: sum(jnp.sum(p[k] * b[k]) for k in p), tx, mesh,
+      donate=False, params_per_worker=True)
+  for _ in range(steps):
+    batch = {k: rng.normal(size=(mesh.size,) + s).astype(np.float32)
+             for k, s in SHAPES.items()}
+    params, state, _ = step(params, state, devices.shard_batch(batch, mesh))
+  return params, state, step
+
+
+@pytest.mark.parametrize("old,new", [(8, 3), (3, 8)])
+def test_local_steps_params_and_state_resize_the_anchor_kept(old, new):
+  """Mid-round (2 steps of a 3-step round): each new worker's params and
+  inner and outer momenta are its group's means, the anchor is the old
+  one bit for bit, and the new workers end the round on one anchor."""
+  tx = dl.local_steps(optax.lion(1e-2), dl.distributed_lion(
+      0.1, axis_name="data", weight_decay=0.0), every=3)
+  params, state, _ = local_steps_run(tx, devices.data_mesh(old), 2)
+  mesh = devices.data_mesh(new)
+  groups = elastic.old_rows(old, new)
+  new_params = elastic.resize_worker_params(params, mesh)
+  new_state = elastic.resize_worker_states(
+      tx, state, zero_params(mesh), mesh)
+  for k in SHAPES:
+    np.testing.assert_array_equal(np.asarray(new_params[k]),
+                                  expected(np.asarray(params[k]), groups))
+    for part in ("inner_state", "outer_state"):
+      np.testing.assert_array_equal(
+          np.asarray(getattr(new_state, part)[0].mu[k]),
+          expected(np.asarray(getattr(state, part)[0].mu[k]), groups))
+    np.testing.assert_array_equal(
+        np.asarray(new_state.anchor[k]),
+        np.broadcast_to(np.asarray(state.anchor[k])[0], (new,) + SHAPES[k]))
+  assert new_params["w"].sharding == devices.stack_for_workers(
+      zero_params(mesh), mesh)["w"].sharding
+  step = parallel.make_train_step(
+      lambda p, b: sum(jnp.sum(p[k] * b[k]) for k in p), tx, mesh,
+      donate=False, params_per_worker=True)
+  batch = {k: np.ones((new,) + s, np.float32) for k, s in SHAPES.items()}
+  ended, ended_state, _ = step(new_params, new_state,
+                               devices.shard_batch(batch, mesh))
+  for k in SHAPES:       # the round's last step: every worker on the anchor
+    np.testing.assert_array_equal(np.asarray(ended[k]),
+                                  np.asarray(ended_state.anchor[k]))
+    assert len({np.asarray(r).tobytes() for r in ended[k]}) == 1
+
+
+def test_worker_params_keep_their_values_at_the_same_count_and_need_rows():
+  tx = dl.local_steps(optax.sgd(0.1), dl.rounds.nesterov_outer(0.7),
+                      every=4)
+  params, _, _ = local_steps_run(tx, devices.data_mesh(4), 1)
+  same = elastic.resize_worker_params(params, devices.data_mesh(4))
+  for k in SHAPES:
+    np.testing.assert_array_equal(np.asarray(same[k]), np.asarray(params[k]))
+  with pytest.raises(ValueError) as e:
+    elastic.resize_worker_params(zero_params(devices.data_mesh(2)),
+                                 devices.data_mesh(2))
+  assert_names(e, "stacked for their workers", "stack_for_workers")

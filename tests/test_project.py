@@ -82,6 +82,41 @@ def test_a_slow_fast_link_is_the_bottleneck_of_a_flat_ring():
   assert project.cluster_seconds(ring, 1e9, fast_net) == pytest.approx(1.0)
 
 
+def test_an_exchange_once_a_round_costs_a_step_its_share():
+  """Local steps' outer step: once every H steps, its latency and bits
+  averaged over them, on a hub and on a cluster."""
+  plan = project.vote_plan(8) + [project.Collective("all-reduce", 3.0)]
+  link = project.Link("hub", 1e8, latency=1e-3)
+  cluster = _cluster(2, 4, fast=1e10, slow=1e9)
+  for h in (8, 32):
+    rounds = project.local_steps_plan(plan, h)
+    assert [dataclasses.replace(c, every=1) for c in rounds] == plan
+    assert project.hub_seconds(rounds, 1e6, 8, link) == pytest.approx(
+        project.hub_seconds(plan, 1e6, 8, link) / h)
+    assert project.exchange_seconds(rounds, 1e9, cluster) == pytest.approx(
+        project.exchange_seconds(plan, 1e9, cluster) / h)
+
+
+def test_the_local_steps_rows_amortize_the_outer_exchange():
+  clusters = project.a100_clusters()
+  compute = project.paper_compute_s(clusters[0])
+  text = project.local_steps_table(clusters, compute)
+  rows = [[c.strip() for c in line.strip("|").split("|")]
+          for line in text.splitlines()[2:]]
+  num = lambda cell: float(cell.rstrip("x").replace(",", ""))
+  assert [(r[0], int(r[1])) for r in rows] == [
+      (c.name, h) for c in clusters for h in project.LOCAL_STEPS]
+  flat = project.paper_plans(clusters[1])["dlion_jax MaVo auto, flat"]
+  ethernet = [r for r in rows if r[0] == clusters[1].name]
+  assert num(ethernet[0][2]) == pytest.approx(
+      project.exchange_seconds(flat, project.PAPER_PARAMS, clusters[1]) * 1e3,
+      rel=0.01)
+  assert ethernet[0][7] == "1.00x"           # DiLoCo at H = 1: global Lion
+  for a, b in zip(ethernet, ethernet[1:]):   # larger H, faster steps
+    assert num(b[4]) > num(a[4]) and num(b[7]) > num(a[7])
+    assert num(b[4]) > num(b[7])                   # the vote sends less
+
+
 @pytest.mark.parametrize("field,value", [("kind", "broadcast"),
                                          ("group", "rack")])
 def test_an_unknown_collective_is_refused_naming_it(field, value):

@@ -286,6 +286,33 @@ def test_frozen_params_stay_when_the_outer_step_freezes_them_too():
   assert not np.array_equal(moved[-1]["b"][0], params["b"])
 
 
+def test_an_integer_leaf_rides_along_with_nesterov_outer_steps():
+  """An int32 counter among the params, masked out of the inner step: the
+  outer step's Nesterov trace of it stays int32 (it came back float32,
+  and the round's cond refused the two branches' types)."""
+  mesh = devices.data_mesh(2)
+  def train(with_counter):
+    params = {"w": jnp.ones(3)}
+    mask = {"w": True}
+    if with_counter:
+      params["n"], mask["n"] = jnp.array(7, jnp.int32), False
+    tx = dl.local_steps(optax.masked(optax.sgd(0.1), mask),
+                        dl.rounds.nesterov_outer(0.7), every=2)
+    params = devices.replicate(params, mesh)
+    state = parallel.init_worker_states(tx, params, mesh)
+    params = devices.stack_for_workers(params, mesh)
+    step = parallel.make_train_step(lambda p, b: jnp.mean(b @ p["w"]), tx,
+                                    mesh, params_per_worker=True)
+    for i in range(4):
+      batch = devices.shard_batch(jnp.full((4, 3), i + 1.0), mesh)
+      params, state, _ = step(params, state, batch)
+    return params
+  counted, plain = train(True), train(False)
+  np.testing.assert_array_equal(counted["n"], [7, 7])
+  np.testing.assert_array_equal(counted["w"], plain["w"])
+  assert not np.array_equal(plain["w"], np.ones((2, 3)))
+
+
 def test_local_steps_under_multi_transform_restart_their_own_leaves():
   num_workers = 3
   params, grads = problem(num_workers, EVERY)

@@ -68,15 +68,31 @@ def test_resume_in_the_middle_of_a_round_is_bit_for_bit(tmp_path):
     np.testing.assert_array_equal(a, b)
 
 
-def test_resume_on_another_number_of_workers_says_it_is_not_supported(
-    tmp_path):
+@pytest.mark.parametrize("old,new,line", [
+    (8, 4, "momenta averaged in pairs"),
+    (4, 8, "each momentum copied to 2 workers")])
+def test_resume_on_another_number_of_workers_keeps_the_anchor(
+    tmp_path, old, new, line):
+  """8 workers to 4, or 4 to 8, in the middle of a round (rounds end at
+  steps 3 and 6, the resume is from step 4): the anchor of step 3 goes on,
+  the round ends with every worker on one anchor, and the run learns as
+  the uninterrupted one does."""
   flags = ["optimizer.local_steps=3", "train.steps=8",
            "train.checkpoint_every=4"]
-  run(tmp_path, *flags)
+  straight, _ = run(tmp_path, *flags, f"workers={old}")
   shutil.rmtree(tmp_path / "checkpoints" / "8")
-  with pytest.raises(ValueError) as e:
-    run(tmp_path, *flags, "workers=4", resume=True)
-  assert_names(e, "written by 8 workers", "resume with workers=8")
+  resumed, lines = run(tmp_path, *flags, f"workers={new}", resume=True)
+  said = next(x for x in lines if x.startswith("resumed from step 4 on"))
+  assert (f"{line}, each worker's params likewise, the anchor kept"
+          in said), said
+  anchor = dl.rounds.anchor(resumed["opt_state"])
+  for leaf, rows in zip(jax.tree.leaves(resumed["params"]),
+                        jax.tree.leaves(anchor)):
+    assert rows.shape[0] == new
+    np.testing.assert_array_equal(leaf, rows[0])
+    np.testing.assert_array_equal(rows, np.broadcast_to(rows[0], rows.shape))
+  losses = [r["summary"]["test_loss"] for r in (straight, resumed)]
+  assert abs(losses[1] - losses[0]) < 0.2 * losses[0], losses
 
 
 def test_config_mistakes_name_the_key(tmp_path):

@@ -681,23 +681,25 @@ def _resume(ckpt, cfg, run, *, policy: str):
         "cannot be resumed. Start the run afresh (--overwrite, or --set "
         "run_dir=...).")
   rows = meta["workers"] if rows is None else rows
-  if cfg.optimizer.local_steps > 1 and rows != _state_rows(cfg):
-    raise ValueError(
-        f"The checkpoint at step {latest} was written by {rows} workers; "
-        f"this run has {_state_rows(cfg)}. Resuming local steps "
-        "(optimizer.local_steps) on another number of workers is not "
-        f"supported yet: resume with workers={rows}.")
   axes = dict(axis_name=AXIS, shard_axis=shard_axis(run.mesh))
-  state_like = run.opt_state if rows == _state_rows(cfg) else (
-      elastic.restore_target(run.tx, run.params, run.mesh, rows, **axes))
-  state, meta = ckpt.restore({"params": run.params, "opt_state": state_like},
-                             latest)
+  local = cfg.optimizer.local_steps > 1   # each worker's params, stacked
+  one_worker = lambda p: jax.tree.map(lambda x: x[0], p) if local else p
+  like = {"params": run.params, "opt_state": run.opt_state}
+  if rows != _state_rows(cfg):
+    like = {"params": (elastic.worker_params_target(run.params, run.mesh,
+                                                    rows, axis_name=AXIS)
+                       if local else run.params),
+            "opt_state": elastic.restore_target(
+                run.tx, one_worker(run.params), run.mesh, rows, **axes)}
+  state, meta = ckpt.restore(like, latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
   run.batches.restore(meta["data"])
-  if cfg.optimizer.local_steps == 1:   # local steps: the same rows, above
-    state["opt_state"] = elastic.resize_worker_states(
-        run.tx, state["opt_state"], state["params"], run.mesh, policy=policy,
-        **axes)
+  if local:
+    state["params"] = elastic.resize_worker_params(
+        state["params"], run.mesh, axis_name=AXIS, policy=policy)
+  state["opt_state"] = elastic.resize_worker_states(
+      run.tx, state["opt_state"], one_worker(state["params"]), run.mesh,
+      policy=policy, **axes)
   resized = None
   if _voters(cfg) != _voters_of(meta["workers"], saved):
     if optimizers.state_alike_on_every_worker(cfg.optimizer):
@@ -705,6 +707,8 @@ def _resume(ckpt, cfg, run, *, policy: str):
     else:
       what = elastic.describe(rows, _state_rows(cfg), policy,
                               unit="node" if cfg.mesh.nodes else "worker")
+    if local:
+      what += ", each worker's params likewise, the anchor kept"
     resized = (f"{_voters(cfg)} from {_voters_of(meta['workers'], saved)}: "
                f"{what}; the global batch of {cfg.data.global_batch} kept, "
                f"{cfg.data.global_batch // cfg.workers} examples a worker "
