@@ -88,10 +88,11 @@ class OutputsPlacedLikeInputs:
   """
 
   def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx, *,
-               check_placement: bool = True):
+               check_placement: bool = True, params_per_worker: bool = False):
     functools.update_wrapper(self, jitted)
     self._build, self._jitted, self._mesh, self._tx = build, jitted, mesh, tx
     self._check = check_placement
+    self._params_per_worker = params_per_worker
     self._by_placement = {}
 
   def _for(self, params, state) -> Callable:
@@ -116,12 +117,15 @@ class OutputsPlacedLikeInputs:
     if key not in self._by_placement:
       placed = jax.tree.unflatten(treedef, shardings)
       specs = jax.tree.map(lambda s: s.spec, placed)
+      row = lambda tree: jax.tree.map(lambda spec: P(*spec[1:]), tree,
+                                      is_leaf=lambda x: isinstance(x, P))
+      # A worker's own: a row of the state (and of per-worker params).
+      specs = (row(specs[0]) if self._params_per_worker else specs[0],
+               specs[1])
       if self._check:
         check_placement(self._tx, specs, self._mesh)
-      rows = jax.tree.map(lambda spec: P(*spec[1:]), specs[1],
-                          is_leaf=lambda x: isinstance(x, P))
       self._by_placement[key] = self._build(
-          (specs[0], rows), placed + (NamedSharding(self._mesh, P()),))
+          (specs[0], row(specs[1])), placed + (NamedSharding(self._mesh, P()),))
     return self._by_placement[key]
 
   def trace(self, params, state, batch):

@@ -365,7 +365,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       leading axis of size ``N`` like the state
       (:func:`~dlion_jax.devices.stack_for_workers`) and returned so: what
       :func:`dlion_jax.local_steps` needs, whose workers' params differ
-      within a round. On a mesh of ``axis_name`` alone.
+      within a round. On a mesh of ``axis_name`` and Auto axes beside it
+      (:func:`~dlion_jax.devices.hybrid_mesh`), without ``shard_axis``:
+      each node's devices then share its params and batch as the compiler
+      partitions them, its gradient reduced over them every step, and only
+      the outer step crosses ``axis_name``.
 
   Returns:
     ``step(params, state, batch) -> (params, state, loss)`` with the shapes of
@@ -437,7 +441,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     # A shard_axis step updates on Auto axes, where optax adds leaves
     # placed differently without a sharding type error.
     jitted = _placement.OutputsPlacedLikeInputs(
-        build, jitted, mesh, tx, check_placement=shard_axis is None)
+        build, jitted, mesh, tx, check_placement=shard_axis is None,
+        params_per_worker=params_per_worker)
   grads_first = shard_axis is not None or bool(
       _placement.explicit_axes(mesh, axis_name))
   if params_per_worker:     # whose params differ within a round
@@ -448,15 +453,16 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
 
 def _check_params_per_worker_mesh(mesh: Mesh, axis_name, shard_axis) -> None:
-  others = {a: s for a, s in mesh.shape.items()
-            if a not in _placement.names(axis_name)}
-  if shard_axis is not None or others:
+  explicit = _placement.explicit_axes(mesh, axis_name)
+  if shard_axis is not None or explicit:
     raise ValueError(
         f"params_per_worker=True runs on a mesh of axis_name={axis_name!r} "
-        f"alone, got mesh axes {dict(mesh.shape)}"
-        + (f" and shard_axis={shard_axis!r}" if shard_axis else "") + ". "
-        "Build the mesh with dl.devices.data_mesh(num_workers); hybrid "
-        "and sharded layouts with per-worker params are not supported yet.")
+        "and Auto axes beside it, whose devices share each worker's params "
+        "and batch as the compiler partitions them; got "
+        + (f"shard_axis={shard_axis!r}" if shard_axis else
+           f"the Explicit axes {explicit}") + ". Drop shard_axis, and build "
+        "the mesh with dl.devices.data_mesh(num_workers) or "
+        "dl.devices.hybrid_mesh(nodes, per_node) (Auto axes).")
 
 
 def _check_params_layout(params, state, n: int, params_per_worker: bool):

@@ -119,6 +119,59 @@ def test_dlion_outer_matches_numpy_for_every_comm(num_workers, aggregation):
     assert (want[t - 1]["w"] == want[t - 1]["w"][0]).all()
 
 
+def mean_loss(params, batch):
+  """Gradient = the mean of the rows a worker (a node) is given."""
+  return sum(jnp.sum(params[k] * jnp.mean(batch[k], 0)) for k in params)
+
+
+@pytest.mark.parametrize("nodes,per_node,aggregation", [
+    (2, 4, "mavo"), (3, 2, "avg")])
+def test_nodes_of_several_devices_step_alone_on_their_mean_gradient(
+    nodes, per_node, aggregation):
+  """A hybrid mesh (Auto axes): each node trains its own params on its
+  devices' mean gradient (reduced over the fast axis every step, by the
+  compiler), and the outer vote crosses the nodes only: numpy's rounds
+  of the nodes' mean gradients, bit for bit, at every step."""
+  rng = np.random.default_rng(3)
+  params, _ = problem(nodes, 0)
+  rows = [{k: rng.integers(-4, 5, (nodes * per_node,) + s).astype(
+      np.float32) for k, s in SHAPES.items()} for _ in range(2 * EVERY + 1)]
+  node_means = [{k: r[k].reshape((nodes, per_node) + SHAPES[k]).mean(1)
+                 for k in r} for r in rows]
+  want = numpy_rounds(params, node_means, nodes,
+                      dlion_outer(nodes, aggregation))
+  mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
+  tx = dl.local_steps(optax.sgd(INNER_LR), dl.distributed_lion(
+      OUTER_LR, axis_name="data", aggregation=aggregation,
+      weight_decay=0.0), every=EVERY)
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  ps = devices.stack_for_workers(params, mesh)
+  step = parallel.make_train_step(mean_loss, tx, mesh, params_per_worker=True)
+  for t, r in enumerate(rows):
+    ps, state, _ = step(ps, state, devices.shard_batch(
+        r, mesh, axis_name=("data", "fsdp")))
+    for k in SHAPES:
+      np.testing.assert_array_equal(ps[k], want[t][k],
+                                    err_msg=f"step {t + 1} {k}")
+  assert ps["w"].sharding.spec[0] == "data"
+
+
+def test_per_worker_params_refuse_shard_axis_and_explicit_axes():
+  mesh = devices.hybrid_mesh(2)
+  tx = dl.local_steps(optax.sgd(0.1), dl.distributed_lion(
+      0.1, axis_name="data"), every=2)
+  with pytest.raises(ValueError) as e:
+    parallel.make_train_step(mean_loss, tx, mesh, shard_axis="fsdp",
+                             params_per_worker=True)
+  assert_names(e, "shard_axis='fsdp'", "Drop shard_axis")
+  explicit = jax.make_mesh((2, 4), ("data", "fsdp"), axis_types=(
+      jax.sharding.AxisType.Explicit,) * 2)
+  with pytest.raises(ValueError) as e:
+    parallel.make_train_step(mean_loss, tx, explicit, params_per_worker=True)
+  assert_names(e, "Explicit axes ('fsdp',)", "Auto axes")
+
+
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_workers_restart_exactly_on_the_anchor(dtype):
   """With values whose arithmetic rounds, params + (anchor - params) may

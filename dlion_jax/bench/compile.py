@@ -24,7 +24,7 @@ included), D-Lion against global Lion (``pmean_gradients`` then
 
 Each variant is traced and lowered (``jit(...).lower``), then compiled
 (``.compile()``), in a fresh ``jit`` so that nothing is cached (nor read
-from a persistent compilation cache: :func:`uncached`), ``--reps``
+from a persistent compilation cache: ``uncached()``), ``--reps``
 times (the fastest trace+lower and the fastest compilation are kept); the
 variants of one size take turns, so that the ratios compare times taken
 under the same load. Also reports the compiled HLO's size (lines, less

@@ -252,17 +252,12 @@ def validate(config: Config) -> Config:
 
 
 def _validate_local_steps(config: Config) -> None:
-  """Local steps on a flat mesh, with an optimizer that has a local form
-  and no momentum sync inside the outer vote."""
+  """Local steps with an optimizer that has a local form and no momentum
+  sync inside the outer vote."""
   opt = config.optimizer
   if opt.local_steps == 1:
     return
   fix = "or drop optimizer.local_steps"
-  if config.mesh.nodes is not None:
-    raise ConfigError(
-        f"optimizer.local_steps={opt.local_steps} runs on one data axis of "
-        f"workers; mesh.nodes={config.mesh.nodes} is not supported with it "
-        f"yet. Set mesh.nodes=null, {fix}.", key="optimizer.local_steps")
   if opt.momentum_sync:
     raise ConfigError(
         f"optimizer.momentum_sync={opt.momentum_sync} with optimizer."

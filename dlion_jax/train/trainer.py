@@ -131,6 +131,12 @@ def shard_axis(mesh) -> str | None:
   return SHARD_AXIS if SHARD_AXIS in mesh.axis_names else None
 
 
+def step_shard_axis(cfg: Config, mesh) -> str | None:
+  """:func:`shard_axis`, but None with local steps: each node trains params
+  of its own, and the compiler reduces its gradient over its devices."""
+  return None if cfg.optimizer.local_steps > 1 else shard_axis(mesh)
+
+
 def worker_axes(mesh):
   """The axis, or axes, whose devices each take a slice of the batch."""
   return (AXIS, SHARD_AXIS) if SHARD_AXIS in mesh.axis_names else AXIS
@@ -423,8 +429,8 @@ def _setup(cfg: Config, mesh) -> _Run:
   tx = optimizers.build_optimizer(cfg.optimizer,
                                   total_steps=cfg.train.steps, axis_name=AXIS)
   params = place_params(params, cfg, mesh)
-  opt_state = parallel.init_worker_states(tx, params, mesh, axis_name=AXIS,
-                                          shard_axis=shard_axis(mesh))
+  opt_state = parallel.init_worker_states(
+      tx, params, mesh, axis_name=AXIS, shard_axis=step_shard_axis(cfg, mesh))
   num_params = models.count_params(params)
   if cfg.optimizer.local_steps > 1:      # each worker trains its own copy
     params = devices.stack_for_workers(params, mesh, axis_name=AXIS)
@@ -473,7 +479,7 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   per_worker = NamedSharding(run.mesh, P(worker_axes(run.mesh)))
   step_fn = parallel.make_train_step(
       make_loss_fn(run.graphdef), run.tx, run.mesh, axis_name=AXIS,
-      shard_axis=shard_axis(run.mesh), has_aux=True,
+      shard_axis=step_shard_axis(cfg, run.mesh), has_aux=True,
       params_per_worker=cfg.optimizer.local_steps > 1)
   position = run.batches.state()
   example = devices.global_array(next(run.batches), per_worker)
@@ -681,7 +687,7 @@ def _resume(ckpt, cfg, run, *, policy: str):
         "cannot be resumed. Start the run afresh (--overwrite, or --set "
         "run_dir=...).")
   rows = meta["workers"] if rows is None else rows
-  axes = dict(axis_name=AXIS, shard_axis=shard_axis(run.mesh))
+  axes = dict(axis_name=AXIS, shard_axis=step_shard_axis(cfg, run.mesh))
   local = cfg.optimizer.local_steps > 1   # each worker's params, stacked
   one_worker = lambda p: jax.tree.map(lambda x: x[0], p) if local else p
   like = {"params": run.params, "opt_state": run.opt_state}
@@ -763,6 +769,8 @@ def _summary_text(s: dict, cfg: Config) -> str:
   if cfg.mesh.nodes is not None:
     inside = ("fp32 params all-gather and gradient reduce-scatter"
               if cfg.mesh.shard_params else
+              "the compiler's fp32 gradient all-reduce"
+              if cfg.optimizer.local_steps > 1 else
               "fp32 gradient reduce-scatter and updates all-gather")
     lines.append(
         f"of which {s['sent_bits_per_param_over_data']:.3f} bits/param/step "
