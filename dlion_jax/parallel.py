@@ -462,7 +462,7 @@ def _check_params_per_worker_mesh(mesh: Mesh, axis_name, shard_axis) -> None:
         + (f"shard_axis={shard_axis!r}" if shard_axis else
            f"the Explicit axes {explicit}") + ". Drop shard_axis, and build "
         "the mesh with dl.devices.data_mesh(num_workers) or "
-        "dl.devices.hybrid_mesh(nodes, per_node) (Auto axes).")
+        "dl.devices.hybrid_mesh(nodes) (Auto axes).")
 
 
 def _check_params_layout(params, state, n: int, params_per_worker: bool):

@@ -256,10 +256,6 @@ def test_mistakes_are_named():
     per_worker(devices.replicate(params, mesh), state, batch)
   assert_names(e, "params leaf ['w'] has shape (3,)", "params_per_worker=True",
                "dl.devices.stack_for_workers(params, mesh)")
-  with pytest.raises(ValueError) as e:
-    parallel.make_train_step(linear_loss, tx, devices.hybrid_mesh(2),
-                             params_per_worker=True)
-  assert_names(e, "params_per_worker=True", "dl.devices.data_mesh")
   with pytest.raises(ValueError, match="every=0"):
     dl.local_steps(optax.sgd(0.1), optax.sgd(0.1), every=0)
   with pytest.raises(ValueError) as e:
