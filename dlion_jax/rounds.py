@@ -194,15 +194,21 @@ def restart_at_anchor(params: Any, state: Any) -> Any:
   """``params``, or the anchor of ``state``'s :class:`LocalStepsState`
   where its last update ended a round: every worker restarts exactly there
   (``params + update`` may differ from it in the last bit, and by a
-  different bit on each worker). ``params`` unchanged where ``state`` holds
-  no local steps, and on the leaves a local steps inside
+  different bit on each worker); the same for every worker's params and
+  state at once, stacked on a leading axis. ``params`` unchanged where
+  ``state`` holds no local steps, and on the leaves a local steps inside
   :func:`optax.masked` or :func:`optax.multi_transform` does not own."""
   masked = lambda x: isinstance(x, optax.MaskedNode)
+
+  def at(restart, a, p):
+    if masked(a):
+      return p
+    # A flag a worker (stacked states: a row of flags for a row of params).
+    restart = restart.reshape(restart.shape + (1,) * (p.ndim - restart.ndim))
+    return jnp.where(restart, a, p).astype(p.dtype)
   for local in _local_steps_states(state):
-    params = jax.tree.map(
-        lambda a, p, restart=local.restart: p if masked(a) else jnp.where(
-            restart, a, p).astype(p.dtype), local.anchor, params,
-        is_leaf=masked)
+    params = jax.tree.map(lambda a, p, r=local.restart: at(r, a, p),
+                          local.anchor, params, is_leaf=masked)
   return params
 
 
@@ -214,7 +220,9 @@ def refuse(state: Any, where: str) -> None:
         f"{where} holds one copy of the params for every worker, but the "
         "optimizer runs local steps (dl.local_steps), whose workers each "
         "train their own: build the step with dl.parallel.make_train_step("
-        "loss_fn, tx, mesh, params_per_worker=True) and params from "
+        "loss_fn, tx, mesh, params_per_worker=True) (in a plain jitted "
+        "step: dl.workers.value_and_grad and dl.workers.update with "
+        "params_per_worker=True) and params from "
         "dl.devices.stack_for_workers(params, mesh).")
 
 

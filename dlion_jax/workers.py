@@ -259,7 +259,8 @@ _INJECTED = (optax.InjectHyperparamsState,
 
 def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
                    rows_over: tuple[str, ...] | None = None,
-                   has_aux: bool = False, placement: Any = None) -> Callable:
+                   has_aux: bool = False, placement: Any = None,
+                   params_per_worker: bool = False) -> Callable:
   """Each worker's loss and gradients, in a plain jitted step.
 
   On a mesh with more axes, a worker's rows are split again over
@@ -295,6 +296,10 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       ``shard_axis`` step does; the compiler, given the mean as a sum
       into that sharding, all-reduces it (the CLI's GPT at 2 x 4: 49 bits
       a parameter over ``fsdp`` against 73).
+    params_per_worker: ``params`` hold each worker's own, stacked on a
+      leading axis (:func:`dlion_jax.local_steps`, whose workers train
+      copies of their own within a round); each worker differentiates at
+      its row. On a mesh of ``axis_name`` alone.
 
   Returns:
     ``f(params, batch) -> (values, grads)``: ``batch``'s leaves split on
@@ -334,8 +339,16 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
     rows = jax.tree_util.tree_map_with_path(
         lambda path, x: _own_keys(x, n, axis_name, groups) if _key(x)
         else worker_rows(x, n, axis_name, path, groups), batch)
+    if params_per_worker and groups:
+      raise ValueError(
+          "params_per_worker=True takes a mesh of axis_name="
+          f"{axis_name!r} alone, but the rows are split again over "
+          f"{groups}: pass rows_over=() where the devices of those axes do "
+          "not split a worker's rows, or build the step with "
+          "dl.parallel.make_train_step(..., params_per_worker=True), which "
+          "takes nodes of several devices.")
     if not groups:
-      return jax.vmap(grad_fn, in_axes=(None, 0),
+      return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None, 0),
                       spmd_axis_name=axis_name)(params, rows)
     k = _mesh_size(groups)
     placed = _by_path(params, placement)
@@ -478,7 +491,8 @@ def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
 
 
 def update(tx, *, axis_name: str = "data",
-           placement: Any = None) -> Callable:
+           placement: Any = None,
+           params_per_worker: bool = False) -> Callable:
   """``tx.update`` of every worker, in a plain jitted step.
 
   Args:
@@ -494,6 +508,12 @@ def update(tx, *, axis_name: str = "data",
       places it, and other placements cost a reshard over the fast links
       and come back so placed. Not needed on Explicit axes, nor with
       :func:`stacked`, which reads it when it builds the state.
+    params_per_worker: ``params`` hold each worker's own, stacked on a
+      leading axis, and so do the ``updates`` returned (the form
+      :func:`dlion_jax.local_steps` needs): apply them with
+      ``dl.rounds.restart_at_anchor(optax.apply_updates(params, updates),
+      state)``, which puts every worker exactly on the anchor at a round's
+      end.
 
   Returns:
     ``f(grads, state, params) -> (updates, state)``: ``grads`` and
@@ -521,18 +541,21 @@ def update(tx, *, axis_name: str = "data",
   """
   def each_worker(grads, state, params):
     return tx.update(grads, alike_state(state, axis_name), params)
-  mapped = jax.vmap(each_worker, in_axes=(0, 0, None), out_axes=(None, 0),
+  mine = 0 if params_per_worker else None
+  mapped = jax.vmap(each_worker, in_axes=(0, 0, mine), out_axes=(mine, 0),
                     axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
     from dlion_jax import _per_worker, rounds, shards  # import this module
-    rounds.refuse(state, "dl.workers.update's step")
+    if not params_per_worker:
+      rounds.refuse(state, "dl.workers.update's step without "
+                    "params_per_worker")
     n = _mesh_size(axis_name)
     fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
            "not jax.grad of the whole batch.")
     for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads),
                             jax.tree.leaves(params)):
-      if np.ndim(g) != np.ndim(p) + 1:
+      if np.ndim(g) != np.ndim(p) + (not params_per_worker):
         raise ValueError(
             f"grads leaf {jax.tree_util.keystr(path)} has shape "
             f"{np.shape(g)} and its param {np.shape(p)}; the step wants "

@@ -401,7 +401,8 @@ def test_steps_holding_one_copy_of_the_params_name_params_per_worker():
                                       mesh)
   with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
     dl.workers.update(tx)({"w": jnp.ones((2, 3))}, state, params)
-  assert_names(e, "dl.workers.update's step", "params_per_worker=True")
+  assert_names(e, "dl.workers.update's step", "dl.workers.update with "
+               "params_per_worker=True")
   with pytest.raises(ValueError) as e:       # stacked before the state
     parallel.init_worker_states(tx, devices.stack_for_workers(params, mesh),
                                 mesh)

@@ -665,3 +665,64 @@ def test_params_fresh_from_init_on_an_explicit_mesh():
     _, placed = grad(jax.device_put(fresh, P()), x)
   assert mine.shape == (8, 64)
   np.testing.assert_array_equal(mine, placed)
+
+
+def test_local_steps_in_a_plain_step_equal_the_shard_map_step():
+  """dl.local_steps with params_per_worker in a plain jitted step: every
+  worker's params after each of 7 steps (rounds of 3) are the shard_map
+  step's, bit for bit, for every comm; the vote sits in the round's
+  conditional, so a step inside a round sends only the count's maximum."""
+  from dlion_jax import devices, hlo, message  # pylint: disable=g-import-not-at-top
+  n, rng = 3, np.random.default_rng(0)
+  params = {"w": (rng.integers(-8, 8, (5, 7)) / 4).astype(np.float32),
+            "b": (rng.integers(-8, 8, (13,)) / 4).astype(np.float32)}
+  grads = [{k: rng.integers(-4, 5, (n,) + v.shape).astype(np.float32)
+            for k, v in params.items()} for _ in range(7)]
+  loss = lambda p, b: sum(jnp.sum(p[k] * b[k][0]) for k in p)
+
+  def shard_map_run(tx):
+    mesh = devices.data_mesh(n)
+    state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                        mesh)
+    ps = devices.stack_for_workers(params, mesh)
+    step = parallel.make_train_step(loss, tx, mesh, params_per_worker=True)
+    out = []
+    for g in grads:
+      ps, state, _ = step(ps, state, devices.shard_batch(g, mesh))
+      out.append(jax.device_get(ps))
+    return out
+
+  def plain_run(tx):
+    mesh = jax.make_mesh((n,), (AXIS,), axis_types=(AxisType.Explicit,),
+                         devices=jax.devices()[:n])
+    with jax.set_mesh(mesh):
+      state = parallel.init_worker_states(tx, params, mesh)
+      ps = jax.device_put(jax.tree.map(
+          lambda x: jnp.broadcast_to(x, (n,) + x.shape), params), P(AXIS))
+
+      @jax.jit
+      def step(ps, state, batch):
+        _, g = dl.workers.value_and_grad(loss, params_per_worker=True)(
+            ps, batch)
+        updates, state = dl.workers.update(tx, params_per_worker=True)(
+            g, state, ps)
+        return dl.rounds.restart_at_anchor(
+            optax.apply_updates(ps, updates), state), state
+      out = []
+      for g in grads:
+        batch = jax.device_put(g, P(AXIS))
+        ps, state = step(ps, state, batch)
+        out.append(jax.device_get(ps))
+      compiled = step.lower(ps, state, batch).compile()
+    return out, compiled
+
+  for comm in message.COMMS:
+    tx = dl.local_steps(optax.sgd(0.125), dl.distributed_lion(
+        0.25, axis_name=AXIS, comm=comm, weight_decay=0.0), every=3)
+    got, compiled = plain_run(tx)
+    for t, (a, b) in enumerate(zip(got, shard_map_run(tx)), start=1):
+      for k in params:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=f"{comm} {t} {k}")
+    assert hlo.collective_bytes(compiled, conditional=False) < 8
+    assert hlo.collective_bytes(compiled) > 16
+  assert not np.array_equal(got[0]["w"][0], got[0]["w"][1])
