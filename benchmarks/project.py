@@ -128,6 +128,10 @@ class Collective:
   every: int = 1
 
   def __post_init__(self):
+    if isinstance(self.every, bool) or not isinstance(self.every, int) \
+        or self.every < 1:
+      raise ValueError(f"Collective every={self.every!r} must be a positive "
+                       "int: the steps of a round it runs once in.")
     if self.kind not in KINDS:
       raise ValueError(f"Collective kind={self.kind!r} is not one of "
                        f"{KINDS}; name the pattern the collective runs.")
@@ -148,9 +152,14 @@ def messages(kind: str, peers: int) -> int:
 def hub_seconds(plan: Sequence[Collective], params: float, devices: int,
                 link: Link) -> float:
   """An exchange with all ``devices``' bits through one shared medium."""
-  bits = devices * params * sum(c.bits / c.every for c in plan)
-  return (sum(messages(c.kind, devices) / c.every for c in plan)
-          * link.latency + max(bits - link.burst, 0.0) / link.bandwidth)
+  # The bucket empties once an exchange: a round's, for a plan of rounds.
+  seconds = 0.0
+  for every in {c.every for c in plan}:
+    part = [c for c in plan if c.every == every]
+    bits = devices * params * sum(c.bits for c in part)
+    seconds += (sum(messages(c.kind, devices) for c in part) * link.latency
+                + max(bits - link.burst, 0.0) / link.bandwidth) / every
+  return seconds
 
 
 def cluster_seconds(c: Collective, params: float, cluster: Cluster) -> float:

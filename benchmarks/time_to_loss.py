@@ -70,9 +70,11 @@ def command(procs: int, run_dir: pathlib.Path, steps: int,
           *[a for s in sets for a in ("--set", s)]]
 
 
-def read_run(run_dir: pathlib.Path, global_batch: int = 256) -> dict:
+def read_run(run_dir: pathlib.Path) -> dict:
   """The curve ``[(step, seconds of training so far, smoothed loss)]``, the
   final test accuracy and the bits a step sent, from a run directory."""
+  config = json.loads((run_dir / "config.json").read_text())
+  global_batch = config["data"]["global_batch"]
   logs = [json.loads(line) for line in
           (run_dir / "metrics.jsonl").read_text().splitlines()]
   logs = [r for r in logs if "examples_per_s" in r]

@@ -512,7 +512,9 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
     policy: ``"mean"``, ``"all"`` or ``"keep"``, as for the state.
 
   Returns:
-    ``params`` with N' rows, placed as ``stack_for_workers`` places them.
+    ``params`` with N' rows over ``axis_name``, each row sharded over the
+    other axes as ``params``' rows are on ``mesh`` (as
+    ``stack_for_workers`` places them).
 
   Example:
     >>> import jax.numpy as jnp
@@ -542,13 +544,20 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
     if not jnp.issubdtype(leaf.dtype, jnp.inexact):
       return jnp.stack([leaf[g[0]] for g in groups])
     return jnp.stack([_mean(leaf, g) for g in groups])
-  # The old rows onto the new mesh first (a no-op for params restored
-  # there): as the state's, over axis_name where its devices divide them.
+  # A row stays sharded over the other axes as it is (FSDP params). The
+  # old rows onto the new mesh first (a no-op for params restored there),
+  # over axis_name where its devices divide them, as the state's.
+  rows_as = lambda x, lead: NamedSharding(mesh, P(lead, *_row_spec(x, mesh)))
   params = jax.device_put(params, jax.tree.map(
-      lambda _: NamedSharding(mesh, P(_lead(mesh, axis_name, num_old))),
-      params))
-  out = jax.tree.map(lambda _: NamedSharding(mesh, P(axis_name)), params)
+      lambda x: rows_as(x, _lead(mesh, axis_name, num_old)), params))
+  out = jax.tree.map(lambda x: rows_as(x, axis_name), params)
   return jax.jit(lambda t: jax.tree.map(one, t), out_shardings=out)(params)
+
+
+def _row_spec(x: Any, mesh: Mesh) -> tuple:
+  """How a row of stacked ``x`` is sharded on ``mesh`` (nothing where
+  ``x`` is not placed there)."""
+  return tuple(devices.spec_on(x, mesh))[1:]
 
 
 def worker_params_target(params: Any, mesh: Mesh, num_workers: int, *,
@@ -561,4 +570,5 @@ def worker_params_target(params: Any, mesh: Mesh, num_workers: int, *,
   return jax.tree.map(
       lambda x: jax.ShapeDtypeStruct(
           (num_workers,) + np.shape(x)[1:], jnp.result_type(x),
-          sharding=NamedSharding(mesh, P(lead))), params)
+          sharding=NamedSharding(mesh, P(lead, *_row_spec(x, mesh)))),
+      params)

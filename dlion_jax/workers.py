@@ -513,7 +513,11 @@ def update(tx, *, axis_name: str = "data",
       :func:`dlion_jax.local_steps` needs): apply them with
       ``dl.rounds.restart_at_anchor(optax.apply_updates(params, updates),
       state)``, which puts every worker exactly on the anchor at a round's
-      end.
+      end. The outer optimizer must make the anchor one value by an
+      exchange over ``axis_name`` (``dl.distributed_lion``,
+      ``dl.rounds.nesterov_outer``): nothing here checks it, where
+      :func:`dlion_jax.parallel.make_train_step`'s step refuses an outer
+      step that sends nothing.
 
   Returns:
     ``f(grads, state, params) -> (updates, state)``: ``grads`` and

@@ -19,10 +19,10 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 # and the processes the tests start (they inherit it): many tests compile
 # the same steps, the CLI's above all. Made here, in the controller, before
 # the workers start; removed when the run ends.
-if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+_MADE_HERE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
+if _MADE_HERE:
   os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(
       prefix="dlion_jax-tests-xla-cache-")
-  os.environ["DLION_JAX_TESTS_OWN_CACHE"] = "1"
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 
 import jax  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -52,8 +52,9 @@ def pytest_runtest_setup(item):
 
 
 def pytest_unconfigure(config):
-  if not hasattr(config, "workerinput") and os.environ.pop(
-      "DLION_JAX_TESTS_OWN_CACHE", None):
+  # The process that made it removes it (not a worker, nor a pytest run
+  # inside a test: they inherit the variable).
+  if _MADE_HERE:
     shutil.rmtree(os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 
 

@@ -15,6 +15,8 @@ pytestmark = pytest.mark.integration
 def write_run(run_dir, losses, rates, accuracy=0.9, bits=1.0):
   """A run directory as the CLI leaves it: a log every 10 steps."""
   run_dir.mkdir()
+  (run_dir / "config.json").write_text(json.dumps(
+      {"data": {"global_batch": 256}}))
   logs = [{"step": 10 * (i + 1), "loss": loss, "examples_per_s": rate}
           for i, (loss, rate) in enumerate(zip(losses, rates))]
   logs.insert(1, {"step": 10, "test_loss": 9.0})      # an evaluation

@@ -485,3 +485,22 @@ def test_worker_params_keep_their_values_at_the_same_count_and_need_rows():
     elastic.resize_worker_params(zero_params(devices.data_mesh(2)),
                                  devices.data_mesh(2))
   assert_names(e, "stacked for their workers", "stack_for_workers")
+
+
+def test_worker_params_sharded_inside_a_node_stay_so():
+  """FSDP params of a hybrid mesh, a row per node: the target and the
+  resized rows keep each row's sharding over the node's devices (was:
+  whole on every device, silently)."""
+  mesh = devices.hybrid_mesh(2)
+  params = devices.stack_for_workers(devices.shard_params(
+      {"w": jnp.ones((8, 12))}, mesh, "fsdp"), mesh)
+  want = params["w"].sharding.spec
+  assert "fsdp" in shards_of(want)
+  assert elastic.resize_worker_params(params, mesh)["w"].sharding.spec == want
+  target = elastic.worker_params_target(params, mesh, 4)["w"]
+  assert target.shape == (4, 8, 12) and target.sharding.spec[1:] == want[1:]
+
+
+def shards_of(spec):
+  return {a for entry in spec if entry is not None
+          for a in (entry if isinstance(entry, tuple) else (entry,))}

@@ -93,6 +93,9 @@ def test_an_exchange_once_a_round_costs_a_step_its_share():
     assert [dataclasses.replace(c, every=1) for c in rounds] == plan
     assert project.hub_seconds(rounds, 1e6, 8, link) == pytest.approx(
         project.hub_seconds(plan, 1e6, 8, link) / h)
+    bucket = dataclasses.replace(link, burst=1e6)   # emptied once a round
+    assert project.hub_seconds(rounds, 1e6, 8, bucket) == pytest.approx(
+        project.hub_seconds(plan, 1e6, 8, bucket) / h)
     assert project.exchange_seconds(rounds, 1e9, cluster) == pytest.approx(
         project.exchange_seconds(plan, 1e9, cluster) / h)
 
@@ -118,7 +121,7 @@ def test_the_local_steps_rows_amortize_the_outer_exchange():
 
 
 @pytest.mark.parametrize("field,value", [("kind", "broadcast"),
-                                         ("group", "rack")])
+                                         ("group", "rack"), ("every", 0)])
 def test_an_unknown_collective_is_refused_naming_it(field, value):
   kwargs = {"kind": "all-gather", "bits": 1.0, "group": "all", field: value}
   with pytest.raises(ValueError, match=f"{field}={value!r}"):
