@@ -9,6 +9,7 @@ from dlion_jax import accounting
 from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import exchange
+from dlion_jax import fused
 from dlion_jax import hlo
 from dlion_jax import message
 from dlion_jax import packing
@@ -48,6 +49,7 @@ __all__ = (
     "distributed_lion",
     "elastic",
     "exchange",
+    "fused",
     "hlo",
     "local_steps",
     "message",

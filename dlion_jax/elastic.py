@@ -550,6 +550,8 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
   rows_as = lambda x, lead: NamedSharding(mesh, P(lead, *_row_spec(x, mesh)))
   params = jax.device_put(params, jax.tree.map(
       lambda x: rows_as(x, _lead(mesh, axis_name, num_old)), params))
+  if num_old == num_new:       # placed as the new run holds them already
+    return params
   out = jax.tree.map(lambda x: rows_as(x, axis_name), params)
   return jax.jit(lambda t: jax.tree.map(one, t), out_shardings=out)(params)
 
@@ -558,6 +560,17 @@ def _row_spec(x: Any, mesh: Mesh) -> tuple:
   """How a row of stacked ``x`` is sharded on ``mesh`` (nothing where
   ``x`` is not placed there)."""
   return tuple(devices.spec_on(x, mesh))[1:]
+
+
+def worker_row(params: Any, mesh: Mesh) -> Any:
+  """Abstract arrays of one worker's row of stacked ``params``, placed as
+  the row is on ``mesh``: what :func:`restore_target` and
+  :func:`resize_worker_states` read of a local-steps run's params (shapes
+  and placement), without slicing a row out."""
+  return jax.tree.map(
+      lambda x: jax.ShapeDtypeStruct(
+          np.shape(x)[1:], jnp.result_type(x),
+          sharding=NamedSharding(mesh, P(*_row_spec(x, mesh)))), params)
 
 
 def worker_params_target(params: Any, mesh: Mesh, num_workers: int, *,

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlion_jax import fused
 from dlion_jax import message as message_lib
 from dlion_jax import packing
 from dlion_jax import shards
@@ -66,6 +67,23 @@ class VoteOptions:
   comm: str
   min_compress_size: int = 0
   bucket_bytes: int | None = None
+
+
+@dataclasses.dataclass
+class _Fusion:
+  """The fused kernels of a message (:mod:`dlion_jax.fused`): whether they
+  run in Pallas' interpreter, the ``also`` their encoding computes beside
+  the words, and its value for each run they encoded."""
+  interpret: bool
+  also: Callable | None
+  values: dict = dataclasses.field(default_factory=dict)
+
+  def takes(self, rows, first: int, num_alone: int, layout, spec) -> bool:
+    """Whether run ``first`` (a row of leaves alone) runs the kernels."""
+    return (first < num_alone and not spec.scaled
+            and layout.radix is not None
+            and fused.fits(rows[first][0].shape,
+                           [x.dtype for x in rows[first]], layout.radix))
 
 
 def workers_along(axis_name: AxisName | None) -> int:
@@ -145,13 +163,14 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
   return [x.astype(jnp.int32) for x in layout.split(result)]
 
 
-def _exchange(rows, combine, alone, options: VoteOptions):
+def _exchange(rows, combine, alone, options: VoteOptions,
+              fusion: _Fusion | None = None):
   """The layout and the result of voting on ``combine(*row)`` for each row
   of leaves (see :func:`aggregate`): one integer vector per packing run
   (int32; over a TPU mesh the narrowest that holds it), the outcome for
   each of its digits in order (:meth:`MessageLayout.split`).
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
-  by one."""
+  by one; ``fusion`` (or None) runs the fused kernels where they fit."""
   n, spec, aggregation = options.num_workers, options.spec, options.aggregation
   comm, axis_name = options.comm, options.axis_name
   gathers = can_gather(axis_name)
@@ -167,17 +186,25 @@ def _exchange(rows, combine, alone, options: VoteOptions):
                       leaf_sizes=sizes, gathers=gathers)
   layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
                          _run_starts(rows, len(alone)))
-  message = _packed_message(rows, combine, alone, layout, spec,
-                     batched=workers.mapped_over_mesh(axis_name))
+  message = _packed_message(rows, combine, alone, layout, spec, fusion,
+                            batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
-  planes, decode = strategy.exchange(message, axis_name=axis_name,
-                                     num_workers=n, spec=spec,
-                                     aggregation=aggregation)
+  planes, decode, words = strategy.exchange(message, axis_name=axis_name,
+                                            num_workers=n, spec=spec,
+                                            aggregation=aggregation)
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
   # select of the place per element (design notes, "Planar digits").
   results = []
-  for first, size in layout.run_words:
+  for run, (first, size) in enumerate(layout.run_words):
+    row = layout.runs[run]
+    if words is not None and fusion and fusion.takes(rows, row, len(alone),
+                                                     layout, spec):
+      results.append(fused.tally(
+          words(first, size), rows[row][0].shape, radix=layout.radix,
+          num_workers=n, spec=spec, aggregation=aggregation,
+          interpret=fusion.interpret).reshape(-1))
+      continue
     outcome = decode(planes(first, size).reshape(-1))
     if aggregation == "mavo" and not strategy.returns_sign:
       outcome = jnp.sign(outcome)
@@ -252,7 +279,9 @@ def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
 def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               num_workers: int, spec: quantize.VoteSpec, aggregation: str,
               comm: str, min_compress_size: int = 0, constants: tuple = (),
-              bucket_bytes: int | None = None, with_done: bool = False):
+              bucket_bytes: int | None = None, with_done: bool = False,
+              kernels: fused.Kernels = "auto",
+              also: Callable[..., jax.Array] | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
@@ -283,24 +312,54 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   compute once every bucket's outcome is in (see
   ``_after_every_outcome``), or None where the compiler's axes share the
   vote.
+
+  ``kernels`` picks how a big leaf is encoded and tallied: ``'pallas'``
+  through the fused kernels of :mod:`dlion_jax.fused` wherever the leaf
+  fits their blocks (off TPU in Pallas' interpreter), ``'xla'`` never,
+  ``'auto'`` on TPU only, but for the plain jitted step
+  (:mod:`dlion_jax.workers`), which XLA partitions and a Pallas kernel
+  cannot be. Their encoding also computes ``also`` (an
+  elementwise function of the leaves, Lion's momentum update) in the same
+  pass: with ``also`` given, the result gains a dict of its values by leaf
+  (in ``jax.tree.leaves`` order) for the leaves the kernels encoded. With
+  traced ``constants`` the kernels are not used.
   """
+  check_choice("kernels", kernels, fused.KERNELS)
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
                         min_compress_size, bucket_bytes)
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  fuse = not constants and (kernels == "pallas" or (
+      kernels == "auto" and shards.on_tpu()))
+  if fuse and shards.on_tpu() and workers.mapped_over_mesh(axis_name):
+    # The plain jitted step: XLA partitions it, and a Mosaic kernel cannot
+    # be partitioned by the compiler.
+    if kernels == "pallas":
+      raise ValueError(
+          "kernels='pallas' cannot run in a plain jitted step on TPU "
+          "(dl.workers): XLA partitions that step and cannot partition a "
+          "Pallas kernel. Use kernels='auto' (the XLA path there) or a "
+          "step built by dl.parallel.make_train_step.")
+    fuse = False
   def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
-                      options=options, leaf_shards=leaf_shards)
+                      options=options, leaf_shards=leaf_shards,
+                      fusion=(None if axes else also,) if fuse else None)
   if axes:
-    updates, done = shards.on_own_shards(
-        lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None
+    updates, done, also_values = shards.on_own_shards(
+        lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
   else:
-    updates, done = run(*trees, constants=constants)
-  return (updates, done) if with_done else updates
+    updates, done, also_values = run(*trees, constants=constants)
+  out = (updates, done) if with_done else (updates,)
+  out += (also_values,) if also is not None else ()
+  return out if len(out) > 1 else updates
 
 
-def _aggregate(combine, *trees, options: VoteOptions, leaf_shards):
+def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
+               fusion: tuple | None = None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
-  ``leaf_shards`` names), and its ``done``."""
+  ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
+  where the fused kernels computed it (``fusion``: ``(also,)``, or None
+  for no kernels)."""
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
   rows = list(zip(*columns))
@@ -321,18 +380,21 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards):
                                         axis_name=options.axis_name)):
       out[i] = d
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
-  done = []
+  done, also_values = [], {}
   for bucket in buckets(voted, nbytes, options.bucket_bytes):
+    run = fusion and _Fusion(not shards.on_tpu(), fusion[0])
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
-        options)
+        options, run)
     for i, d in zip(bucket, updates):
       out[i] = d
+    also_values.update({bucket[k]: v for k, v in (run.values.items()
+                                                  if run else ())})
     if outcomes:
       done.append(_after_every_outcome(
           outcomes, options.num_workers * options.spec.max_level))
   done = functools.reduce(jnp.maximum, done) if done else None
-  return jax.tree.unflatten(treedef, out), done
+  return jax.tree.unflatten(treedef, out), done, also_values
 
 
 def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
@@ -355,10 +417,11 @@ def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
   return jnp.max((firsts > top).astype(jnp.uint8) >> 1, initial=0)
 
 
-def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions
+def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
+                         fusion: _Fusion | None = None
                          ) -> tuple[list[jax.Array], list[jax.Array]]:
   """The update of each row of leaves, voted in one message, and the vote's
-  outcome for each packing run."""
+  outcome for each packing run. ``fusion.values`` comes back by row."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
   # grouped by dtypes so that each group concatenates (see _packed_message).
   alone = [k for k, row in enumerate(rows)
@@ -368,7 +431,10 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions
   order = alone + grouped
   layout, results = _exchange(
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
-      options)
+      options, fusion)
+  if fusion:
+    fusion.values = {order[j]: v for j, v in fusion.values.items()
+                     if v is not None}
   # On TPU a leaf alone in its run gets D from its narrow outcome reshaped
   # to the leaf (see _exchange). Otherwise D once per run and dtype (that
   # of c), then each leaf's stretch of it (an operation a run, not a leaf).
@@ -429,8 +495,8 @@ def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
                or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
 
 
-def _packed_message(rows, combine, alone, layout, spec, *,
-             batched: bool = False) -> jax.Array:
+def _packed_message(rows, combine, alone, layout, spec, fusion, *,
+                    batched: bool = False) -> jax.Array:
   """The packed message: ``combine(*row)``'s vote codes at each row's offset.
 
   The first ``len(alone)`` rows (big leaves, or every leaf of an
@@ -452,7 +518,7 @@ def _packed_message(rows, combine, alone, layout, spec, *,
   """
   if batched:
     return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,
-                                            spec))
+                                            spec, fusion))
   # Behind a barrier XLA cannot rewrite the first write into these zeros
   # as a pad of that run, which XLA:CPU fuses with the run's encoding and
   # packing into one loop over the whole message, a bounds check per word
@@ -461,12 +527,14 @@ def _packed_message(rows, combine, alone, layout, spec, *,
       jnp.zeros(layout.words, layout.word_dtype))
   for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
     message = lax.dynamic_update_slice(
-        message, _run_words(rows, first, end, combine, alone, layout, spec),
+        message, _run_words(rows, first, end, combine, alone, layout, spec,
+                            fusion),
         (layout.offsets[first] // layout.digits_per_word,))
   return message
 
 
-def _laid_end_to_end(rows, combine, alone, layout, spec) -> list[jax.Array]:
+def _laid_end_to_end(rows, combine, alone, layout, spec,
+                     fusion) -> list[jax.Array]:
   """Each run's packed words, and zero words for the padding around them:
   the message in order."""
   parts, at = [], 0
@@ -474,16 +542,23 @@ def _laid_end_to_end(rows, combine, alone, layout, spec) -> list[jax.Array]:
     offset = layout.offsets[first] // layout.digits_per_word
     if offset > at:
       parts.append(jnp.zeros(offset - at, layout.word_dtype))
-    parts.append(_run_words(rows, first, end, combine, alone, layout, spec))
+    parts.append(_run_words(rows, first, end, combine, alone, layout, spec,
+                            fusion))
     at = offset + parts[-1].shape[0]
   if layout.words > at:
     parts.append(jnp.zeros(layout.words - at, layout.word_dtype))
   return parts
 
 
-def _run_words(rows, first, end, combine, alone, layout, spec) -> jax.Array:
+def _run_words(rows, first, end, combine, alone, layout, spec,
+               fusion) -> jax.Array:
   """The packed words of the run of rows ``first .. end - 1``."""
   m = layout.digits_per_word
+  if fusion and fusion.takes(rows, first, len(alone), layout, spec):
+    words, fusion.values[first] = fused.encode(
+        combine, rows[first], spec=spec, radix=layout.radix,
+        also=fusion.also, interpret=fusion.interpret)
+    return words.ravel()
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and packing.planes_in_place(rows[first][0].shape, m)
       and shards.on_tpu()):

@@ -11,6 +11,7 @@ from jax import lax
 
 from dlion_jax import _drift
 from dlion_jax import exchange
+from dlion_jax import fused
 from dlion_jax import message
 from dlion_jax import quantize
 from dlion_jax import shards
@@ -116,6 +117,7 @@ def scale_by_distributed_lion(
     min_compress_size: int | None = None,
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
+    kernels: fused.Kernels = "auto",
 ) -> optax.GradientTransformation:
   r"""Lion's sign update, voted across the workers of a data-parallel axis.
 
@@ -206,6 +208,13 @@ def scale_by_distributed_lion(
       collectives while earlier layers still differentiate. The update is
       the same bit for bit; each bucket pads its own message. Off TPU the
       momenta are written once every bucket's vote is in.
+    kernels: how big leaves are encoded and tallied: ``'auto'`` (the fused
+      Pallas kernels of :mod:`dlion_jax.fused` on TPU, XLA elsewhere and
+      in the plain jitted step of :mod:`dlion_jax.workers`),
+      ``'pallas'`` (the kernels wherever a leaf fits their blocks; off TPU
+      in Pallas' interpreter, slow, for checking) or ``'xla'``. The
+      update is the same bit for bit; the kernels read a leaf's gradient
+      and momentum once instead of twice.
 
   Options that shape the message (``bits``, ``min_compress_size``, an int
   ``momentum_sync``) must be Python ints: under
@@ -237,6 +246,7 @@ def scale_by_distributed_lion(
   """
   check_choice("aggregation", aggregation, exchange.AGGREGATIONS)
   check_choice("comm", comm, exchange.COMM_CHOICES)
+  check_choice("kernels", kernels, fused.KERNELS)
   spec = quantize.vote_spec(quantizer, vote=vote, bits=bits)
   schedule = sync.as_schedule(momentum_sync)
   min_compress_size = _min_compress_size(min_compress_size)
@@ -281,12 +291,17 @@ def scale_by_distributed_lion(
     decay = jnp.asarray(b2, m.dtype).astype(wide)
     return ((1.0 - b2) * g + decay * m.astype(wide)).astype(m.dtype)
 
-  def voted_update(combine, num_workers, *trees, constants=()):
+  # The fused kernels compute the new momentum in the encoding's pass; a
+  # kernel may not close over a traced b2.
+  fused_moment = moment if isinstance(b2, (int, float)) else None
+
+  def voted_update(combine, num_workers, *trees, constants=(), also=None):
     return exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
-        bucket_bytes=bucket_bytes, with_done=True)
+        bucket_bytes=bucket_bytes, with_done=True, kernels=kernels,
+        also=also)
 
   def update_fn(updates, state, params=None):
     del params
@@ -296,7 +311,7 @@ def scale_by_distributed_lion(
     check_float_leaves(updates, "gradient")
     if num_workers > 1:
       _drift.check_local_gradients(updates, axis_name)
-    extra, done = {}, None
+    extra, done, fused_mu = {}, None, {}
     if num_workers == 1:
       new_updates = jax.tree.map(lambda g, m: jnp.sign(pre_sign(g, m)),
                                  updates, state.mu)
@@ -311,9 +326,10 @@ def scale_by_distributed_lion(
               leaves, treedef.flatten_up_to(new_updates),
               treedef.flatten_up_to(state.error))])}
     else:   # c computed inside the vote, on the whole message at once
-      new_updates, done = voted_update(pre_sign, num_workers, updates,
-                                       state.mu, constants=constants)
-    mu = jax.tree.map(moment, updates, state.mu)
+      new_updates, done, fused_mu = voted_update(
+          pre_sign, num_workers, updates, state.mu, constants=constants,
+          also=fused_moment) + (({},) if fused_moment is None else ())
+    mu = _moments(moment, updates, state.mu, fused_mu)
     if done is not None and not shards.on_tpu():
       mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
@@ -324,6 +340,15 @@ def scale_by_distributed_lion(
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _moments(moment, updates, mu, fused_mu: dict):
+  """``moment(g, m)`` leaf by leaf, taken from ``fused_mu`` (by leaf index)
+  where the fused kernels computed it."""
+  grads, treedef = jax.tree.flatten(updates)
+  return treedef.unflatten([
+      fused_mu[i] if i in fused_mu else moment(g, m)
+      for i, (g, m) in enumerate(zip(grads, treedef.flatten_up_to(mu)))])
 
 
 def _after_vote(mu, done):
@@ -378,6 +403,7 @@ def distributed_lion(
     min_compress_size: int | None = None,
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
+    kernels: fused.Kernels = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Distributed Lion: a drop-in for :func:`optax.lion` in data parallel.
 
@@ -418,6 +444,8 @@ def distributed_lion(
     bucket_bytes: exchange the votes in buckets of at most this many
       gradient bytes, to overlap them with the backward pass (see
       :func:`scale_by_distributed_lion`).
+    kernels: ``'auto'``, ``'pallas'`` or ``'xla'``: fused Pallas kernels
+      for the vote (see :func:`scale_by_distributed_lion`).
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -445,7 +473,7 @@ def distributed_lion(
           bits=bits, momentum_sync=momentum_sync,
           momentum_sync_mask=momentum_sync_mask,
           min_compress_size=min_compress_size, error_feedback=error_feedback,
-          bucket_bytes=bucket_bytes),
+          bucket_bytes=bucket_bytes, kernels=kernels),
       optax.add_decayed_weights(_replicated_schedule(weight_decay, axis_name),
                                 mask),
       optax.scale_by_learning_rate(_replicated_schedule(learning_rate,

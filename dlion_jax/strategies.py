@@ -74,10 +74,13 @@ class Strategy:
     ints: the votes go as integers, not packed digits (:func:`int_container`).
     returns_sign: its majority vote comes back as the sign itself.
     exchange: ``exchange(message, *, axis_name, num_workers, spec,
-      aggregation) -> (planes, decode)`` over a named axis: ``planes(first,
-      words)`` the ``[m, words]`` digits of a run of the message's words,
-      which read plane after plane are the run's digits in order, and
-      ``decode`` the vote's outcome from them.
+      aggregation) -> (planes, decode, words)`` over a named axis:
+      ``planes(first, words)`` the ``[m, words]`` digits of a run of the
+      message's words, which read plane after plane are the run's digits
+      in order, ``decode`` the vote's outcome from them, and ``words(first,
+      words)`` (None where there are none) ``[K, words]`` words of the
+      message's radix whose digits, summed over ``K``, are the sums of the
+      workers' codes: what :func:`dlion_jax.fused.tally` reads.
   """
   name: str
   sends: tuple[Send, ...]
@@ -218,7 +221,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
       return signed_sum(digits, n, spec)
     return 2 * digits - 1 if down_radix == 2 else digits - 1
   return (lambda first, size: lax.slice_in_dim(result, first, first + size,
-                                               axis=1)), decode
+                                               axis=1)), decode, None
 
 
 def _gather_words(words, axis_name, n):
@@ -254,9 +257,12 @@ def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   everyone = workers.exchanged(
       lambda m: _all_gather(m, axis_name),
       lambda messages: workers.place(messages, P()), axis_name)(message)
-  return (lambda first, size: packing.sum_planes(lax.slice_in_dim(
-      everyone, first, first + size, axis=1), spec.radix)), functools.partial(
-          signed_sum, num_workers=num_workers, spec=spec)
+  words = lambda first, size: lax.slice_in_dim(everyone, first, first + size,
+                                               axis=1)
+  planes = lambda first, size: packing.sum_planes(words(first, size),
+                                                 spec.radix)
+  return planes, functools.partial(signed_sum, num_workers=num_workers,
+                                   spec=spec), words
 
 
 def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
@@ -268,9 +274,10 @@ def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
   del aggregation
   radix = psum_radix(num_workers, spec)
   total = workers.psum(message, axis_name)
-  return (lambda first, size: packing.digit_planes(
-      lax.slice(total, (first,), (first + size,)), radix)), functools.partial(
-          signed_sum, num_workers=num_workers, spec=spec)
+  words = lambda first, size: lax.slice(total, (first,), (first + size,))[None]
+  return (lambda first, size: packing.digit_planes(words(first, size)[0],
+                                                   radix)), functools.partial(
+      signed_sum, num_workers=num_workers, spec=spec), words
 
 
 def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
@@ -281,7 +288,7 @@ def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
   del num_workers, spec, aggregation
   total = workers.psum(message, axis_name)
   return (lambda first, size: lax.slice(total, (first,), (first + size,))[
-      None]), lambda levels: levels.astype(jnp.int32)
+      None]), lambda levels: levels.astype(jnp.int32), None
 
 
 # How each strategy of dlion_jax.message.STRATEGIES runs.

@@ -64,14 +64,16 @@ def assert_matches_reference(out, ref, num_workers):
                                       err_msg=f"{name} mu[{k}] worker {i}")
 
 
-def match_every_comm(params, grads, num_workers, configs):
+def match_every_comm(params, grads, num_workers, configs, check_vma=True,
+                     **options):
   """Every comm of each (aggregation, vote) in ``configs``, all in one
   program, gives the reference's params and momenta bit for bit; returns
-  the runs, keyed "aggregation vote comm"."""
+  the runs, keyed "aggregation vote comm". ``options`` go to every
+  optimizer."""
   txs = {f"{a} {v} {c}": dl.distributed_lion(
-      LR, weight_decay=WD, axis_name=AXIS, aggregation=a, vote=v, comm=c)
-         for a, v in configs for c in COMMS}
-  out = run_on_mesh(txs, params, grads, num_workers)
+      LR, weight_decay=WD, axis_name=AXIS, aggregation=a, vote=v, comm=c,
+      **options) for a, v in configs for c in COMMS}
+  out = run_on_mesh(txs, params, grads, num_workers, check_vma=check_vma)
   for a, v in configs:
     ref = run_reference(params, grads, num_workers, aggregation=a, vote=v)
     assert_matches_reference({k: o for k, o in out.items()
@@ -119,14 +121,15 @@ BIG_LEAVES = {"rows": (40, 420), "cube": (80, 15, 14), "flat": (16_800,),
               "odd": (37,)}
 
 
-def check_big_leaves(num_workers, configs, dtype=np.float32):
+def check_big_leaves(num_workers, configs, dtype=np.float32,
+                     leaves=BIG_LEAVES, **options):
   """Leaves big enough to be packed alone, whose sizes and leading axes the
   digits of a word divide (8 votes, 5 trits, 10 counters of radix 9) or
   not (m = 7, 13), match the reference through every comm."""
   rng = np.random.default_rng(7)
-  params = random_tree(rng, BIG_LEAVES, dtype)
-  grads = [random_tree(rng, BIG_LEAVES, dtype, num_workers) for _ in range(3)]
-  match_every_comm(params, grads, num_workers, configs)
+  params = random_tree(rng, leaves, dtype)
+  grads = [random_tree(rng, leaves, dtype, num_workers) for _ in range(3)]
+  match_every_comm(params, grads, num_workers, configs, **options)
 
 
 BIG_CONFIGS = [(8, [("mavo", "binary"), ("avg", "ternary")]),
@@ -145,9 +148,43 @@ def test_big_leaves_match_reference_on_the_tpu_path(monkeypatch, num_workers,
   """The step as it is traced over a TPU mesh (shards.on_tpu): big leaves
   encoded plane by plane in their own shape, the outcome narrowed, reshaped
   and only then made float, the results gathered in rows of 128 lanes.
-  The same updates, bit for bit, as the numpy reference."""
+  The same updates, bit for bit, as the numpy reference. (The XLA path:
+  on TPU ``kernels='auto'`` takes the fused kernels, tested below.)"""
   monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
-  check_big_leaves(num_workers, configs, dtype)
+  check_big_leaves(num_workers, configs, dtype, kernels="xla")
+
+
+# Leaves the fused kernels take: 8 planes of 32 rows (binary votes, and the
+# counters of 3 workers' binary votes, 4 a byte: 64 rows), 5 planes (trits),
+# 10 (the counters of 8 workers' binary votes), a flat one, and a small one
+# they leave to XLA.
+FUSED_LEAVES = {"w": (256, 256), "trits": (160, 128), "counters": (320, 128),
+                "flat": (32768,), "cube": (8, 32, 128), "odd": (37,)}
+
+
+FUSED_8 = (8, [("mavo", "binary"), ("avg", "ternary")])
+FUSED_3 = (3, [("avg", "binary"), ("mavo", "ternary")])
+
+
+# Each N and each dtype in CI; the other pairs under -m slow.
+@pytest.mark.parametrize("num_workers,configs,dtype", [
+    (*FUSED_8, np.float32), (*FUSED_3, BF16),
+    pytest.param(*FUSED_8, BF16, marks=pytest.mark.slow),
+    pytest.param(*FUSED_3, np.float32, marks=pytest.mark.slow)])
+def test_fused_kernels_match_reference(monkeypatch, num_workers, configs,
+                                       dtype):
+  """``kernels='pallas'`` (Pallas' interpreter here): every comm gives the
+  numpy reference's params and momenta bit for bit, and the kernels ran."""
+  ran = []
+  for name in ("encode", "tally"):
+    def counted(*args, _kernel=getattr(dl.fused, name), _name=name, **kw):
+      ran.append(_name)
+      return _kernel(*args, **kw)
+    monkeypatch.setattr(dl.fused, name, counted)
+  # Pallas' interpreter cannot run under check_vma (fused._call says why).
+  check_big_leaves(num_workers, configs, dtype, FUSED_LEAVES,
+                   check_vma=False, kernels="pallas")
+  assert "encode" in ran and "tally" in ran, ran
 
 
 @pytest.mark.parametrize("num_workers,vote,shape", [
@@ -167,7 +204,8 @@ def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
   params = random_tree(rng, {"w": shape})
   grads = [random_tree(rng, {"w": shape}, np.float32, num_workers)
            for _ in range(2)]
-  match_every_comm(params, grads, num_workers, [("mavo", vote)])
+  match_every_comm(params, grads, num_workers, [("mavo", vote)],
+                   kernels="xla")
   places = 8 if vote == "binary" else 5
   assert (places, 256) in gathered, gathered
 

@@ -55,7 +55,11 @@ Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
       [--tree mlp|two|many|large] [--grid] [--vmap] [--profile]
-      [--tpu TOPOLOGY] [--plain] [--out FILE.md]
+      [--tpu TOPOLOGY [--xla-too]] [--plain] [--out FILE.md]
+
+On TPU the D-Lion steps take the fused Pallas kernels of
+:mod:`dlion_jax.fused` where a leaf fits them (``kernels='auto'``);
+``--xla-too`` adds each variant without them.
 """
 
 from __future__ import annotations
@@ -116,6 +120,7 @@ RENDEZVOUS = "local lion + 1 psum"
 # A D-Lion variant's name with this after it: the same optimizer in a plain
 # jax.jit step (dlion_jax.workers), not a shard_map.
 PLAIN = " (plain jit)"
+XLA = " (XLA)"
 
 
 def num_params(shapes: dict) -> int:
@@ -131,12 +136,13 @@ def random_tree(seed: int, shapes: dict, lead: tuple[int, ...] = ()) -> dict:
       is_leaf=lambda x: isinstance(x, tuple))
 
 
-def variants(grid: bool = False
+def variants(grid: bool = False, kernels: str = "auto"
              ) -> dict[str, tuple[optax.GradientTransformation, bool]]:
   """name -> (optimizer, whether gradients are pmean-ed first).
 
   D-Lion: MaVo with every ``comm`` and Avg with ``auto``, binary votes; with
-  ``grid``, every aggregation x comm x vote (ternary named as such)."""
+  ``grid``, every aggregation x comm x vote (ternary named as such); its
+  ``kernels`` option (:mod:`dlion_jax.fused`) as given."""
   out = {}
   for vote in quantize.VOTES if grid else ("binary",):
     for aggregation in message.AGGREGATIONS:
@@ -144,7 +150,8 @@ def variants(grid: bool = False
         if aggregation == "avg" and comm != "auto" and not grid:
           continue
         tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS, vote=vote,
-                                 aggregation=aggregation, comm=comm)
+                                 aggregation=aggregation, comm=comm,
+                                 kernels=kernels)
         name = f"dlion {aggregation} {comm}"
         out[name if vote == "binary" else f"{name} {vote}"] = (tx, False)
   out[BASELINE] = (optax.lion(LEARNING_RATE), True)
@@ -515,9 +522,12 @@ def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
 
 
 def tpu_table(num_workers: int, shapes: dict, topology: str, *,
-              grid: bool = False, plain: bool = False) -> str:
+              grid: bool = False, plain: bool = False,
+              xla_too: bool = False) -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
-  chip reads and writes, against the floor's (see :func:`tpu_bytes`)."""
+  chip reads and writes, against the floor's (see :func:`tpu_bytes`);
+  with ``xla_too`` each D-Lion variant also without the fused kernels,
+  named ``<variant> (XLA)``."""
   devices = aot.tpu_devices(topology, 1)[:num_workers]
   if len(devices) != num_workers:
     raise ValueError(
@@ -527,14 +537,19 @@ def tpu_table(num_workers: int, shapes: dict, topology: str, *,
   mesh = Mesh(np.array(devices), (AXIS,))
   per_param = {}
   rows = []
+  xla = variants(grid, kernels="xla") if xla_too else {}
   for name, (tx, pmean_grads) in variants(grid).items():
     forms = [False, True] if plain and name.startswith("dlion ") else [False]
+    txs = {"": tx}
+    if name.startswith("dlion ") and xla:
+      txs[XLA] = xla[name][0]
     for form in forms:
-      key = name + PLAIN if form else name
-      nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads,
-                                  plain=form)
-      per_param[key] = nbytes / num_params(shapes)
-      rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
+      for suffix, tx in txs.items():
+        key = name + suffix + (PLAIN if form else "")
+        nbytes, fusions = tpu_bytes(tx, mesh, shapes,
+                                    pmean_grads=pmean_grads, plain=form)
+        per_param[key] = nbytes / num_params(shapes)
+        rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
   for row in rows:
     row[2] = f"{per_param[row[0]] / per_param[FLOOR]:.2f}x"
   return reporting.markdown_table(
@@ -569,8 +584,15 @@ def main(argv=None) -> str:
                       help="also run each D-Lion variant in a plain jax.jit "
                       "step (dl.workers: the update vmapped over the "
                       "workers' axis), beside its shard_map step")
+  parser.add_argument("--xla-too", action="store_true",
+                      help="with --tpu, also compile each D-Lion variant "
+                      "with kernels='xla' (no fused Pallas kernels), "
+                      "named '<variant> (XLA)'")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
+  if args.xla_too and not args.tpu:
+    parser.error("--xla-too compares the fused kernels on TPU; add --tpu "
+                 "TOPOLOGY (off TPU every step takes the XLA path)")
   if args.plain and args.vmap:
     parser.error("--plain maps the workers over the mesh's devices; leave "
                  "out --vmap")
@@ -625,7 +647,7 @@ def _tpu_report(parser, args) -> str:
   start = time.perf_counter()
   try:
     table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid,
-                         plain=args.plain)
+                         plain=args.plain, xla_too=args.xla_too)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([

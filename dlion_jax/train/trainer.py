@@ -689,14 +689,14 @@ def _resume(ckpt, cfg, run, *, policy: str):
   rows = meta["workers"] if rows is None else rows
   axes = dict(axis_name=AXIS, shard_axis=step_shard_axis(cfg, run.mesh))
   local = cfg.optimizer.local_steps > 1   # each worker's params, stacked
-  one_worker = lambda p: jax.tree.map(lambda x: x[0], p) if local else p
+  row = elastic.worker_row(run.params, run.mesh) if local else run.params
   like = {"params": run.params, "opt_state": run.opt_state}
   if rows != _state_rows(cfg):
     like = {"params": (elastic.worker_params_target(run.params, run.mesh,
                                                     rows, axis_name=AXIS)
                        if local else run.params),
-            "opt_state": elastic.restore_target(
-                run.tx, one_worker(run.params), run.mesh, rows, **axes)}
+            "opt_state": elastic.restore_target(run.tx, row, run.mesh, rows,
+                                                **axes)}
   state, meta = ckpt.restore(like, latest)
   rundir.check_unfinished(cfg, latest, ckpt.directory)
   run.batches.restore(meta["data"])
@@ -704,8 +704,8 @@ def _resume(ckpt, cfg, run, *, policy: str):
     state["params"] = elastic.resize_worker_params(
         state["params"], run.mesh, axis_name=AXIS, policy=policy)
   state["opt_state"] = elastic.resize_worker_states(
-      run.tx, state["opt_state"], one_worker(state["params"]), run.mesh,
-      policy=policy, **axes)
+      run.tx, state["opt_state"], row if local else state["params"],
+      run.mesh, policy=policy, **axes)
   resized = None
   if _voters(cfg) != _voters_of(meta["workers"], saved):
     if optimizers.state_alike_on_every_worker(cfg.optimizer):

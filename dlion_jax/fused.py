@@ -1,0 +1,286 @@
+"""Fused vote kernels (Pallas): a leaf's encoding and its tally in one pass.
+
+XLA compiles the vote's encoding, a loop over message words (``m`` codes to
+a word), apart from the momentum's update, a loop over parameters: a step
+reads a big leaf's gradient and momentum twice, and its tally unpacks every
+worker's digits into arrays of their own. These kernels read each once:
+
+* :func:`encode`: ``g`` and ``m`` in, the packed words of
+  ``combine(g, m)`` and ``also(g, m)`` (Lion's new momentum, written over
+  ``m``) out;
+* :func:`tally`: ``K`` rows of words in (every worker's, ``allgather``; the
+  summed counters, ``psum``), the vote's outcome out as ``int8``.
+
+Layout: the planar order of :func:`dlion_jax.packing.leaf_planes`. A leaf
+of ``R`` rows of ``C`` lanes (its leading axes merged) is ``m`` planes of
+``H = R / m`` rows, and digit ``j`` of word ``(r, c)`` is the code of
+element ``(j H + r, c)``. A kernel's block is ``[m, rows, lanes]`` values
+and ``[rows, lanes]`` words: each word is packed or unpacked from ``m``
+values in registers, and lanes never mix.
+
+Invariant: the words are :func:`dlion_jax.packing.pack_planes` of
+:func:`dlion_jax.quantize.encode`'s codes, and the outcome
+:func:`dlion_jax.strategies.signed_sum`'s (its sign for a majority vote),
+bit for bit.
+
+Where they run: on TPU, for leaves whose planes fit its tiles
+(:func:`fits`). Elsewhere, or with ``interpret=True``, Pallas' interpreter
+runs them as XLA code: slow, for checking (``kernels='pallas'`` off TPU).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Literal, get_args
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from dlion_jax import packing
+from dlion_jax import quantize
+from dlion_jax import shards
+from dlion_jax import strategies
+
+Kernels = Literal["auto", "pallas", "xla"]
+KERNELS = get_args(Kernels)
+
+# Rows of words a block: int8 and uint8 arrays are tiled by 32 rows.
+BLOCK_ROWS = 32
+# Lanes a block takes at most: ten planes of float32 g, m and m' double
+# buffered are under 8 MiB of on-chip memory.
+BLOCK_LANES = 512
+_FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def _view(shape: tuple[int, ...]) -> tuple[int, int]:
+  """``(rows, lanes)`` the kernels see a leaf of ``shape`` as: its leading
+  axes merged, or a flat leaf in rows of 128 lanes (on TPU either is the
+  leaf's own layout)."""
+  if len(shape) == 1:
+    return shape[0] // shards.LANES, shards.LANES
+  return math.prod(shape[:-1]), shape[-1]
+
+
+def fits(shape: tuple[int, ...], dtypes, radix: int) -> bool:
+  """Whether a leaf of ``shape`` (of ``dtypes``) is cut into blocks of the
+  kernels: float32 or bfloat16, lanes a multiple of 128 (a flat leaf: in
+  rows of 128), and ``m`` planes (``m`` =
+  :func:`dlion_jax.packing.digits_per_word`) along its leading axis, each
+  of whole blocks of rows: the planes of
+  :func:`dlion_jax.packing.leaf_planes`.
+
+  Example:
+    >>> from dlion_jax import fused
+    >>> import jax.numpy as jnp
+    >>> fused.fits((512, 256), [jnp.float32], 2)    # 8 planes of 64 rows
+    True
+    >>> fused.fits((500, 256), [jnp.float32], 2)
+    False
+  """
+  m = packing.digits_per_word(radix)
+  if not shape or shape[-1] % shards.LANES or shape[0] % m:
+    return False
+  rows, _ = _view(shape)
+  return rows % (m * BLOCK_ROWS) == 0 and all(
+      jnp.dtype(d) in _FLOATS for d in dtypes)
+
+
+def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
+  """The block ``(rows, lanes)`` of words, and the grid over ``[rows,
+  lanes]`` words."""
+  width = math.gcd(lanes, BLOCK_LANES)
+  return (BLOCK_ROWS, width), (rows // BLOCK_ROWS, lanes // width)
+
+
+def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
+          aliases, interpret):
+  """``pallas_call`` with the cost it declares: every operand and output
+  read or written once (XLA's cost analysis counts a kernel's bytes as it
+  declares them). On TPU the inputs stay in HBM: XLA's memory-space
+  assignment would otherwise stage a big leaf in on-chip memory and copy it
+  back."""
+  nbytes = sum(x.size * x.dtype.itemsize for x in inputs) + sum(
+      math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)
+  inputs, out_shape = _typed_alike(inputs, out_shape)
+  if not interpret:
+    inputs = [_in_hbm(x) for x in inputs]
+  call = pl.pallas_call(
+      kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
+      out_specs=out_specs, input_output_aliases=aliases,
+      cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
+                                    bytes_accessed=int(nbytes)),
+      compiler_params=None if interpret else pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel")),
+      interpret=interpret)
+  if interpret and out_shape[0].manual_axis_type.varying:
+    raise ValueError(
+        "kernels='pallas' runs the fused kernels in Pallas' interpreter off "
+        "TPU, which cannot run inside jax.shard_map(..., check_vma=True) "
+        "(it slices per-worker blocks at grid indices typed alike on every "
+        "worker). Use kernels='auto' or 'xla' off TPU, or check_vma=False "
+        "(dlion_jax.parallel.make_train_step's default).")
+  return call(*inputs)
+
+
+def _in_hbm(x: jax.Array) -> jax.Array:
+  """``x`` pinned to HBM; as it is under ``jax.vmap`` (the workers of a
+  plain jitted step), which the constraint does not batch."""
+  try:
+    return pltpu.with_memory_space_constraint(x, pltpu.HBM)
+  except NotImplementedError:
+    return x
+
+
+def _typed_alike(inputs, out_shape):
+  """Inputs varying over the same manual axes (``shard_map(check_vma=True)``
+  types each value by the axes it varies over), and outputs typed so."""
+  varying = set()
+  for x in inputs:
+    varying |= jax.typeof(x).manual_axis_type.varying
+  inputs = [lax.pcast(x, tuple(lost), to="varying") if (
+      lost := varying - jax.typeof(x).manual_axis_type.varying) else x
+            for x in inputs]
+  mat = jax.typeof(inputs[0]).manual_axis_type
+  return inputs, [jax.ShapeDtypeStruct(s.shape, s.dtype, manual_axis_type=mat)
+                  for s in out_shape]
+
+
+def _pack(codes: list[jax.Array], radix: int) -> jax.Array:
+  """``sum_j codes[j] * radix**j`` in 32-bit integers (codes below
+  ``radix``, ``radix**m`` at most ``2**32``)."""
+  words = None
+  for j, code in enumerate(codes):
+    code = code.astype(jnp.uint32)
+    if packing.digits_per_word(radix) > 1 and radix & (radix - 1) == 0:
+      field = code << (j * (radix.bit_length() - 1))
+    else:
+      field = code * jnp.uint32(radix**j)
+    words = field if words is None else words + field
+  return words
+
+
+def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
+           *, spec: quantize.VoteSpec, radix: int,
+           also: Callable[..., jax.Array] | None = None,
+           interpret: bool = False):
+  """One pass over a leaf: the packed words of ``combine(*leaves)``'s vote
+  codes, and ``also(*leaves)``.
+
+  Args:
+    combine: elementwise, of the leaves (Lion's ``(1 - b1) g + b1 m``).
+    leaves: arrays of one shape that :func:`fits` (a gradient and a
+      momentum).
+    spec: the vote's codes (:func:`dlion_jax.quantize.encode`); a sign
+      vote (L1-scaled votes need the whole leaf's scale first).
+    radix: the radix the words pack the codes in (the vote's, or
+      ``psum``'s counters').
+    also: elementwise, of the leaves: computed in the same pass and
+      written over ``leaves[-1]`` (donated) where it has its dtype.
+    interpret: run Pallas' interpreter (any backend).
+
+  Returns:
+    ``(words, also_value)``: words ``[R / m, C]`` of
+    :func:`dlion_jax.packing.word_dtype` ``(radix)`` (``R`` the leaf's
+    rows), as :func:`dlion_jax.packing.pack_planes` packs the codes of
+    :func:`dlion_jax.packing.leaf_planes`; ``also_value`` in the leaves'
+    shape, or None.
+  """
+  if spec.scaled:
+    raise ValueError("fused.encode takes sign votes; an L1-scaled vote "
+                     "needs its leaf's scale before any code.")
+  shape = leaves[0].shape
+  m = packing.digits_per_word(radix)
+  rows, lanes = _view(shape)
+  rows //= m
+  planes = [x.reshape(m, rows, lanes) for x in leaves]
+  block, grid = _grid(rows, lanes)
+  plane_spec = pl.BlockSpec((m,) + block, lambda i, k: (0, i, k))
+  word_spec = pl.BlockSpec(block, lambda i, k: (i, k))
+  word_dtype = packing.word_dtype(radix)
+  out_shape = [jax.ShapeDtypeStruct((rows, lanes), word_dtype)]
+  aliases = {}
+  if also is not None:
+    also_dtype = jax.eval_shape(
+        also, *[jax.ShapeDtypeStruct((), x.dtype) for x in leaves]).dtype
+    out_shape.append(jax.ShapeDtypeStruct(planes[-1].shape, also_dtype))
+    if also_dtype == leaves[-1].dtype:
+      aliases = {len(leaves) - 1: 1}
+
+  def kernel(*refs):
+    ins, words_ref = refs[:len(leaves)], refs[len(leaves)]
+    codes = []
+    for j in range(m):
+      values = [ref[j] for ref in ins]
+      codes.append(quantize.sign_codes(combine(*values), spec.radix))
+      if also is not None:
+        refs[-1][j] = also(*values)
+    words_ref[...] = _pack(codes, radix).astype(word_dtype)
+
+  out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
+              [word_spec] + [plane_spec] * (also is not None), grid,
+              aliases=aliases, interpret=interpret)
+  return out[0], (out[1].reshape(shape) if also is not None else None)
+
+
+def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
+          num_workers: int, spec: quantize.VoteSpec, aggregation: str,
+          interpret: bool = False) -> jax.Array:
+  """The vote's outcome for one leaf, from ``K`` rows of its words.
+
+  Args:
+    words: ``[K, R C / m]`` (or ``[K, R / m, C]``) words of ``radix`` in
+      the planar order (see the module docstring): every worker's own
+      (``allgather``, ``K = N``) or the summed counters (``psum``,
+      ``K = 1``).
+    shape: the leaf's shape (``R`` rows of ``C``).
+    radix: the words' radix.
+    num_workers: N, whose codes the digits sum.
+    spec: what each worker sent.
+    aggregation: ``'mavo'`` (the outcome is ``sign(s)``) or ``'avg'``
+      (``s`` itself), ``s`` the sum of the workers' levels.
+    interpret: run Pallas' interpreter.
+
+  Returns:
+    The outcome in ``shape``, as ``int8`` (for ``'avg'`` the
+    :func:`dlion_jax.strategies.int_container` of ``N`` workers' levels).
+  """
+  m = packing.digits_per_word(radix)
+  rows, lanes = _view(shape)
+  rows //= m
+  k = words.shape[0]
+  words = words.reshape(k, rows, lanes)
+  dtype = strategies.int_container(
+      num_workers if aggregation == "avg" else 1, spec)
+  block, grid = _grid(rows, lanes)
+  word_spec = pl.BlockSpec((k,) + block, lambda i, j: (0, i, j))
+  out_spec = pl.BlockSpec((m,) + block, lambda i, j: (0, i, j))
+
+  def kernel(words_ref, out_ref):
+    rows = [words_ref[w].astype(jnp.uint32) for w in range(k)]
+    for j in range(m):
+      total = None
+      for row in rows:
+        digit = _digit(row, j, radix)
+        total = digit if total is None else total + digit
+      s = strategies.signed_sum(total, num_workers, spec)
+      if aggregation == "mavo":
+        s = (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32)
+      out_ref[j] = s.astype(dtype)
+
+  out, = _call(kernel, [words], [jax.ShapeDtypeStruct((m, rows, lanes),
+                                                      dtype)],
+               [word_spec], [out_spec], grid, aliases={},
+               interpret=interpret)
+  return out.reshape(shape)
+
+
+def _digit(words: jax.Array, j: int, radix: int) -> jax.Array:
+  """Digit ``j`` of uint32 ``words`` (constant divisors: shifts for a power
+  of two radix, else multiply-shifts)."""
+  if radix & (radix - 1) == 0:
+    width = radix.bit_length() - 1
+    return (words >> (width * j)) & jnp.uint32(radix - 1)
+  return (words // jnp.uint32(radix**j)) % jnp.uint32(radix)

@@ -1,0 +1,248 @@
+"""The fused vote kernels (dlion_jax.fused) in Pallas' interpreter against
+numpy, the optimizer through them against the numpy reference, and their
+TPU compiles (``tpu_aot``)."""
+
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import dlion_jax as dl
+from dlion_jax import fused
+from dlion_jax import packing
+from dlion_jax import quantize
+from messages import assert_names
+
+BF16 = ml_dtypes.bfloat16
+
+
+def planes_of(x, m):
+  """numpy: the leaf as ``[m, H, C]``: plane ``j`` is rows ``j H ..`` of
+  the leaf with its leading axes merged (a flat leaf in rows of 128)."""
+  lanes = x.shape[-1] if x.ndim > 1 else 128
+  return x.reshape(m, -1, lanes)
+
+
+def np_words(codes, radix):
+  """numpy: digit ``j`` of word ``(r, c)`` is ``codes[j, r, c]``."""
+  out = np.zeros(codes.shape[1:], np.uint64)
+  for j in range(codes.shape[0]):
+    out += codes[j].astype(np.uint64) * radix**j
+  return out
+
+
+def np_codes(c, radix):
+  """numpy: sign-vote codes, 1 for c > 0 (binary); sign(c) + 1 (ternary)."""
+  if radix == 2:
+    return (c > 0).astype(np.uint8)
+  return (np.sign(c) + 1).astype(np.uint8)
+
+
+# (vote radix, word radix): binary into bytes, ternary into bytes (5 trits),
+# binary counters of 8 workers (radix 9, 10 digits a uint32).
+RADICES = [(2, 2), (3, 3), (2, 9)]
+
+
+@pytest.mark.parametrize("vote_radix,radix", RADICES)
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_encode_matches_numpy(vote_radix, radix, dtype):
+  m = packing.digits_per_word(radix)
+  rng = np.random.default_rng(radix)
+  spec = quantize.VoteSpec(vote_radix)
+  for shape in [(m * 32, 256), (m * 2, 16, 128), (m * 32 * 128,)]:
+    assert fused.fits(shape, [dtype], radix), shape
+    g = rng.standard_normal(shape).astype(dtype)
+    mom = rng.standard_normal(shape).astype(dtype)
+    g.flat[:5] = 0                       # ties: +0 votes -1 (binary) or 0
+    combine = lambda g, m: g + m
+    also = lambda g, m: m - g
+    words, new_m = jax.jit(lambda g, m: fused.encode(
+        combine, (g, m), spec=spec, radix=radix, also=also,
+        interpret=True))(g, mom)
+    c = (g.astype(np.float32) + mom.astype(np.float32)).astype(dtype)
+    want = np_words(planes_of(np_codes(c, vote_radix), m), radix)
+    assert words.dtype == packing.word_dtype(radix)
+    np.testing.assert_array_equal(np.asarray(words).reshape(want.shape),
+                                  want, err_msg=str(shape))
+    np.testing.assert_array_equal(np.asarray(new_m), mom - g)
+    # The words the XLA path packs, bit for bit.
+    xla = packing.pack_planes(packing.leaf_planes(
+        quantize.encode(jnp.asarray(c), spec), m), radix)
+    np.testing.assert_array_equal(np.asarray(words).ravel(),
+                                  np.asarray(xla).ravel())
+
+
+def np_outcome(codes, num_workers, spec, aggregation):
+  """numpy: the sum of levels over workers, or its sign."""
+  levels = codes.astype(np.int64) * (2 if spec.radix == 2 else 1) - (
+      1 if spec.radix == 2 else spec.max_level)
+  s = levels.sum(axis=0)
+  return np.sign(s) if aggregation == "mavo" else s
+
+
+@pytest.mark.parametrize("num_workers", [3, 8])
+@pytest.mark.parametrize("vote_radix", [2, 3])
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+@pytest.mark.parametrize("summed", [False, True])
+def test_tally_matches_numpy(num_workers, vote_radix, aggregation, summed):
+  """Every worker's words (allgather) or their sum as counters (psum)."""
+  spec = quantize.VoteSpec(vote_radix)
+  radix = (vote_radix - 1) * num_workers + 1 if summed else vote_radix
+  m = packing.digits_per_word(radix)
+  shape = (m * 32, 256)
+  rng = np.random.default_rng(num_workers)
+  codes = rng.integers(0, vote_radix, (num_workers,) + shape, np.uint8)
+  words = np.stack([np_words(planes_of(c, m), radix).ravel() for c in codes])
+  if summed:
+    words = words.sum(axis=0, keepdims=True)
+  words = words.astype(packing.word_dtype(radix))
+  out = jax.jit(lambda w: fused.tally(
+      w, shape, radix=radix, num_workers=num_workers, spec=spec,
+      aggregation=aggregation, interpret=True))(words)
+  want = np_outcome(codes, num_workers, spec, aggregation)
+  assert out.shape == shape and out.dtype == jnp.int8
+  np.testing.assert_array_equal(np.asarray(out), want)
+  if aggregation == "mavo" and num_workers % 2 == 0:
+    assert (want == 0).any()             # ties are in the draw
+
+
+@pytest.mark.parametrize("shape,dtype,radix,want", [
+    ((256, 128), np.float32, 2, True),
+    ((32768,), np.float32, 2, True),          # flat: 256 rows of 128
+    ((8, 32, 128), BF16, 2, True),
+    ((160, 128), np.float32, 3, True),        # 5 trits a byte
+    ((256, 100), np.float32, 2, False),       # lanes not whole
+    ((252, 128), np.float32, 2, False),       # planes not whole blocks
+    ((4, 64, 128), np.float32, 2, False),     # leading axis not m planes
+    ((256, 128), np.float64, 2, False),
+    ((256, 128), np.float32, 3, False),       # 256 rows in 5 planes
+    ((), np.float32, 2, False),
+])
+def test_fits(shape, dtype, radix, want):
+  assert fused.fits(shape, [dtype], radix) is want
+
+
+def test_unknown_kernels_option_names_the_choices():
+  with pytest.raises(ValueError) as err:
+    dl.distributed_lion(1e-3, axis_name="data", kernels="triton")
+  assert_names(err, "kernels", "'triton'", "'auto'", "'pallas'", "'xla'")
+
+
+def test_encode_refuses_l1_scaled_votes():
+  x = jnp.zeros((256, 128))
+  with pytest.raises(ValueError, match="scale"):
+    fused.encode(lambda g: g, (x,), spec=quantize.vote_spec("ternary_l1"),
+                 radix=3, interpret=True)
+
+
+TOPOLOGIES = ["v5e:2x2", "v5p:2x2x1", "v6e:2x2"]
+
+
+def tpu_chip(topology):
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  return topologies.get_topology_desc(topology, "tpu").devices[0]
+
+
+def compiled_for(chip, fn, *args, donate=()):
+  """``fn`` compiled for one TPU ``chip`` (a compile-only device) on
+  abstract ``args``."""
+  placed = [jax.ShapeDtypeStruct(
+      x.shape, x.dtype, sharding=jax.sharding.SingleDeviceSharding(chip))
+            for x in args]
+  with jax.default_device(chip):   # jnp.sign asks the default device's kind
+    return jax.jit(fn, donate_argnums=donate).lower(*placed).compile()
+
+
+def declared_and_counted(compiled, nbytes):
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, list) else cost
+  return nbytes, cost["bytes accessed"]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.parametrize("topology", TOPOLOGIES)
+def test_kernels_compile_for_tpu_and_declare_their_bytes(topology):
+  """Mosaic compiles both kernels for each TPU generation, float32 and
+  bfloat16; XLA's cost analysis counts a kernel's bytes as it declares
+  them, so each must declare its operands and outputs (and no more). The
+  momentum is donated: the new one is written over it (not donated, XLA
+  copies it first, 8 bytes a parameter more)."""
+  chip = tpu_chip(topology)
+  shape = (8 * 64, 1024)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    g = jax.ShapeDtypeStruct(shape, dtype)
+    encode = compiled_for(chip, lambda g, m: fused.encode(
+        lambda g, m: 0.1 * g + 0.9 * m, (g, m), spec=quantize.BINARY,
+        radix=2, also=lambda g, m: 0.01 * g + 0.99 * m), g, g, donate=1)
+    size = math.prod(shape)
+    words = size // 8
+    declared = 2 * size * g.dtype.itemsize + words + size * g.dtype.itemsize
+    counted = declared_and_counted(encode, declared)[1]
+    assert declared <= counted <= declared + 1024, (topology, dtype)
+    assert "tpu_custom_call" in encode.as_text()
+  everyone = jax.ShapeDtypeStruct((8, shape[0] // 8, shape[1]), jnp.uint8)
+  tally = compiled_for(chip, lambda w: fused.tally(
+      w, shape, radix=2, num_workers=8, spec=quantize.BINARY,
+      aggregation="mavo"), everyone)
+  declared = math.prod(everyone.shape) + math.prod(shape)
+  counted = declared_and_counted(tally, declared)[1]
+  assert declared <= counted <= declared + 1024, topology
+
+
+def test_pallas_off_tpu_under_check_vma_is_refused_with_the_fix():
+  """Pallas' interpreter cannot run in a shard_map(check_vma=True): the
+  step is refused, naming the options that run."""
+  mesh = dl.devices.data_mesh(2)
+  tx = dl.distributed_lion(1e-3, axis_name="data", kernels="pallas")
+  params = {"w": jnp.ones((256, 128))}
+  state = dl.parallel.init_worker_states(tx, params, mesh)
+  grads = {"w": jnp.ones((2, 256, 128))}
+
+  def update(g, s, p):
+    g, s = jax.tree.map(lambda x: x[0], (g, s))
+    u, s = tx.update(g, s, p)
+    return u, jax.tree.map(lambda x: x[None], s)
+  P = jax.sharding.PartitionSpec
+  step = jax.jit(jax.shard_map(update, mesh=mesh, in_specs=(
+      P("data"), P("data"), P()), out_specs=(P(), P("data")),
+      check_vma=True))
+  with pytest.raises(ValueError) as err:
+    step(grads, state, params)
+  assert_names(err, "kernels='pallas'", "check_vma=True", "kernels='auto'",
+               "check_vma=False")
+
+
+@pytest.mark.tpu_aot
+def test_pallas_in_a_plain_step_on_tpu_is_refused_with_the_fix():
+  """XLA partitions the plain jitted step (dl.workers) and cannot partition
+  a Mosaic kernel: 'auto' keeps the XLA path there, 'pallas' is refused."""
+  tpu_chip("v5e:2x2")                        # skips without libtpu
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  chips = topologies.get_topology_desc("v5e:2x2", "tpu").devices
+  mesh = jax.sharding.Mesh(np.array(chips), ("data",))
+  P = jax.sharding.PartitionSpec
+  placed = lambda shape, spec, dtype=jnp.float32: jax.ShapeDtypeStruct(
+      shape, dtype, sharding=jax.sharding.NamedSharding(mesh, spec))
+
+  def compiled(kernels):
+    tx = dl.distributed_lion(1e-3, axis_name="data", comm="allgather",
+                             kernels=kernels)
+    params = {"w": placed((256, 128), P())}
+    grads = {"w": placed((4, 256, 128), P("data"))}
+    states = jax.tree.map(lambda s: placed(s.shape, P("data"), s.dtype),
+                          jax.eval_shape(jax.vmap(tx.init), grads))
+
+    def step(params, states, grads):
+      return dl.workers.update(tx, axis_name="data")(grads, states, params)
+    with jax.set_mesh(mesh):
+      return jax.jit(step).lower(params, states, grads).compile()
+
+  assert "tpu_custom_call" not in compiled("auto").as_text()
+  with pytest.raises(ValueError) as err:
+    compiled("pallas")
+  assert_names(err, "kernels='pallas'", "plain jitted step",
+               "kernels='auto'", "make_train_step")
