@@ -67,23 +67,44 @@ class VoteOptions:
   comm: str
   min_compress_size: int = 0
   bucket_bytes: int | None = None
+  kernels: str = "auto"
 
 
 @dataclasses.dataclass
 class _Fusion:
   """The fused kernels of a message (:mod:`dlion_jax.fused`): whether they
   run in Pallas' interpreter, the ``also`` their encoding computes beside
-  the words, and its value for each run they encoded."""
+  the words, its value for each run they encoded, and the runs whose
+  outcome :func:`dlion_jax.fused.tally` wrote in the leaf's shape
+  (``decoded``)."""
   interpret: bool
   also: Callable | None
+  forced: bool = False
   values: dict = dataclasses.field(default_factory=dict)
+  decoded: set = dataclasses.field(default_factory=set)
 
-  def takes(self, rows, first: int, num_alone: int, layout, spec) -> bool:
+  @staticmethod
+  def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
     """Whether run ``first`` (a row of leaves alone) runs the kernels."""
     return (first < num_alone and not spec.scaled
             and layout.radix is not None
             and fused.fits(rows[first][0].shape,
                            [x.dtype for x in rows[first]], layout.radix))
+
+  def decoding(self, rows, num_alone: int, layout):
+    """``layout`` with the results in blocks of
+    :func:`dlion_jax.fused.decode`, where a strategy sends results back
+    and a run takes the kernels: forced (``kernels='pallas'``), or where
+    the blocks' padding adds at most 1% to what a worker sends. Else
+    None."""
+    if not (any(s.back for s in strategies.STRATEGIES[layout.comm].sends)
+            and any(self.takes(rows, r, num_alone, layout, layout.spec)
+                    for r in layout.runs)):
+      return None
+    blocked = dataclasses.replace(layout, result_blocks=fused.DECODE_BLOCK)
+    if self.forced or blocked.sent_bytes() <= 1.01 * layout.sent_bytes():
+      return blocked
+    return None
 
 
 def workers_along(axis_name: AxisName | None) -> int:
@@ -186,12 +207,21 @@ def _exchange(rows, combine, alone, options: VoteOptions,
                       leaf_sizes=sizes, gathers=gathers)
   layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
                          _run_starts(rows, len(alone)))
+  blocked = fusion and fusion.decoding(rows, len(alone), layout)
+  extra = {}
+  if blocked:
+    layout = blocked
+    extra = dict(result_words=layout.result_words,
+                 decode_with=functools.partial(
+                     fused.decode, radix=layout.down_radix, num_workers=n,
+                     spec=spec, aggregation=aggregation,
+                     interpret=fusion.interpret))
   message = _packed_message(rows, combine, alone, layout, spec, fusion,
                             batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
                                             num_workers=n, spec=spec,
-                                            aggregation=aggregation)
+                                            aggregation=aggregation, **extra)
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
   # select of the place per element (design notes, "Planar digits").
@@ -204,6 +234,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           words(first, size), rows[row][0].shape, radix=layout.radix,
           num_workers=n, spec=spec, aggregation=aggregation,
           interpret=fusion.interpret).reshape(-1))
+      fusion.decoded.add(run)
       continue
     outcome = decode(planes(first, size).reshape(-1))
     if aggregation == "mavo" and not strategy.returns_sign:
@@ -308,58 +339,60 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   a bucket's collectives depend on its leaves' gradients only and XLA may
   schedule them while the rest of the backward pass runs.
 
-  ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
-  compute once every bucket's outcome is in (see
-  ``_after_every_outcome``), or None where the compiler's axes share the
-  vote.
-
   ``kernels`` picks how a big leaf is encoded and tallied: ``'pallas'``
   through the fused kernels of :mod:`dlion_jax.fused` wherever the leaf
   fits their blocks (off TPU in Pallas' interpreter), ``'xla'`` never,
-  ``'auto'`` on TPU only, but for the plain jitted step
-  (:mod:`dlion_jax.workers`), which XLA partitions and a Pallas kernel
-  cannot be. Their encoding also computes ``also`` (an
-  elementwise function of the leaves, Lion's momentum update) in the same
-  pass: with ``also`` given, the result gains a dict of its values by leaf
-  (in ``jax.tree.leaves`` order) for the leaves the kernels encoded. With
-  traced ``constants`` the kernels are not used.
+  ``'auto'`` on TPU only. Not in the plain jitted step
+  (:mod:`dlion_jax.workers`), which XLA partitions: it cannot partition
+  a Pallas kernel. The encoding kernel also computes ``also`` (an
+  elementwise function of the leaves, Lion's momentum update) in its
+  pass. With traced ``constants`` the kernels are not used.
+
+  ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
+  compute once every bucket's outcome is in (see
+  ``_after_every_outcome``), or None where the compiler's axes share the
+  vote, and a dict of ``also``'s values by leaf (in ``jax.tree.leaves``
+  order) for the leaves the kernels encoded.
   """
   check_choice("kernels", kernels, fused.KERNELS)
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
-                        min_compress_size, bucket_bytes)
+                        min_compress_size, bucket_bytes, kernels)
   axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
-  fuse = not constants and (kernels == "pallas" or (
-      kernels == "auto" and shards.on_tpu()))
-  if fuse and shards.on_tpu() and workers.mapped_over_mesh(axis_name):
-    # The plain jitted step: XLA partitions it, and a Mosaic kernel cannot
-    # be partitioned by the compiler.
-    if kernels == "pallas":
-      raise ValueError(
-          "kernels='pallas' cannot run in a plain jitted step on TPU "
-          "(dl.workers): XLA partitions that step and cannot partition a "
-          "Pallas kernel. Use kernels='auto' (the XLA path there) or a "
-          "step built by dl.parallel.make_train_step.")
-    fuse = False
+  fuse = _uses_kernels(kernels, constants, axis_name)
   def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
-                      options=options, leaf_shards=leaf_shards,
-                      fusion=(None if axes else also,) if fuse else None)
+                      options=options, leaf_shards=leaf_shards, fuse=fuse,
+                      also=None if axes else also)
   if axes:
     updates, done, also_values = shards.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
   else:
     updates, done, also_values = run(*trees, constants=constants)
-  out = (updates, done) if with_done else (updates,)
-  out += (also_values,) if also is not None else ()
-  return out if len(out) > 1 else updates
+  return (updates, done, also_values) if with_done else updates
+
+
+def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
+  """Whether :func:`aggregate` takes the fused kernels (see there)."""
+  if constants or kernels == "xla" or (
+      kernels == "auto" and not shards.on_tpu()):
+    return False
+  if workers.mapped_over_mesh(axis_name):
+    if kernels == "pallas":
+      raise ValueError(
+          "kernels='pallas' cannot run in a plain jitted step "
+          "(dl.workers): XLA partitions that step, and cannot partition a "
+          "Pallas kernel on TPU (nor its interpreter's on Explicit axes "
+          "elsewhere). Use kernels='auto' (the XLA path there) or a step "
+          "built by dl.parallel.make_train_step.")
+    return False
+  return True
 
 
 def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
-               fusion: tuple | None = None):
+               fuse: bool = False, also: Callable | None = None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
-  where the fused kernels computed it (``fusion``: ``(also,)``, or None
-  for no kernels)."""
+  where the fused kernels (``fuse``) computed it."""
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
   rows = list(zip(*columns))
@@ -382,7 +415,8 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
   done, also_values = [], {}
   for bucket in buckets(voted, nbytes, options.bucket_bytes):
-    run = fusion and _Fusion(not shards.on_tpu(), fusion[0])
+    run = fuse and _Fusion(fused.interpreted(), also,
+                           forced=options.kernels == "pallas")
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         options, run)
@@ -448,10 +482,14 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
     shape = rows[k][0].shape
     if j < len(alone) and shards.on_tpu():
       outcome = layout.leaf_values(results[run[0]], j).reshape(shape)
-      if layout.radix is not None:
+      if layout.radix is not None and not (
+          fusion and run[0] in fusion.decoded):
         # Digits decoded from words: XLA:TPU would fuse their decoding with
         # the leaf's float update and lay out floats in the leaf's tiles
-        # (psum_int8's outcome is the summed integers themselves).
+        # (psum_int8's outcome is the summed integers themselves, a tally
+        # kernel's already in the leaf's shape). fused.decode's rows keep
+        # it: without, XLA:TPU relaid out floats (MaVo auto, large tree:
+        # 32.1 -> 42.1 bytes a parameter).
         outcome = lax.optimization_barrier(outcome)
       out[k] = _finalize(outcome, options, run[1])
       continue

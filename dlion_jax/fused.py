@@ -9,7 +9,9 @@ worker's digits into arrays of their own. These kernels read each once:
   ``combine(g, m)`` and ``also(g, m)`` (Lion's new momentum, written over
   ``m``) out;
 * :func:`tally`: ``K`` rows of words in (every worker's, ``allgather``; the
-  summed counters, ``psum``), the vote's outcome out as ``int8``.
+  summed counters, ``psum``), the vote's outcome out as ``int8``;
+* :func:`decode`: the results ``alltoall`` gathers back in, the outcome of
+  every digit of the message out, in rows of 128 lanes.
 
 Layout: the planar order of :func:`dlion_jax.packing.leaf_planes`. A leaf
 of ``R`` rows of ``C`` lanes (its leading axes merged) is ``m`` planes of
@@ -19,9 +21,12 @@ and ``[rows, lanes]`` words: each word is packed or unpacked from ``m``
 values in registers, and lanes never mix.
 
 Invariant: the words are :func:`dlion_jax.packing.pack_planes` of
-:func:`dlion_jax.quantize.encode`'s codes, and the outcome
-:func:`dlion_jax.strategies.signed_sum`'s (its sign for a majority vote),
-bit for bit.
+:func:`dlion_jax.quantize.encode`'s codes of ``combine``'s values, and the
+outcomes :func:`dlion_jax.strategies.signed_sum`'s (its sign for a
+majority vote), bit for bit. ``combine`` and ``also`` are the XLA path's
+arithmetic; a compiler may contract their products and sums into fused
+multiply-adds differently inside a kernel (see
+:func:`dlion_jax.scale_by_distributed_lion`'s ``kernels``).
 
 Where they run: on TPU, for leaves whose planes fit its tiles
 (:func:`fits`). Elsewhere, or with ``interpret=True``, Pallas' interpreter
@@ -53,6 +58,13 @@ BLOCK_ROWS = 32
 # buffered are under 8 MiB of on-chip memory.
 BLOCK_LANES = 512
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+
+def interpreted() -> bool:
+  """Whether the kernels run in Pallas' interpreter: unless the step is
+  traced for TPU chips (over their mesh, as ahead of time) or runs on
+  jax's default backend, a TPU."""
+  return not shards.on_tpu() and jax.default_backend() != "tpu"
 
 
 def _view(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -148,16 +160,26 @@ def _typed_alike(inputs, out_shape):
                   for s in out_shape]
 
 
+# In the kernels integers are 32-bit: Mosaic's integer vectors are 16 or 32
+# bits (packing's own functions compute in the word's dtype, 8 bits for
+# bytes, and sign_codes in int8).
+
+
+def _codes(c: jax.Array, radix: int) -> jax.Array:
+  """:func:`dlion_jax.quantize.sign_codes`, in 32 bits."""
+  positive = (c > 0).astype(jnp.uint32)
+  if radix == 2:
+    return positive
+  return jnp.uint32(1) + positive - (c < 0).astype(jnp.uint32)
+
+
 def _pack(codes: list[jax.Array], radix: int) -> jax.Array:
-  """``sum_j codes[j] * radix**j`` in 32-bit integers (codes below
-  ``radix``, ``radix**m`` at most ``2**32``)."""
+  """``sum_j codes[j] * radix**j`` (codes below ``radix``, ``radix**m`` at
+  most ``2**32``): :func:`dlion_jax.packing.pack_planes`, in 32 bits."""
+  width = radix.bit_length() - 1 if radix & (radix - 1) == 0 else None
   words = None
   for j, code in enumerate(codes):
-    code = code.astype(jnp.uint32)
-    if packing.digits_per_word(radix) > 1 and radix & (radix - 1) == 0:
-      field = code << (j * (radix.bit_length() - 1))
-    else:
-      field = code * jnp.uint32(radix**j)
+    field = code << (j * width) if width else code * jnp.uint32(radix**j)
     words = field if words is None else words + field
   return words
 
@@ -214,7 +236,7 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     codes = []
     for j in range(m):
       values = [ref[j] for ref in ins]
-      codes.append(quantize.sign_codes(combine(*values), spec.radix))
+      codes.append(_codes(combine(*values), spec.radix))
       if also is not None:
         refs[-1][j] = also(*values)
     words_ref[...] = _pack(codes, radix).astype(word_dtype)
@@ -277,9 +299,81 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   return out.reshape(shape)
 
 
+#: Results in a block of :func:`decode`'s output: 32 rows of 128 lanes. A
+#: layout's ``result_blocks`` for it (:class:`dlion_jax.message.MessageLayout`).
+DECODE_BLOCK = BLOCK_ROWS * shards.LANES
+
+
+def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
+           spec: quantize.VoteSpec, aggregation: str,
+           interpret: bool = False) -> jax.Array:
+  """The vote's outcome for every digit of the message, from the results
+  ``alltoall`` gathers back.
+
+  Args:
+    words: ``[N, m, Q]`` words of ``radix`` (``Q`` the
+      :attr:`~dlion_jax.message.MessageLayout.result_words` of a layout
+      with ``result_blocks``, a multiple of :data:`DECODE_BLOCK`): worker
+      ``k``'s results for digit place ``j``
+      of its shard, packed planar (digit ``p`` of word ``q`` is the result
+      for shard position ``p Q + q``).
+    shard: words in a worker's shard of the message, a multiple of
+      :data:`DECODE_BLOCK`.
+    radix: the results' radix
+      (:func:`dlion_jax.strategies.alltoall_down_radix`): a majority
+      vote's sign (2 or 3 values) or the count of ``N`` workers' codes
+      (``'avg'``).
+    num_workers: N.
+    spec: what each worker sent.
+    aggregation: ``'mavo'`` or ``'avg'``.
+    interpret: run Pallas' interpreter.
+
+  Returns:
+    ``[m, N shard / 128, 128]``: row ``j`` read flat is the outcome
+    (``sign(s)``, or ``s`` for ``'avg'``) of digit place ``j`` of every
+    word of the message, as ``int8`` (``'avg'``: the
+    :func:`dlion_jax.strategies.int_container` of ``N`` workers' levels).
+  """
+  n, m, q = words.shape
+  per_word = packing.digits_per_word(radix)
+  dtype = strategies.int_container(
+      num_workers if aggregation == "avg" else 1, spec)
+  rows = n * shard // shards.LANES
+
+  def segment(b):   # the shard and digit place a block of outcomes is in
+    at = b * DECODE_BLOCK
+    return at // shard, (at % shard) // q, (at % shard) % q // DECODE_BLOCK
+  word_spec = pl.BlockSpec(
+      (None, None, BLOCK_ROWS, shards.LANES),
+      lambda j, b: (segment(b)[0], j, segment(b)[2], 0))
+  out_spec = pl.BlockSpec((None, BLOCK_ROWS, shards.LANES),
+                          lambda j, b: (j, b, 0))
+
+  def kernel(words_ref, out_ref):
+    place = segment(pl.program_id(1))[1]
+    row = words_ref[...].astype(jnp.uint32)
+    digit = _digit(row, 0, radix)
+    for p in range(1, per_word):
+      digit = jnp.where(place == p, _digit(row, p, radix), digit)
+    if aggregation == "avg":
+      out = strategies.signed_sum(digit, num_workers, spec)
+    elif radix == 2:
+      out = 2 * digit.astype(jnp.int32) - 1
+    else:
+      out = digit.astype(jnp.int32) - 1
+    out_ref[...] = out.astype(dtype)
+
+  out, = _call(kernel, [words.reshape(n, m, q // shards.LANES, shards.LANES)],
+               [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
+               [word_spec], [out_spec], (m, rows // BLOCK_ROWS), aliases={},
+               interpret=interpret)
+  return out
+
+
 def _digit(words: jax.Array, j: int, radix: int) -> jax.Array:
   """Digit ``j`` of uint32 ``words`` (constant divisors: shifts for a power
-  of two radix, else multiply-shifts)."""
+  of two radix, else multiply-shifts): place ``j`` of
+  :func:`dlion_jax.packing.digit_planes`, in 32 bits."""
   if radix & (radix - 1) == 0:
     width = radix.bit_length() - 1
     return (words >> (width * j)) & jnp.uint32(radix - 1)

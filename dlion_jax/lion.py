@@ -213,8 +213,14 @@ def scale_by_distributed_lion(
       in the plain jitted step of :mod:`dlion_jax.workers`),
       ``'pallas'`` (the kernels wherever a leaf fits their blocks; off TPU
       in Pallas' interpreter, slow, for checking) or ``'xla'``. The
-      update is the same bit for bit; the kernels read a leaf's gradient
-      and momentum once instead of twice.
+      kernels read a leaf's gradient and momentum once instead of twice
+      and compute the same arithmetic: the words, tallies and outcomes
+      are the XLA path's bit for bit, but where the compiler contracts
+      ``b1 m + (1 - b1) g`` or ``b2 m + (1 - b2) g`` into a fused
+      multiply-add on another product inside a kernel than in the step's
+      fusion (XLA:CPU does, for the interpreter), ``c`` and the new
+      momentum round apart in the last bit (a vote on a ``c`` within
+      that rounding of zero may then differ).
 
   Options that shape the message (``bits``, ``min_compress_size``, an int
   ``momentum_sync``) must be Python ints: under
@@ -319,7 +325,8 @@ def scale_by_distributed_lion(
     elif error_feedback:
       corrected = jax.tree.map(lambda g, m, e: pre_sign(g, m) + e, updates,
                                state.mu, state.error)
-      new_updates, done = voted_update(lambda c: c, num_workers, corrected)
+      new_updates, done, _ = voted_update(lambda c: c, num_workers,
+                                          corrected)
       leaves, treedef = jax.tree.flatten(corrected)
       extra = {"error": treedef.unflatten([
           _residual(p, d, e.dtype) for p, d, e in zip(
@@ -328,7 +335,7 @@ def scale_by_distributed_lion(
     else:   # c computed inside the vote, on the whole message at once
       new_updates, done, fused_mu = voted_update(
           pre_sign, num_workers, updates, state.mu, constants=constants,
-          also=fused_moment) + (({},) if fused_moment is None else ())
+          also=fused_moment)
     mu = _moments(moment, updates, state.mu, fused_mu)
     if done is not None and not shards.on_tpu():
       mu = _after_vote(mu, done)

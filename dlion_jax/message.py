@@ -93,6 +93,12 @@ class MessageLayout:
     runs: the first leaf of each packing run, ``0`` first (default: every
       leaf a run of its own). Runs change the order of the digits inside
       the words, never the bytes.
+    result_blocks: ``None``, or for a strategy that sends results back
+      (``alltoall``) a number of words ``B``: each worker's shard is a
+      multiple of ``B`` words and each digit place of its results is
+      padded to whole blocks of ``B`` results, so that every block of the
+      gathered results comes from one place of one shard (the fused
+      decoding of :func:`dlion_jax.fused.decode`).
 
   Example:
     >>> from dlion_jax.message import MessageLayout
@@ -111,6 +117,7 @@ class MessageLayout:
   aggregation: str
   comm: str
   runs: tuple[int, ...] | None = None
+  result_blocks: int | None = None
 
   def __post_init__(self):
     check_choice("comm", self.comm, COMMS)
@@ -127,6 +134,12 @@ class MessageLayout:
           f"first and each below the {n} leaves (e.g. (0, 2) for leaves 0-1 "
           "and 2 onwards), or None for a run a leaf.")
     object.__setattr__(self, "runs", tuple(int(r) for r in runs))
+    blocks = self.result_blocks
+    if blocks is not None and (not isinstance(blocks, (int, np.integer))
+                               or isinstance(blocks, bool) or blocks < 1):
+      raise ValueError(
+          f"result_blocks={blocks!r} must be a positive int (words a block "
+          "of results takes, e.g. dlion_jax.fused.DECODE_BLOCK) or None.")
 
   @functools.cached_property
   def radix(self) -> int | None:
@@ -155,8 +168,26 @@ class MessageLayout:
 
   @functools.cached_property
   def word_multiple(self) -> int:
+    if self.result_blocks:
+      return self.num_workers * self.result_blocks
     return message_word_multiple(self.comm, self.num_workers,
                                  aggregation=self.aggregation, spec=self.spec)
+
+  @functools.cached_property
+  def down_radix(self) -> int:
+    """Radix of the results a strategy sends back (``alltoall``)."""
+    return strategies.alltoall_down_radix(
+        self.num_workers, aggregation=self.aggregation, spec=self.spec)
+
+  @functools.cached_property
+  def result_words(self) -> int:
+    """Words of results each digit place of a worker's shard comes back
+    in (``alltoall``)."""
+    shard = self.words // self.num_workers
+    words = -(-shard // packing.digits_per_word(self.down_radix))
+    if self.result_blocks:
+      words = -(-words // self.result_blocks) * self.result_blocks
+    return words
 
   @functools.cached_property
   def words(self) -> int:
@@ -187,10 +218,9 @@ class MessageLayout:
     if n == 1 or not self.leaf_sizes:
       return 0.0
     up = self.words * jnp.dtype(self.word_dtype).itemsize
-    down_radix = strategies.alltoall_down_radix(n, aggregation=self.aggregation,
-                                     spec=self.spec)
-    down_words = -(-self.digits // packing.digits_per_word(down_radix))
-    down = down_words * jnp.dtype(packing.word_dtype(down_radix)).itemsize
+    down_words = n * self.digits_per_word * self.result_words
+    down = down_words * jnp.dtype(packing.word_dtype(
+        self.down_radix)).itemsize
     return float(_total(n, strategies.STRATEGIES[self.comm], up, down))
 
   def concatenate(self, leaves: Sequence[jax.Array],

@@ -168,13 +168,21 @@ def _all_gather(x, axis_name, **kwargs):
   return lax.all_gather(x, axis_name, to=to, **kwargs)
 
 
-def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
+def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
+                      result_words=None, decode_with=None):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results.
 
   Under ``jax.vmap`` over a mesh axis the two collectives are stated as
   reshards of every worker's words (:func:`dlion_jax.workers.exchanged`):
   each device's column of all the messages, then every device's results.
+
+  With ``result_words``
+  (:attr:`~dlion_jax.message.MessageLayout.result_words` of a layout with
+  ``result_blocks``) each place's results
+  are packed into that many words, and ``decode_with(words, shard)``
+  (:func:`dlion_jax.fused.decode`) turns the gathered ``[N, m, words]``
+  into the outcome of every digit of the message, ``[m, rows, 128]``.
   """
   n = num_workers
   up_radix = spec.radix
@@ -191,6 +199,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
     else:
       down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
     down = down.astype(packing.digit_dtype(down_radix))
+    if result_words:
+      down = packing.pad_to_multiple(down, packing.digits_per_word(
+          down_radix) * result_words)
     # Each place's results of the shard fill whole words of the result's
     # radix (MessageLayout.word_multiple), planar in its own words, the
     # same words as packing them all together: gathered, every worker's
@@ -211,6 +222,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
     return workers.place(jax.vmap(tally, in_axes=1)(mine), P())
 
   words = workers.exchanged(manual, stacked, axis_name)(message)
+  if decode_with is not None:
+    return _decoded_runs(decode_with(words, message.shape[-1] // n)), (
+        lambda outcome: outcome), None
   places = words.shape[1]
   result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
                                  planar=True).reshape(places, -1)
@@ -222,6 +236,25 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation):
     return 2 * digits - 1 if down_radix == 2 else digits - 1
   return (lambda first, size: lax.slice_in_dim(result, first, first + size,
                                                axis=1)), decode, None
+
+
+def _decoded_runs(outcome):
+  """``planes(first, size)`` of an outcome laid out ``[m, rows, 128]``: a
+  run on whole rows is its rows as they lie (on TPU a leaf of 128 lanes
+  takes them without a copy), any other the rows around it, cut."""
+  lanes = outcome.shape[-1]
+
+  def planes(first, size):
+    if first % lanes == 0 and size % lanes == 0:
+      return lax.slice_in_dim(outcome, first // lanes,
+                              (first + size) // lanes, axis=1).reshape(
+                                  outcome.shape[0], size)
+    low, high = first // lanes, -(-(first + size) // lanes)
+    rows = lax.slice_in_dim(outcome, low, high, axis=1).reshape(
+        outcome.shape[0], -1)
+    return lax.slice_in_dim(rows, first - low * lanes,
+                            first - low * lanes + size, axis=1)
+  return planes
 
 
 def _gather_words(words, axis_name, n):

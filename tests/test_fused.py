@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+import optax
 import pytest
 
 import dlion_jax as dl
@@ -109,6 +110,40 @@ def test_tally_matches_numpy(num_workers, vote_radix, aggregation, summed):
     assert (want == 0).any()             # ties are in the draw
 
 
+@pytest.mark.parametrize("num_workers,vote_radix,aggregation", [
+    (3, 2, "mavo"),          # results: signs without ties, 8 a byte
+    (8, 2, "mavo"),          # signs with ties, 5 trits a byte
+    (8, 2, "avg"),           # counts of 8 workers' votes, 10 a uint32
+    (3, 3, "avg")])          # counts of 3 ternary votes, radix 7
+def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
+  """alltoall's gathered results, each worker's shard place by place in
+  blocks, to the outcome of every digit of the message in order."""
+  spec = quantize.VoteSpec(vote_radix)
+  radix = dl.strategies.alltoall_down_radix(
+      num_workers, aggregation=aggregation, spec=spec)
+  per_word, places = packing.digits_per_word(radix), 3
+  shard = 2 * fused.DECODE_BLOCK
+  q = -(-shard // per_word // fused.DECODE_BLOCK) * fused.DECODE_BLOCK
+  q = max(q, fused.DECODE_BLOCK)
+  rng = np.random.default_rng(radix)
+  results = rng.integers(0, radix, (num_workers, places, shard))
+  padded = np.zeros((num_workers, places, per_word * q), np.int64)
+  padded[..., :shard] = results
+  words = (padded.reshape(num_workers, places, per_word, q)
+           * radix ** np.arange(per_word)[:, None]).sum(axis=2)
+  out = jax.jit(lambda w: fused.decode(
+      w, shard, radix=radix, num_workers=num_workers, spec=spec,
+      aggregation=aggregation, interpret=True))(
+          words.astype(packing.word_dtype(radix)))
+  flat = results.transpose(1, 0, 2).reshape(places, -1)   # message order
+  if aggregation == "avg":
+    want = flat * (2 if vote_radix == 2 else 1) - num_workers * (
+        1 if vote_radix == 2 else spec.max_level)
+  else:
+    want = 2 * flat - 1 if radix == 2 else flat - 1
+  np.testing.assert_array_equal(np.asarray(out).reshape(places, -1), want)
+
+
 @pytest.mark.parametrize("shape,dtype,radix,want", [
     ((256, 128), np.float32, 2, True),
     ((32768,), np.float32, 2, True),          # flat: 256 rows of 128
@@ -163,33 +198,49 @@ def declared_and_counted(compiled, nbytes):
   return nbytes, cost["bytes accessed"]
 
 
+# Every radix on v5e; binary votes on the other generations.
+COMPILES = [("v5e:2x2", RADICES)] + [(t, RADICES[:1]) for t in TOPOLOGIES[1:]]
+
+
 @pytest.mark.tpu_aot
-@pytest.mark.parametrize("topology", TOPOLOGIES)
-def test_kernels_compile_for_tpu_and_declare_their_bytes(topology):
-  """Mosaic compiles both kernels for each TPU generation, float32 and
-  bfloat16; XLA's cost analysis counts a kernel's bytes as it declares
-  them, so each must declare its operands and outputs (and no more). The
+@pytest.mark.parametrize("topology,radices", COMPILES)
+def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
+  """Mosaic compiles the three kernels for each TPU generation, float32 and
+  bfloat16, binary and ternary codes in bytes and counters in uint32
+  words; XLA's cost analysis counts a kernel's bytes as it declares them,
+  so each must declare its operands and outputs (and no more). The
   momentum is donated: the new one is written over it (not donated, XLA
   copies it first, 8 bytes a parameter more)."""
   chip = tpu_chip(topology)
-  shape = (8 * 64, 1024)
-  for dtype in (jnp.float32, jnp.bfloat16):
-    g = jax.ShapeDtypeStruct(shape, dtype)
-    encode = compiled_for(chip, lambda g, m: fused.encode(
-        lambda g, m: 0.1 * g + 0.9 * m, (g, m), spec=quantize.BINARY,
-        radix=2, also=lambda g, m: 0.01 * g + 0.99 * m), g, g, donate=1)
-    size = math.prod(shape)
-    words = size // 8
-    declared = 2 * size * g.dtype.itemsize + words + size * g.dtype.itemsize
-    counted = declared_and_counted(encode, declared)[1]
-    assert declared <= counted <= declared + 1024, (topology, dtype)
-    assert "tpu_custom_call" in encode.as_text()
-  everyone = jax.ShapeDtypeStruct((8, shape[0] // 8, shape[1]), jnp.uint8)
-  tally = compiled_for(chip, lambda w: fused.tally(
-      w, shape, radix=2, num_workers=8, spec=quantize.BINARY,
-      aggregation="mavo"), everyone)
-  declared = math.prod(everyone.shape) + math.prod(shape)
-  counted = declared_and_counted(tally, declared)[1]
+  for vote_radix, radix in radices:
+    m = packing.digits_per_word(radix)
+    shape = (m * 64, 1024)
+    size, words = math.prod(shape), math.prod(shape) // m
+    word_bytes = np.dtype(packing.word_dtype(radix)).itemsize
+    spec = quantize.VoteSpec(vote_radix)
+    for dtype in (jnp.float32, jnp.bfloat16):
+      g = jax.ShapeDtypeStruct(shape, dtype)
+      encode = compiled_for(chip, lambda g, m, r=radix, s=spec: fused.encode(
+          lambda g, m: 0.1 * g + 0.9 * m, (g, m), spec=s, radix=r,
+          also=lambda g, m: 0.01 * g + 0.99 * m), g, g, donate=1)
+      declared = 3 * size * g.dtype.itemsize + words * word_bytes
+      counted = declared_and_counted(encode, declared)[1]
+      assert declared <= counted <= declared + 1024, (topology, radix, dtype)
+      assert "tpu_custom_call" in encode.as_text()
+    everyone = jax.ShapeDtypeStruct((8, shape[0] // m, shape[1]),
+                                    packing.word_dtype(radix))
+    tally = compiled_for(chip, lambda w, r=radix, s=spec: fused.tally(
+        w, shape, radix=r, num_workers=8, spec=s, aggregation="mavo"),
+                         everyone)
+    declared = math.prod(everyone.shape) * word_bytes + size
+    counted = declared_and_counted(tally, declared)[1]
+    assert declared <= counted <= declared + 1024, (topology, radix)
+  results = jax.ShapeDtypeStruct((8, 8, 128, 128), jnp.uint8)   # 5 trits
+  decode = compiled_for(chip, lambda w: fused.decode(
+      w.reshape(8, 8, -1), 4 * fused.DECODE_BLOCK, radix=3, num_workers=8,
+      spec=quantize.BINARY, aggregation="mavo"), results)
+  declared = math.prod(results.shape) + 8 * 8 * 4 * fused.DECODE_BLOCK
+  counted = declared_and_counted(decode, declared)[1]
   assert declared <= counted <= declared + 1024, topology
 
 
@@ -246,3 +297,70 @@ def test_pallas_in_a_plain_step_on_tpu_is_refused_with_the_fix():
     compiled("pallas")
   assert_names(err, "kernels='pallas'", "plain jitted step",
                "kernels='auto'", "make_train_step")
+
+
+@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
+def test_blocked_results_send_what_the_layout_counts(aggregation):
+  """With alltoall's results decoded in blocks (kernels='pallas' forces
+  them), the compiled step sends exactly what MessageLayout with
+  result_blocks counts: the shards and each place's results padded."""
+  n, shapes = 8, {"w": (256, 256), "flat": (32768,), "odd": (37, 5)}
+  mesh = dl.devices.data_mesh(n)
+  tx = dl.scale_by_distributed_lion(axis_name="data", comm="alltoall",
+                                    aggregation=aggregation, kernels="pallas")
+
+  def local(grads, mu):
+    return tx.update(grads, dl.DistributedLionState(
+        jnp.zeros([], jnp.int32), mu))[0]
+  step = jax.jit(dl.parallel.per_worker(
+      local, mesh, axis_name="data", ins=("stacked", "stacked"),
+      outs="replicated", check_vma=False))
+  arg = {k: jax.ShapeDtypeStruct((n,) + s, jnp.float32)
+         for k, s in shapes.items()}
+  sent = dl.hlo.collective_bytes(step.lower(arg, arg).compile())
+  sizes = tuple(math.prod(s) for s in shapes.values())
+  layout = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
+                                    "alltoall")
+  blocked = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
+                                     "alltoall",
+                                     result_blocks=fused.DECODE_BLOCK)
+  assert sent == blocked.sent_bytes() > layout.sent_bytes()
+  assert blocked.words % (n * fused.DECODE_BLOCK) == 0
+
+
+def test_a_user_step_through_the_kernels_matches_the_xla_path():
+  """make_train_step as users build it: gradients of a loss, the README's
+  chain (clip_by_global_norm, weight decay masked off the bias), leaves
+  that fit the kernels and one that does not. The params are the XLA
+  path's bit for bit; the momenta within a rounding of each step's
+  (XLA:CPU contracts (1 - b2) g + b2 m into a fused multiply-add on one
+  product or the other depending on the fusion it lands in)."""
+  n = 4
+  mesh = dl.devices.data_mesh(n)
+  key = jax.random.key(0)
+  params = {"w": 0.05 * jax.random.normal(key, (256, 256)),
+            "v": 0.05 * jax.random.normal(jax.random.key(1), (256, 1024)),
+            "b": jnp.zeros(37)}
+
+  def loss_fn(p, rows):
+    x, y = rows
+    h = jnp.tanh(x @ p["w"])
+    return jnp.mean((h @ p["v"][:, :37] + p["b"] - y) ** 2)
+  x = jax.random.normal(jax.random.key(2), (8 * n, 256))
+  y = jax.random.normal(jax.random.key(3), (8 * n, 37))
+
+  def run(kernels):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
+        1e-2, weight_decay=1e-2, axis_name="data", kernels=kernels,
+        mask=lambda p: {"w": True, "v": True, "b": False}))
+    step = dl.parallel.make_train_step(loss_fn, tx, mesh)
+    state = dl.parallel.init_worker_states(tx, params, mesh)
+    p = jax.tree.map(jnp.copy, params)      # the step donates them
+    for _ in range(3):
+      p, state, _ = step(p, state, (x, y))
+    return p, state[1][0].mu
+  (p_xla, mu_xla), (p_fused, mu_fused) = run("xla"), run("pallas")
+  jax.tree.map(np.testing.assert_array_equal, p_fused, p_xla)
+  for k in mu_xla:
+    a, b = np.asarray(mu_fused[k]), np.asarray(mu_xla[k])
+    np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())

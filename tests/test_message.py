@@ -8,6 +8,7 @@ from jax import lax
 
 import dlion_jax as dl
 from dlion_jax import message
+from messages import assert_names
 
 
 @pytest.mark.parametrize("comm", message.COMMS)
@@ -59,3 +60,37 @@ def test_message_layout_refuses_runs_that_are_not_leaf_starts(sizes, runs):
   from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"runs=.*increasing leaf indices"):
     MessageLayout(sizes, 3, dl.quantize.BINARY, "mavo", "psum", runs)
+
+
+@pytest.mark.parametrize("n,aggregation,vote", [
+    (8, "mavo", "binary"), (3, "mavo", "binary"), (8, "avg", "binary"),
+    (5, "mavo", "ternary")])
+def test_result_blocks_pad_the_shards_and_each_places_results(
+    n, aggregation, vote):
+  """numpy's count of alltoall's bytes with results in blocks: shards of
+  whole blocks, each place's results rounded up to whole blocks."""
+  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  spec, block = dl.quantize.vote_spec(vote=vote), 4096
+  layout = MessageLayout((100_000, 37), n, spec, aggregation, "alltoall",
+                         result_blocks=block)
+  per_word = dl.packing.digits_per_word(spec.radix)
+  used = -(-100_000 // per_word) + -(-37 // per_word)
+  words = -(-used // (n * block)) * n * block
+  down_radix = dl.strategies.alltoall_down_radix(n, aggregation=aggregation,
+                                                 spec=spec)
+  results = -(-(words // n) // dl.packing.digits_per_word(down_radix))
+  results = -(-results // block) * block
+  down_bytes = np.dtype(dl.packing.word_dtype(down_radix)).itemsize
+  up_bytes = np.dtype(layout.word_dtype).itemsize
+  assert layout.words == words and layout.result_words == results
+  assert layout.sent_bytes() == pytest.approx(
+      (n - 1) / n * (words * up_bytes + n * per_word * results * down_bytes))
+
+
+@pytest.mark.parametrize("blocks", [0, -1, 2.5, True, "4096"])
+def test_result_blocks_must_be_a_positive_int(blocks):
+  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError) as err:
+    MessageLayout((10,), 3, dl.quantize.BINARY, "mavo", "alltoall",
+                  result_blocks=blocks)
+  assert_names(err, f"result_blocks={blocks!r}", "positive int", "None")
