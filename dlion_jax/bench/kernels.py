@@ -109,12 +109,12 @@ def stage_functions(num_workers: int, size: int, aggregation: str,
     return jnp.pad(words, (0, layout.words - words.size))
 
   def exchanged(words):
-    planes, _ = strategy.exchange(words, **options)
+    planes, _, _ = strategy.exchange(words, **options)
     first, count = layout.run_words[0]
     return planes(first, count)
 
   def decode(planes, words):
-    _, decoder = strategy.exchange(words, **options)   # collectives unused
+    _, decoder, _ = strategy.exchange(words, **options)   # collectives unused
     outcome = decoder(planes.reshape(-1))[:size]
     if aggregation == "mavo" and not strategy.returns_sign:
       outcome = jnp.sign(outcome)
