@@ -235,13 +235,23 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
     declared = math.prod(everyone.shape) * word_bytes + size
     counted = declared_and_counted(tally, declared)[1]
     assert declared <= counted <= declared + 1024, (topology, radix)
-  results = jax.ShapeDtypeStruct((8, 8, 128, 128), jnp.uint8)   # 5 trits
-  decode = compiled_for(chip, lambda w: fused.decode(
-      w.reshape(8, 8, -1), 4 * fused.DECODE_BLOCK, radix=3, num_workers=8,
-      spec=quantize.BINARY, aggregation="mavo"), results)
-  declared = math.prod(results.shape) + 8 * 8 * 4 * fused.DECODE_BLOCK
-  counted = declared_and_counted(decode, declared)[1]
-  assert declared <= counted <= declared + 1024, topology
+  # alltoall's results: 5 trits a byte (N = 8), 8 signs a byte (N = 3),
+  # 10 counters a uint32 (Avg, N = 8).
+  decodes = [(8, "mavo"), (3, "mavo"), (8, "avg")][:len(radices)]
+  for n, aggregation in decodes:
+    radix = dl.strategies.alltoall_down_radix(
+        n, aggregation=aggregation, spec=quantize.BINARY)
+    results = jax.ShapeDtypeStruct((n, 8, 128, 128),
+                                   packing.word_dtype(radix))
+    decode = compiled_for(chip, lambda w, n=n, a=aggregation, r=radix:
+                          fused.decode(w.reshape(n, 8, -1),
+                                       4 * fused.DECODE_BLOCK, radix=r,
+                                       num_workers=n, spec=quantize.BINARY,
+                                       aggregation=a), results)
+    declared = (math.prod(results.shape) * results.dtype.itemsize
+                + 8 * n * 4 * fused.DECODE_BLOCK)
+    counted = declared_and_counted(decode, declared)[1]
+    assert declared <= counted <= declared + 1024, (topology, n, aggregation)
 
 
 def test_pallas_off_tpu_under_check_vma_is_refused_with_the_fix():
