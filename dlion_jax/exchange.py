@@ -92,14 +92,17 @@ class _Fusion:
                            [x.dtype for x in rows[first]], layout.radix))
 
   def decoding(self, rows, num_alone: int, layout):
-    """``layout`` with the results in blocks of
-    :func:`dlion_jax.fused.decode`, where a strategy sends results back
-    and a run takes the kernels: forced (``kernels='pallas'``), or where
-    the blocks' padding adds at most 1% to what a worker sends. Else
-    None."""
-    if not (any(s.back for s in strategies.STRATEGIES[layout.comm].sends)
-            and any(self.takes(rows, r, num_alone, layout, layout.spec)
-                    for r in layout.runs)):
+    """``layout`` in blocks of :data:`dlion_jax.fused.DECODE_BLOCK` words,
+    where the whole message's outcome comes from one kernel: the results
+    ``alltoall`` sends back (:func:`dlion_jax.fused.decode`, where a run
+    takes the kernels) or every worker's words or their summed counters
+    (:func:`dlion_jax.fused.tally` of the message); forced
+    (``kernels='pallas'``), or where the blocks' padding adds at most 1%
+    to what a worker sends. Else None."""
+    back = any(s.back for s in strategies.STRATEGIES[layout.comm].sends)
+    if layout.radix is None or (back and not any(
+        self.takes(rows, r, num_alone, layout, layout.spec)
+        for r in layout.runs)):
       return None
     blocked = dataclasses.replace(layout, result_blocks=fused.DECODE_BLOCK)
     if self.forced or blocked.sent_bytes() <= 1.01 * layout.sent_bytes():
@@ -211,6 +214,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   extra = {}
   if blocked:
     layout = blocked
+  if blocked and any(s.back for s in strategies.STRATEGIES[comm].sends):
     extra = dict(result_words=layout.result_words,
                  decode_with=functools.partial(
                      fused.decode, radix=layout.down_radix, num_workers=n,
@@ -222,6 +226,15 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
                                             num_workers=n, spec=spec,
                                             aggregation=aggregation, **extra)
+  if blocked and words is not None:
+    # The whole message tallied at once, its outcome in rows of 128 lanes.
+    m, rows_of = layout.digits_per_word, layout.words // shards.LANES
+    outcome = fused.tally(
+        words(0, layout.words), (m * rows_of, shards.LANES),
+        radix=layout.radix, num_workers=n, spec=spec,
+        aggregation=aggregation, interpret=fusion.interpret)
+    planes = strategies.planes_of_rows(outcome.reshape(m, rows_of, -1))
+    decode, words = (lambda outcome: outcome), None
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
   # select of the place per element (design notes, "Planar digits").
@@ -237,7 +250,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
       fusion.decoded.add(run)
       continue
     outcome = decode(planes(first, size).reshape(-1))
-    if aggregation == "mavo" and not strategy.returns_sign:
+    if aggregation == "mavo" and not (strategy.returns_sign or blocked):
       outcome = jnp.sign(outcome)
     if shards.on_tpu():
       # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the

@@ -93,12 +93,13 @@ class MessageLayout:
     runs: the first leaf of each packing run, ``0`` first (default: every
       leaf a run of its own). Runs change the order of the digits inside
       the words, never the bytes.
-    result_blocks: ``None``, or for a strategy that sends results back
-      (``alltoall``) a number of words ``B``: each worker's shard is a
-      multiple of ``B`` words and each digit place of its results is
-      padded to whole blocks of ``B`` results, so that every block of the
-      gathered results comes from one place of one shard (the fused
-      decoding of :func:`dlion_jax.fused.decode`).
+    result_blocks: ``None``, or a number of words ``B``: each worker's
+      shard of the message is a multiple of ``B`` words, and for a
+      strategy that sends results back (``alltoall``) each digit place of
+      its results is padded to whole blocks of ``B`` results, so that
+      every block of the gathered results comes from one place of one
+      shard (the fused kernels tally or decode the whole message in
+      blocks: :func:`dlion_jax.fused.tally`, :func:`dlion_jax.fused.decode`).
 
   Example:
     >>> from dlion_jax.message import MessageLayout

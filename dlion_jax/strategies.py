@@ -223,7 +223,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
 
   words = workers.exchanged(manual, stacked, axis_name)(message)
   if decode_with is not None:
-    return _decoded_runs(decode_with(words, message.shape[-1] // n)), (
+    return planes_of_rows(decode_with(words, message.shape[-1] // n)), (
         lambda outcome: outcome), None
   places = words.shape[1]
   result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
@@ -238,10 +238,10 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
                                                axis=1)), decode, None
 
 
-def _decoded_runs(outcome):
-  """``planes(first, size)`` of an outcome laid out ``[m, rows, 128]``: a
-  run on whole rows is its rows as they lie (on TPU a leaf of 128 lanes
-  takes them without a copy), any other the rows around it, cut."""
+def planes_of_rows(outcome: jax.Array):
+  """``planes(first, size)`` of an outcome laid out ``[m, rows, 128]`` (the
+  fused kernels' for a whole message): a run on whole rows is its rows as
+  they lie, any other the rows around it, cut."""
   lanes = outcome.shape[-1]
 
   def planes(first, size):

@@ -309,14 +309,16 @@ def test_pallas_in_a_plain_step_on_tpu_is_refused_with_the_fix():
                "kernels='auto'", "make_train_step")
 
 
-@pytest.mark.parametrize("aggregation", ["mavo", "avg"])
-def test_blocked_results_send_what_the_layout_counts(aggregation):
-  """With alltoall's results decoded in blocks (kernels='pallas' forces
-  them), the compiled step sends exactly what MessageLayout with
-  result_blocks counts: the shards and each place's results padded."""
+@pytest.mark.parametrize("comm,aggregation", [
+    ("alltoall", "mavo"), ("alltoall", "avg"), ("allgather", "mavo"),
+    ("psum", "avg")])
+def test_blocked_results_send_what_the_layout_counts(comm, aggregation):
+  """With the message's outcome from one kernel in blocks (kernels='pallas'
+  forces them), the compiled step sends exactly what MessageLayout with
+  result_blocks counts: the shards (and alltoall's results) padded."""
   n, shapes = 8, {"w": (256, 256), "flat": (32768,), "odd": (37, 5)}
   mesh = dl.devices.data_mesh(n)
-  tx = dl.scale_by_distributed_lion(axis_name="data", comm="alltoall",
+  tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
                                     aggregation=aggregation, kernels="pallas")
 
   def local(grads, mu):
@@ -330,10 +332,9 @@ def test_blocked_results_send_what_the_layout_counts(aggregation):
   sent = dl.hlo.collective_bytes(step.lower(arg, arg).compile())
   sizes = tuple(math.prod(s) for s in shapes.values())
   layout = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
-                                    "alltoall")
+                                    comm)
   blocked = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
-                                     "alltoall",
-                                     result_blocks=fused.DECODE_BLOCK)
+                                     comm, result_blocks=fused.DECODE_BLOCK)
   assert sent == blocked.sent_bytes() > layout.sent_bytes()
   assert blocked.words % (n * fused.DECODE_BLOCK) == 0
 
