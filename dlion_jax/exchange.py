@@ -99,7 +99,7 @@ class _Fusion:
     (:func:`dlion_jax.fused.tally` of the message); forced
     (``kernels='pallas'``), or where the blocks' padding adds at most 1%
     to what a worker sends. Else None."""
-    back = any(s.back for s in strategies.STRATEGIES[layout.comm].sends)
+    back = strategies.STRATEGIES[layout.comm].sends_back
     if layout.radix is None or (back and not any(
         self.takes(rows, r, num_alone, layout, layout.spec)
         for r in layout.runs)):
@@ -214,7 +214,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   extra = {}
   if blocked:
     layout = blocked
-  if blocked and any(s.back for s in strategies.STRATEGIES[comm].sends):
+  if blocked and strategies.STRATEGIES[comm].sends_back:
     extra = dict(result_words=layout.result_words,
                  decode_with=functools.partial(
                      fused.decode, radix=layout.down_radix, num_workers=n,

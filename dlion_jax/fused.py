@@ -138,8 +138,9 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
 
 
 def _in_hbm(x: jax.Array) -> jax.Array:
-  """``x`` pinned to HBM; as it is under ``jax.vmap`` (the workers of a
-  plain jitted step), which the constraint does not batch."""
+  """``x`` pinned to HBM; as it is under ``jax.vmap`` (a caller's vmapped
+  kernels; the library's plain jitted step never takes them), which the
+  constraint does not batch."""
   try:
     return pltpu.with_memory_space_constraint(x, pltpu.HBM)
   except NotImplementedError:

@@ -74,7 +74,7 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
   together, ternary MaVo's, transposed its unpacked digits: design notes,
   "Planar digits").
   """
-  if not any(send.back for send in strategies.STRATEGIES[comm].sends):
+  if not strategies.STRATEGIES[comm].sends_back:
     return 1
   return num_workers * packing.digits_per_word(strategies.alltoall_down_radix(
       num_workers, aggregation=aggregation, spec=spec))

@@ -91,6 +91,12 @@ class Strategy:
   returns_sign: bool = False
 
   @property
+  def sends_back(self) -> bool:
+    """Whether it sends results back (``alltoall``: a buffer of
+    :func:`alltoall_down_radix` digits)."""
+    return any(send.back for send in self.sends)
+
+  @property
   def gathers(self) -> bool:
     """Whether it all-gathers or all-to-alls (which jax cannot over a tuple
     of vmapped axes; see :func:`dlion_jax.exchange.can_gather`)."""
