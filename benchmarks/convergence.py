@@ -25,7 +25,8 @@ of Python's standard library, with test loss curves: ``--curves``),
 ``mlp_many_workers_steps`` (from 4 to 128 workers at a fixed 352 steps);
 ``mlp_local_steps`` (the MLP with local steps: each worker trains alone
 for H steps, then a 1-bit outer vote or DiLoCo's Nesterov step, against
-voting every step and the global optimizers; ``--plot-bits``);
+voting every step and the global optimizers; ``--plot-bits``) and
+``cnn_local_steps`` (the CNN so, at H = 32);
 ``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
 for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
@@ -221,6 +222,12 @@ TASKS = {
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
         workers=(8,), tune_decay=False,
         rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
+    # ... the CNN (about 70 s a run here), at H = 32 only.
+    "cnn_local_steps": ConvergenceTask(
+        Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3),
+        workers=(8,), tune_decay=False,
+        rows=("D-Lion MaVo", "global Lion", "global AdamW",
+              "D-Lion outer, H=32", "DiLoCo outer, H=32")),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
