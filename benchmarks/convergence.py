@@ -26,7 +26,8 @@ of Python's standard library, with test loss curves: ``--curves``),
 ``mlp_local_steps`` (the MLP with local steps: each worker trains alone
 for H steps, then a 1-bit outer vote or DiLoCo's Nesterov step, against
 voting every step and the global optimizers; ``--plot-bits``) and
-``cnn_local_steps`` (the CNN so, at H = 32);
+``cnn_local_steps`` and ``charlm_local_steps`` (the CNN and the GPT so,
+at H = 32);
 ``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
 for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
@@ -165,6 +166,8 @@ class ConvergenceTask:
 
 
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
+_LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
+                "D-Lion outer, H=32", "DiLoCo outer, H=32")
 TASKS = {
     "fashion_mnist_mlp": ConvergenceTask(
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3)),
@@ -222,12 +225,14 @@ TASKS = {
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
         workers=(8,), tune_decay=False,
         rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
-    # ... the CNN (about 70 s a run here), at H = 32 only.
+    # ... the CNN (about 60 s a run here) and the GPT of charlm, at H = 32.
     "cnn_local_steps": ConvergenceTask(
         Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3),
-        workers=(8,), tune_decay=False,
-        rows=("D-Lion MaVo", "global Lion", "global AdamW",
-              "D-Lion outer, H=32", "DiLoCo outer, H=32")),
+        workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
+    "charlm_local_steps": ConvergenceTask(
+        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+             steps=300, local_batch=8, overrides=_LONG_LM),
+        workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
