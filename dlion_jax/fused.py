@@ -162,8 +162,8 @@ def _typed_alike(inputs, out_shape):
 
 
 # In the kernels integers are 32-bit: Mosaic's integer vectors are 16 or 32
-# bits (packing's own functions compute in the word's dtype, 8 bits for
-# bytes, and sign_codes in int8).
+# bits (packing computes in the word's dtype by default, 8 bits for bytes,
+# and sign_codes in int8).
 
 
 def _codes(c: jax.Array, radix: int) -> jax.Array:
@@ -172,17 +172,6 @@ def _codes(c: jax.Array, radix: int) -> jax.Array:
   if radix == 2:
     return positive
   return jnp.uint32(1) + positive - (c < 0).astype(jnp.uint32)
-
-
-def _pack(codes: list[jax.Array], radix: int) -> jax.Array:
-  """``sum_j codes[j] * radix**j`` (codes below ``radix``, ``radix**m`` at
-  most ``2**32``): :func:`dlion_jax.packing.pack_planes`, in 32 bits."""
-  width = radix.bit_length() - 1 if radix & (radix - 1) == 0 else None
-  words = None
-  for j, code in enumerate(codes):
-    field = code << (j * width) if width else code * jnp.uint32(radix**j)
-    words = field if words is None else words + field
-  return words
 
 
 def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
@@ -240,7 +229,8 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
       codes.append(_codes(combine(*values), spec.radix))
       if also is not None:
         refs[-1][j] = also(*values)
-    words_ref[...] = _pack(codes, radix).astype(word_dtype)
+    words_ref[...] = packing.pack_planes(
+        codes, radix, dtype=jnp.uint32).astype(word_dtype)
 
   out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
               [word_spec] + [plane_spec] * (also is not None), grid,
@@ -286,7 +276,7 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
     for j in range(m):
       total = None
       for row in rows:
-        digit = _digit(row, j, radix)
+        digit = packing.digit(row, j, radix)
         total = digit if total is None else total + digit
       s = strategies.signed_sum(total, num_workers, spec)
       if aggregation == "mavo":
@@ -353,9 +343,9 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
   def kernel(words_ref, out_ref):
     place = segment(pl.program_id(1))[1]
     row = words_ref[...].astype(jnp.uint32)
-    digit = _digit(row, 0, radix)
+    digit = packing.digit(row, 0, radix)
     for p in range(1, per_word):
-      digit = jnp.where(place == p, _digit(row, p, radix), digit)
+      digit = jnp.where(place == p, packing.digit(row, p, radix), digit)
     if aggregation == "avg":
       out = strategies.signed_sum(digit, num_workers, spec)
     elif radix == 2:
@@ -369,13 +359,3 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
                [word_spec], [out_spec], (m, rows // BLOCK_ROWS), aliases={},
                interpret=interpret)
   return out
-
-
-def _digit(words: jax.Array, j: int, radix: int) -> jax.Array:
-  """Digit ``j`` of uint32 ``words`` (constant divisors: shifts for a power
-  of two radix, else multiply-shifts): place ``j`` of
-  :func:`dlion_jax.packing.digit_planes`, in 32 bits."""
-  if radix & (radix - 1) == 0:
-    width = radix.bit_length() - 1
-    return (words >> (width * j)) & jnp.uint32(radix - 1)
-  return (words // jnp.uint32(radix**j)) % jnp.uint32(radix)

@@ -196,11 +196,14 @@ def leaf_planes(x: jax.Array, m: int) -> list[jax.Array]:
   return [_pad_to(flat[j * w:(j + 1) * w], w) for j in range(m)]
 
 
-def pack_planes(planes: list[jax.Array], radix: int) -> jax.Array:
+def pack_planes(planes: list[jax.Array], radix: int, *,
+                dtype=None) -> jax.Array:
   """The words whose digit ``j`` is ``planes[j]`` (digits in ``[0, radix)``,
   all of one shape; :func:`leaf_planes` cuts them): ``pack_planes(
   leaf_planes(x, m), radix).ravel()`` is ``pack_digits(x.ravel(), radix,
-  planar=True)``.
+  planar=True)``. Computed in ``dtype``, an unsigned dtype at least as wide
+  as the words (default :func:`word_dtype`; the fused kernels' integer
+  vectors are 16 or 32 bits).
 
   Example:
     >>> import jax.numpy as jnp
@@ -214,13 +217,14 @@ def pack_planes(planes: list[jax.Array], radix: int) -> jax.Array:
         f"radix {radix} packs {digits_per_word(radix)} digits a word, got "
         f"{len(planes)} planes; cut them with leaf_planes(x, "
         f"digits_per_word({radix})).")
-  dtype = word_dtype(radix)
+  dtype = dtype or word_dtype(radix)
   return _combine([p.astype(dtype) for p in planes], radix)
 
 
 def _combine(places: list[jax.Array], radix: int) -> jax.Array:
-  """The words whose digit ``j`` is ``places[j]`` (of the word dtype)."""
-  dtype = word_dtype(radix)
+  """The words whose digit ``j`` is ``places[j]``, in the places' own
+  unsigned dtype."""
+  dtype = places[0].dtype.type
   # Unrolled over the m places with scalar constants, so XLA emits shifts
   # or multiplies it can vectorise. Fields never overlap: the sum is the
   # bitwise or, and it cannot overflow.
@@ -233,6 +237,25 @@ def _combine(places: list[jax.Array], radix: int) -> jax.Array:
   for field in fields[1:]:
     words = words + field
   return words
+
+
+def digit(words: jax.Array, j: int, radix: int) -> jax.Array:
+  """Digit ``j`` of unsigned ``words``, in their own dtype: place ``j`` of
+  :func:`digit_planes`.
+
+  Example:
+    >>> import jax.numpy as jnp
+    >>> from dlion_jax import packing
+    >>> packing.digit(jnp.array([177], jnp.uint32), 1, 3).tolist()
+    [2]
+  """
+  dtype = words.dtype.type
+  # Scalar constant divisors: XLA turns them into shifts or multiply-shifts;
+  # an array of place values would leave real integer divisions.
+  if _is_power_of_two(radix):
+    width = radix.bit_length() - 1
+    return (words >> (width * j)) & dtype(radix - 1)
+  return (words // dtype(radix**j)) % dtype(radix)
 
 
 def digit_planes(words: jax.Array, radix: int) -> jax.Array:
@@ -255,13 +278,7 @@ def _digit_list(words: jax.Array, radix: int) -> list[jax.Array]:
     raise TypeError(
         f"radix {radix} packs into {jnp.dtype(dtype).name} words, got "
         f"{words.dtype.name} words.")
-  m = digits_per_word(radix)
-  # Scalar constant divisors: XLA turns them into shifts or multiply-shifts;
-  # an array of place values would leave real integer divisions.
-  if _is_power_of_two(radix):
-    width = radix.bit_length() - 1
-    return [(words >> (width * j)) & dtype(radix - 1) for j in range(m)]
-  return [(words // dtype(radix**j)) % dtype(radix) for j in range(m)]
+  return [digit(words, j, radix) for j in range(digits_per_word(radix))]
 
 
 def unpack_digits(words: jax.Array, radix: int, length: int | None = None,
