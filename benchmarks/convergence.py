@@ -695,6 +695,13 @@ def plot_bits(runs: list[dict], path: str) -> None:
   tasks = [t for t in dict.fromkeys(r["task"] for r in runs
                                     if r["phase"] == "eval")
            if set(LOCAL_ROWS) & set(TASKS[t].rows)]
+  if not tasks:
+    raise ValueError(
+        "--plot-bits: no evaluated runs of a task with local steps among "
+        "the runs (tasks " + ", ".join(
+            t for t in TASKS if set(LOCAL_ROWS) & set(TASKS[t].rows))
+        + "); nothing to plot. Leave it out, or wait for the study's "
+        "seeds to run.")
   fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
   for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
     n = max(eval_workers(runs, task))
@@ -841,7 +848,10 @@ def main(argv=None) -> str:
   if args.curves:
     plot_curves(runs, args.curves)
   if args.plot_bits:
-    plot_bits(runs, args.plot_bits)
+    try:
+      plot_bits(runs, args.plot_bits)
+    except ValueError as e:
+      sys.exit(f"error: {e}")
   return reporting.write_section(report(runs, heading), args.out,
                                  args.section)
 

@@ -94,6 +94,20 @@ def test_resume_trains_nothing_twice_and_from_json_rerenders(study, tmp_path,
   assert body.startswith("before\n") and body.endswith("after\n")
 
 
+def test_plot_bits_without_local_steps_runs_says_so(study, tmp_path):
+  """Runs with no evaluated local-steps task (a study cut short, or the
+  wrong file): a clear error naming the tasks, not matplotlib's."""
+  _, runs, _ = study
+  saved = tmp_path / "runs.json"
+  saved.write_text(json.dumps(runs))
+  with pytest.raises(SystemExit) as err:
+    convergence.main(["--from-json", str(saved), "--plot-bits",
+                      str(tmp_path / "bits.png")])
+  assert "--plot-bits" in str(err.value)
+  assert "mlp_local_steps" in str(err.value)
+  assert not (tmp_path / "bits.png").exists()
+
+
 def test_a_study_cut_short_still_reports(study):
   _, runs, _ = study
   tuned_only = [r for r in runs if r["phase"] == "tune"][:4]
