@@ -26,8 +26,8 @@ of Python's standard library, with test loss curves: ``--curves``),
 ``mlp_local_steps`` (the MLP with local steps: each worker trains alone
 for H steps, then a 1-bit outer vote or DiLoCo's Nesterov step, against
 voting every step and the global optimizers; ``--plot-bits``) and
-``cnn_local_steps`` and ``charlm_local_steps`` (the CNN and the GPT so,
-at H = 32);
+``cnn_local_steps``, ``charlm_local_steps`` and
+``charlm_long_local_steps`` (the CNN and the GPTs so, at H = 32);
 ``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
 for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
@@ -233,6 +233,14 @@ TASKS = {
         Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
              steps=300, local_batch=8, overrides=_LONG_LM),
         workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
+    # ... and charlm_long's GPT (1,500 steps, 46 rounds), without its b2 grid.
+    "charlm_long_local_steps": ConvergenceTask(
+        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+             steps=1500, local_batch=8, curve_points=15,
+             overrides=(*_LONG_LM, "data.limit_test=1024"),
+             text=study.python_stdlib_text),
+        workers=(8,), tune_decay=False, start_lrs=(3e-4, 1e-3),
+        rows=_LOCAL_AT_32),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
