@@ -394,9 +394,9 @@ def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
       raise ValueError(
           "kernels='pallas' cannot run in a plain jitted step "
           "(dl.workers): XLA partitions that step, and cannot partition a "
-          "Pallas kernel on TPU (nor its interpreter's on Explicit axes "
-          "elsewhere). Use kernels='auto' (the XLA path there) or a step "
-          "built by dl.parallel.make_train_step.")
+          "Pallas kernel on TPU or GPU (nor its interpreter's on Explicit "
+          "axes elsewhere). Use kernels='auto' (the XLA path there) or a "
+          "step built by dl.parallel.make_train_step.")
     return False
   return True
 

@@ -28,9 +28,11 @@ arithmetic; a compiler may contract their products and sums into fused
 multiply-adds differently inside a kernel (see
 :func:`dlion_jax.scale_by_distributed_lion`'s ``kernels``).
 
-Where they run: on TPU, for leaves whose planes fit its tiles
-(:func:`fits`). Elsewhere, or with ``interpret=True``, Pallas' interpreter
-runs them as XLA code: slow, for checking (``kernels='pallas'`` off TPU).
+Where they run (:func:`platform`): on TPU through Mosaic, for leaves whose
+planes fit its tiles (:func:`fits`); on GPU through Triton, with
+``kernels='pallas'`` (not timed on a GPU yet: ``'auto'`` keeps XLA there).
+Elsewhere, or with ``interpret=True``, Pallas' interpreter runs them as XLA
+code: slow, for checking (``kernels='pallas'`` on CPU).
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as pltriton
 
 from dlion_jax import packing
 from dlion_jax import quantize
@@ -60,11 +63,24 @@ BLOCK_LANES = 512
 _FLOATS = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 
+# On GPU (Triton) a block's lanes: a program's values stay in registers.
+GPU_BLOCK_LANES = 128
+
+
+def platform() -> str:
+  """What the kernels are compiled for: ``'tpu'`` (Mosaic) where the step
+  is traced for TPU chips (over their mesh, as ahead of time) or jax's
+  default backend is a TPU; ``'gpu'`` (Triton) where it is a GPU; else
+  ``'cpu'``, where they run in Pallas' interpreter."""
+  if shards.on_tpu() or jax.default_backend() == "tpu":
+    return "tpu"
+  return "gpu" if jax.default_backend() == "gpu" else "cpu"
+
+
 def interpreted() -> bool:
-  """Whether the kernels run in Pallas' interpreter: unless the step is
-  traced for TPU chips (over their mesh, as ahead of time) or runs on
-  jax's default backend, a TPU."""
-  return not shards.on_tpu() and jax.default_backend() != "tpu"
+  """Whether the kernels run in Pallas' interpreter (:func:`platform`
+  ``'cpu'``)."""
+  return platform() == "cpu"
 
 
 def _view(shape: tuple[int, ...]) -> tuple[int, int]:
@@ -103,7 +119,8 @@ def fits(shape: tuple[int, ...], dtypes, radix: int) -> bool:
 def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
   """The block ``(rows, lanes)`` of words, and the grid over ``[rows,
   lanes]`` words."""
-  width = math.gcd(lanes, BLOCK_LANES)
+  width = math.gcd(lanes, GPU_BLOCK_LANES if platform() == "gpu"
+                   else BLOCK_LANES)
   return (BLOCK_ROWS, width), (rows // BLOCK_ROWS, lanes // width)
 
 
@@ -113,19 +130,24 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
   read or written once (XLA's cost analysis counts a kernel's bytes as it
   declares them). On TPU the inputs stay in HBM: XLA's memory-space
   assignment would otherwise stage a big leaf in on-chip memory and copy it
-  back."""
+  back. On GPU Triton compiles them."""
   nbytes = sum(x.size * x.dtype.itemsize for x in inputs) + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)
   inputs, out_shape = _typed_alike(inputs, out_shape)
-  if not interpret:
+  where = "cpu" if interpret else platform()
+  if where == "tpu":
     inputs = [_in_hbm(x) for x in inputs]
+    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 2)
+  elif where == "gpu":
+    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+  else:
+    params = None
   call = pl.pallas_call(
       kernel, out_shape=out_shape, grid=grid, in_specs=in_specs,
       out_specs=out_specs, input_output_aliases=aliases,
       cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                     bytes_accessed=int(nbytes)),
-      compiler_params=None if interpret else pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel")),
+      compiler_params=params,
       interpret=interpret)
   if interpret and out_shape[0].manual_axis_type.varying:
     raise ValueError(

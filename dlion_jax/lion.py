@@ -211,8 +211,9 @@ def scale_by_distributed_lion(
     kernels: how big leaves are encoded and tallied: ``'auto'`` (the fused
       Pallas kernels of :mod:`dlion_jax.fused` on TPU, XLA elsewhere and
       in the plain jitted step of :mod:`dlion_jax.workers`),
-      ``'pallas'`` (the kernels wherever a leaf fits their blocks; off TPU
-      in Pallas' interpreter, slow, for checking) or ``'xla'``. The
+      ``'pallas'`` (the kernels wherever a leaf fits their blocks; on GPU
+      through Triton, not yet timed on one; on CPU in Pallas'
+      interpreter, slow, for checking) or ``'xla'``. The
       kernels read a leaf's gradient and momentum once instead of twice
       and compute the same arithmetic: the words, tallies and outcomes
       are the XLA path's bit for bit, but where the compiler contracts

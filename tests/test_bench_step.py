@@ -108,3 +108,36 @@ def test_plain_steps_run_beside_the_shard_map_steps_and_agree():
   line = step.agreement(runners)
   assert "auto (plain jit)" in line and "NOT" not in line
   assert line.count("bit for bit alike") == 2
+
+
+def test_kernels_and_xla_too_step_side_by_side_and_agree():
+  """``--kernels pallas --xla-too`` (on a GPU; here Pallas' interpreter):
+  each D-Lion variant through the fused kernels and, named '(XLA)',
+  without them, the same parameters bit for bit."""
+  runners = step.build(8, {"w": (256, 128), "b": (37,)}, kernels="pallas",
+                       xla_too=True)
+  xla = [k for k in runners if k.endswith(step.XLA)]
+  assert xla and len(xla) == len([k for k in runners
+                                  if k.startswith("dlion")]) / 2
+  for name in xla:
+    for a, b in zip(jax.tree.leaves(runners[name].params),
+                    jax.tree.leaves(runners[name.removesuffix(
+                        step.XLA)].params)):
+      np.testing.assert_array_equal(a, b)
+  assert "NOT" not in step.agreement(runners)
+
+
+@pytest.mark.parametrize("argv,names", [
+    (["--xla-too"], ["--xla-too", "--tpu", "--kernels pallas"]),
+    (["--kernels", "pallas"], ["--kernels pallas", "interpreter", "GPU",
+                               "--tpu"]),
+    (["--kernels", "pallas", "--plain"], ["--kernels pallas", "--plain"]),
+])
+def test_kernel_options_that_cannot_measure_are_refused(argv, names, capsys):
+  """Options that would time nothing they name: refused before any
+  compile, naming what to do."""
+  with pytest.raises(SystemExit):
+    step.main(argv)
+  err = capsys.readouterr().err
+  for name in names:
+    assert name in err, (name, err)

@@ -375,3 +375,38 @@ def test_a_user_step_through_the_kernels_matches_the_xla_path():
   for k in mu_xla:
     a, b = np.asarray(mu_fused[k]), np.asarray(mu_xla[k])
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6 * np.abs(b).max())
+
+
+def test_a_user_step_lowers_for_cuda_through_triton(monkeypatch):
+  """On a GPU (fused.platform() 'gpu'; here the step is exported for CUDA
+  from this machine, which has none) kernels='pallas' compiles the kernels
+  with Triton, not Pallas' interpreter: a user's make_train_step exports
+  for CUDA with a Triton call for each kernel and the interpreter's grid
+  loops gone. Not run: Triton compiles them on the GPU itself."""
+  monkeypatch.setattr(fused, "platform", lambda: "gpu")
+  n = 4
+  mesh = dl.devices.data_mesh(n)
+  params = {"w": jnp.zeros((256, 256)), "v": jnp.zeros((256, 1024)),
+            "b": jnp.zeros(37)}
+
+  def loss_fn(p, rows):
+    x, y = rows
+    return jnp.mean((jnp.tanh(x @ p["w"]) @ p["v"][:, :37] + p["b"] - y)**2)
+  batch = (jnp.zeros((8 * n, 256)), jnp.zeros((8 * n, 37)))
+
+  def exported(kernels, comm):
+    tx = optax.chain(optax.clip_by_global_norm(1.0), dl.distributed_lion(
+        1e-2, weight_decay=1e-2, axis_name="data", kernels=kernels,
+        comm=comm))
+    step = dl.parallel.make_train_step(loss_fn, tx, mesh)
+    state = dl.parallel.init_worker_states(tx, params, mesh)
+    return jax.export.export(
+        jax.jit(lambda *args: step(*args)), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call(
+            "__gpu$xla.gpu.triton")])(params, state, batch).mlir_module()
+  for comm in ("alltoall", "allgather"):
+    text = exported("pallas", comm)
+    # w's and v's encodings, and the tally or the decoding of the results.
+    assert text.count("custom_call @__gpu$xla.gpu.triton") >= 3, comm
+    assert "stablehlo.while" not in text, comm       # no interpreter
+  assert "__gpu$xla.gpu.triton" not in exported("auto", "alltoall")

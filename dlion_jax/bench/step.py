@@ -55,11 +55,14 @@ Usage::
 
   python -m dlion_jax.bench.step [--workers 8] [--reps 15]
       [--tree mlp|two|many|large] [--grid] [--vmap] [--profile]
-      [--tpu TOPOLOGY [--xla-too]] [--plain] [--out FILE.md]
+      [--tpu TOPOLOGY] [--kernels auto|pallas|xla [--xla-too]] [--plain]
+      [--out FILE.md]
 
 On TPU the D-Lion steps take the fused Pallas kernels of
 :mod:`dlion_jax.fused` where a leaf fits them (``kernels='auto'``);
-``--xla-too`` adds each variant without them.
+``--kernels pallas`` takes them on a GPU too (Triton), and ``--xla-too``
+adds each variant without them: on a GPU, ``--vmap --kernels pallas
+--xla-too`` times both side by side.
 """
 
 from __future__ import annotations
@@ -89,6 +92,7 @@ import dlion_jax as dl
 from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax import exchange
+from dlion_jax import fused
 from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
@@ -297,12 +301,28 @@ class Runner:
       return time.perf_counter() - start
 
 
+def named_variants(grid: bool, kernels: str, plain: bool, xla_too: bool):
+  """``(name, optimizer, pmean_grads, plain)`` of each step to run: every
+  variant of :func:`variants`, each D-Lion one also in a plain jitted step
+  (``plain``; its name + :data:`PLAIN`) and with ``kernels='xla'``
+  (``xla_too``; + :data:`XLA`)."""
+  xla = variants(grid, kernels="xla") if xla_too else {}
+  for name, (tx, pmean_grads) in variants(grid, kernels).items():
+    dlion = name.startswith("dlion ")
+    txs = {"": tx, **({XLA: xla[name][0]} if dlion and xla else {})}
+    for form in [False, True] if plain and dlion else [False]:
+      for suffix, tx in txs.items():
+        yield name + suffix + (PLAIN if form else ""), tx, pmean_grads, form
+
+
 def build(num_workers: int, shapes: dict, *, vmap: bool = False,
-          grid: bool = False, plain: bool = False) -> dict[str, Runner]:
+          grid: bool = False, plain: bool = False, kernels: str = "auto",
+          xla_too: bool = False) -> dict[str, Runner]:
   """A compiled, warmed-up :class:`Runner` per variant (of
-  :func:`variants`), on a mesh of ``num_workers`` devices or (``vmap``)
-  vmapped on the default device; with ``plain`` each D-Lion variant also
-  in a plain jitted step (its name + :data:`PLAIN`)."""
+  :func:`variants`, with ``kernels``), on a mesh of ``num_workers``
+  devices or (``vmap``) vmapped on the default device; with ``plain`` each
+  D-Lion variant also in a plain jitted step (its name + :data:`PLAIN`),
+  with ``xla_too`` also with ``kernels='xla'`` (its name + :data:`XLA`)."""
   params = random_tree(0, shapes)
   grads = random_tree(1, shapes, (num_workers,))
   if vmap:
@@ -312,14 +332,12 @@ def build(num_workers: int, shapes: dict, *, vmap: bool = False,
     mesh = devices.data_mesh(num_workers, axis_name=AXIS)
     grads = jax.device_put(grads, NamedSharding(mesh, P(AXIS)))
   runners = {}
-  for name, (tx, pmean_grads) in variants(grid).items():
-    forms = [False, True] if plain and name.startswith("dlion ") else [False]
-    for form in forms:
-      key = name + PLAIN if form else name
-      runners[key] = Runner(tx, mesh, pmean_grads=pmean_grads,
-                            params=params, grads=grads, plain=form)
-      runners[key]()   # compile
-      runners[key]()   # warm
+  for key, tx, pmean_grads, form in named_variants(grid, kernels, plain,
+                                                  xla_too):
+    runners[key] = Runner(tx, mesh, pmean_grads=pmean_grads, params=params,
+                          grads=grads, plain=form)
+    runners[key]()   # compile
+    runners[key]()   # warm
   return runners
 
 
@@ -523,7 +541,7 @@ def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
 
 def tpu_table(num_workers: int, shapes: dict, topology: str, *,
               grid: bool = False, plain: bool = False,
-              xla_too: bool = False) -> str:
+              xla_too: bool = False, kernels: str = "auto") -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
   chip reads and writes, against the floor's (see :func:`tpu_bytes`);
   with ``xla_too`` each D-Lion variant also without the fused kernels,
@@ -537,19 +555,12 @@ def tpu_table(num_workers: int, shapes: dict, topology: str, *,
   mesh = Mesh(np.array(devices), (AXIS,))
   per_param = {}
   rows = []
-  xla = variants(grid, kernels="xla") if xla_too else {}
-  for name, (tx, pmean_grads) in variants(grid).items():
-    forms = [False, True] if plain and name.startswith("dlion ") else [False]
-    txs = {"": tx}
-    if name.startswith("dlion ") and xla:
-      txs[XLA] = xla[name][0]
-    for form in forms:
-      for suffix, tx in txs.items():
-        key = name + suffix + (PLAIN if form else "")
-        nbytes, fusions = tpu_bytes(tx, mesh, shapes,
-                                    pmean_grads=pmean_grads, plain=form)
-        per_param[key] = nbytes / num_params(shapes)
-        rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
+  for key, tx, pmean_grads, form in named_variants(grid, kernels, plain,
+                                                  xla_too):
+    nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads,
+                                plain=form)
+    per_param[key] = nbytes / num_params(shapes)
+    rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
   for row in rows:
     row[2] = f"{per_param[row[0]] / per_param[FLOOR]:.2f}x"
   return reporting.markdown_table(
@@ -584,15 +595,29 @@ def main(argv=None) -> str:
                       help="also run each D-Lion variant in a plain jax.jit "
                       "step (dl.workers: the update vmapped over the "
                       "workers' axis), beside its shard_map step")
+  parser.add_argument("--kernels", choices=fused.KERNELS, default="auto",
+                      help="the D-Lion variants' kernels option: 'pallas' "
+                      "takes the fused kernels on a GPU too (Triton), "
+                      "which 'auto' leaves to XLA there")
   parser.add_argument("--xla-too", action="store_true",
-                      help="with --tpu, also compile each D-Lion variant "
-                      "with kernels='xla' (no fused Pallas kernels), "
-                      "named '<variant> (XLA)'")
+                      help="with --tpu or --kernels pallas, also each "
+                      "D-Lion variant with kernels='xla' (no fused Pallas "
+                      "kernels), named '<variant> (XLA)'")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
-  if args.xla_too and not args.tpu:
-    parser.error("--xla-too compares the fused kernels on TPU; add --tpu "
-                 "TOPOLOGY (off TPU every step takes the XLA path)")
+  if args.xla_too and not (args.tpu or args.kernels == "pallas"):
+    parser.error("--xla-too compares the fused kernels with the XLA path; "
+                 "add --tpu TOPOLOGY, or --kernels pallas on a GPU ("
+                 "kernels='auto' takes the kernels on TPU only)")
+  if args.kernels == "pallas" and args.plain:
+    parser.error("--kernels pallas cannot run in the plain jitted steps of "
+                 "--plain (XLA partitions them, and not a Pallas kernel); "
+                 "leave out one of them")
+  if args.kernels == "pallas" and not args.tpu and fused.interpreted():
+    parser.error(f"--kernels pallas on {jax.default_backend()} times "
+                 "Pallas' interpreter, which says nothing of the kernels' "
+                 "speed: run it on a GPU or TPU, or compile for TPU with "
+                 "--tpu TOPOLOGY")
   if args.plain and args.vmap:
     parser.error("--plain maps the workers over the mesh's devices; leave "
                  "out --vmap")
@@ -610,7 +635,8 @@ def main(argv=None) -> str:
   start = time.perf_counter()
   shapes = TREES[args.tree]
   runners = build(args.workers, shapes, vmap=args.vmap, grid=args.grid,
-                  plain=args.plain)
+                  plain=args.plain, kernels=args.kernels,
+                  xla_too=args.xla_too)
   compiled = time.perf_counter()
   time_interleaved(runners, args.reps)
   timed = time.perf_counter()
@@ -647,7 +673,8 @@ def _tpu_report(parser, args) -> str:
   start = time.perf_counter()
   try:
     table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid,
-                         plain=args.plain, xla_too=args.xla_too)
+                         plain=args.plain, xla_too=args.xla_too,
+                         kernels=args.kernels)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([
