@@ -125,12 +125,14 @@ def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
-          aliases, interpret):
+          aliases, interpret, gpu_warps: int = 4):
   """``pallas_call`` with the cost it declares: every operand and output
   read or written once (XLA's cost analysis counts a kernel's bytes as it
   declares them). On TPU the inputs stay in HBM: XLA's memory-space
   assignment would otherwise stage a big leaf in on-chip memory and copy it
-  back. On GPU Triton compiles them."""
+  back. On GPU Triton compiles them with ``gpu_warps`` warps a program
+  (each kernel's the fewest whose registers hold a block without spilling,
+  read off ptxas for sm_90: design notes, "Fused kernels")."""
   nbytes = sum(x.size * x.dtype.itemsize for x in inputs) + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)
   inputs, out_shape = _typed_alike(inputs, out_shape)
@@ -139,7 +141,7 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
     inputs = [_in_hbm(x) for x in inputs]
     params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 2)
   elif where == "gpu":
-    params = pltriton.CompilerParams(num_warps=4, num_stages=1)
+    params = pltriton.CompilerParams(num_warps=gpu_warps, num_stages=1)
   else:
     params = None
   call = pl.pallas_call(
@@ -256,7 +258,7 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
 
   out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
               [word_spec] + [plane_spec] * (also is not None), grid,
-              aliases=aliases, interpret=interpret)
+              aliases=aliases, interpret=interpret, gpu_warps=8)
   return out[0], (out[1].reshape(shape) if also is not None else None)
 
 
@@ -308,7 +310,7 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   out, = _call(kernel, [words], [jax.ShapeDtypeStruct((m, rows, lanes),
                                                       dtype)],
                [word_spec], [out_spec], grid, aliases={},
-               interpret=interpret)
+               interpret=interpret, gpu_warps=16)
   return out.reshape(shape)
 
 

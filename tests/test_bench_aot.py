@@ -109,7 +109,29 @@ def compiled_rows():
           for name in ("dlion-auto", "hybrid-dlion", "zero3-dlion")}
   rows["zero3-dlion" + aot.PLAIN] = aot.compile_step(
       problem, "v5e:2x2", 2, "zero3-dlion", plain=True)
+  rows["dlion-auto" + aot.XLA] = aot.compile_step(
+      problem, "v5e:2x2", 2, "dlion-auto", kernels="xla")
   return rows
+
+
+@pytest.mark.tpu_aot
+def test_rows_read_the_bytes_a_step_moves_with_and_without_the_kernels(
+    compiled_rows):
+  """Each row's bytes accessed a parameter (cost analysis), in its table
+  cell; 'auto' takes the fused kernels for the MLP's 512x384 matrix (8
+  planes of 64 rows), the '(XLA)' row does not."""
+  (fused_row, fused_text), (xla_row, xla_text) = (
+      compiled_rows["dlion-auto"], compiled_rows["dlion-auto" + aot.XLA])
+  assert xla_row.variant == "dlion-auto (XLA)"
+  assert "tpu_custom_call" in fused_text
+  assert "tpu_custom_call" not in xla_text
+  for row in (fused_row, xla_row):
+    # At least the params read and written and the gradients read.
+    assert row.bytes_accessed > 3 * 4 * row.params
+    cell = aot.table_row(row)[aot.HEADERS.index("bytes accessed/param")]
+    assert float(cell) == pytest.approx(row.bytes_accessed / row.params,
+                                        abs=0.05)
+  assert fused_row.bytes_accessed != xla_row.bytes_accessed
 
 
 @pytest.mark.tpu_aot

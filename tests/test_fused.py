@@ -409,4 +409,7 @@ def test_a_user_step_lowers_for_cuda_through_triton(monkeypatch):
     # w's and v's encodings, and the tally or the decoding of the results.
     assert text.count("custom_call @__gpu$xla.gpu.triton") >= 3, comm
     assert "stablehlo.while" not in text, comm       # no interpreter
+  # Each kernel's warps, the fewest ptxas held without spills (sm_90).
+  assert "num_warps = 8 : i32" in text               # encode
+  assert "num_warps = 16 : i32" in text              # tally (allgather)
   assert "__gpu$xla.gpu.triton" not in exported("auto", "alltoall")

@@ -41,7 +41,13 @@ Usage::
   JAX_PLATFORMS=cpu python -m dlion_jax.bench.aot [--model gpt]
       [--topology v5e:2x2] [--slices 2] [--variants ...]
       [--bucket-bytes 0 1000000] [--overlap] [--plain]
-      [--json PATH] [--out FILE.md]
+      [--kernels auto|pallas|xla] [--xla-too] [--json PATH] [--out FILE.md]
+
+Each row also gives the bytes the chip's step reads and writes
+(``cost_analysis()``'s ``bytes accessed``) a parameter; ``--xla-too``
+compiles each D-Lion variant also with ``kernels='xla'``, without the
+fused Pallas kernels that ``'auto'`` takes on TPU (:mod:`dlion_jax.fused`),
+named ``<variant> (XLA)``.
 
 ``--plain`` also compiles each D-Lion variant whose ``fsdp`` axis the
 compiler owns (flat, ``sharded``, ``zero2``, ``zero3``) in plain
@@ -71,6 +77,7 @@ import dlion_jax as dl
 from dlion_jax import accounting
 from dlion_jax import bench
 from dlion_jax import devices
+from dlion_jax import fused
 from dlion_jax import parallel
 from dlion_jax import transforms
 from dlion_jax.bench import aot_models
@@ -91,6 +98,8 @@ VARIANTS = (("lion", "adamw") + tuple(f"dlion-{c}" for c in COMMS)
 MiB = 2**20
 # A variant's row name with this after it: its step in plain jax.jit form.
 PLAIN = " (plain jit)"
+# A D-Lion variant's row with kernels='xla' (--xla-too): no fused kernels.
+XLA = " (XLA)"
 
 
 # ----------------------------------------------------------------- devices
@@ -145,9 +154,10 @@ class Variant:
     return self.layout != "flat"
 
 
-def variant(name: str, bucket_bytes: int | None = None) -> Variant:
+def variant(name: str, bucket_bytes: int | None = None,
+            kernels: str = "auto") -> Variant:
   """The :data:`VARIANTS` entry ``name`` (D-Lion's votes in buckets of
-  ``bucket_bytes``, when given)."""
+  ``bucket_bytes``, when given, and its ``kernels`` option)."""
   layout, _, base = name.rpartition("-") if name.split("-")[0] in LAYOUTS \
       else ("flat", "", name)
   if base in ("lion", "adamw"):
@@ -156,8 +166,8 @@ def variant(name: str, bucket_bytes: int | None = None) -> Variant:
     return Variant(name, tx, layout, None)
   comm = "auto" if base == "dlion" else base.removeprefix("dlion-")
   return Variant(name, dl.distributed_lion(
-      LEARNING_RATE, axis_name="data", comm=comm, bucket_bytes=bucket_bytes),
-                 layout, comm)
+      LEARNING_RATE, axis_name="data", comm=comm, bucket_bytes=bucket_bytes,
+      kernels=kernels), layout, comm)
 
 
 def analytic_bits(v: Variant, slices: int, chips: int) -> float:
@@ -332,6 +342,7 @@ class Row:
   pairs: list[AsyncPair] = dataclasses.field(default_factory=list)
   error: str | None = None
   bytes_error: str | None = None
+  bytes_accessed: float | None = None
 
   @property
   def measured_bits(self) -> float | None:
@@ -339,7 +350,7 @@ class Row:
     flat, DCN only for hybrid rows."""
     if self.dcn_bytes is None:
       return None
-    hybrid = variant(self.variant.removesuffix(PLAIN)).hybrid
+    hybrid = variant(base_name(self.variant)).hybrid
     sent = self.dcn_bytes if hybrid else self.dcn_bytes + self.ici_bytes
     return 8 * sent / self.params
 
@@ -387,19 +398,26 @@ def _read_bytes(row: Row, compiled) -> None:
   row.ici_bytes, row.dcn_bytes = sent.get("ici", 0.0), sent.get("dcn", 0.0)
 
 
+def base_name(name: str) -> str:
+  """A row's variant without :data:`XLA` and :data:`PLAIN`."""
+  return name.removesuffix(PLAIN).removesuffix(XLA)
+
+
 def compile_step(problem: aot_models.Problem, topology: str, slices: int,
                  name: str, bucket_bytes: int | None = None,
-                 plain: bool = False) -> tuple[Row, str]:
+                 plain: bool = False, kernels: str = "auto"
+                 ) -> tuple[Row, str]:
   """Compiles one variant's training step and reads its executable: the
   row and the scheduled HLO text (empty when the compile failed).
   ``plain``: the step in plain ``jax.jit`` form
   (:func:`dlion_jax.bench.plain_train_step`), its row named
-  ``name + PLAIN``."""
+  ``name + PLAIN``; ``kernels='xla'``: named ``name + XLA``."""
   devices = tpu_devices(topology, slices)
-  v = variant(name, bucket_bytes)
+  v = variant(name, bucket_bytes, kernels)
   mesh = mesh_for(devices, slices, v.hybrid)
   row = Row(problem.name, topology, slices, len(devices),
-            name + PLAIN if plain else name, problem.count,
+            name + (XLA if kernels == "xla" else "")
+            + (PLAIN if plain else ""), problem.count,
             bucket_bytes=bucket_bytes,
             analytic_bits=analytic_bits(v, slices, len(devices)))
   step = parallel.make_train_step(
@@ -430,6 +448,9 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
     return row, ""
   _read_memory(row, compiled.memory_analysis())
   _read_bytes(row, compiled)
+  cost = compiled.cost_analysis()
+  row.bytes_accessed = (cost[0] if isinstance(cost, list) else cost).get(
+      "bytes accessed")
   text = compiled.as_text()
   row.pairs = async_pairs(text)
   return row, text
@@ -437,10 +458,10 @@ def compile_step(problem: aot_models.Problem, topology: str, slices: int,
 
 def compile_row(problem: aot_models.Problem, topology: str, slices: int,
                 name: str, bucket_bytes: int | None = None,
-                plain: bool = False) -> Row:
+                plain: bool = False, kernels: str = "auto") -> Row:
   """:func:`compile_step`'s row alone."""
   return compile_step(problem, topology, slices, name, bucket_bytes,
-                      plain)[0]
+                      plain, kernels)[0]
 
 
 def has_plain_form(name: str) -> bool:
@@ -490,17 +511,20 @@ def _name(row: Row) -> str:
 def table_row(row: Row) -> list:
   where = f"{row.topology} x{row.slices} ({row.chips} chips)"
   if row.error:
-    return [where, _name(row)] + ["-"] * 8 + [row.error]
+    return [where, _name(row)] + ["-"] * 9 + [row.error]
+  accessed = ("-" if row.bytes_accessed is None
+              else f"{row.bytes_accessed / row.params:.1f}")
   return [where, _name(row), _bytes(row.ici_bytes), _bytes(row.dcn_bytes),
           _ratio(row), f"{row.argument_bytes / MiB:,.1f}",
-          f"{row.temp_bytes / MiB:,.1f}", f"{row.compile_s:.1f}",
+          f"{row.temp_bytes / MiB:,.1f}", accessed, f"{row.compile_s:.1f}",
           overlap_summary(row.pairs, "dcn"),
           overlap_summary(row.pairs, "ici"), ""]
 
 
 HEADERS = ["topology", "variant", "ICI bytes/chip", "DCN bytes/chip",
            "bits/param measured / analytic = ratio", "HBM args MiB",
-           "HBM temp MiB", "compile s", "DCN pairs over a dot",
+           "HBM temp MiB", "bytes accessed/param", "compile s",
+           "DCN pairs over a dot",
            "ICI pairs over a dot", "note"]
 
 
@@ -574,6 +598,12 @@ def _parser() -> argparse.ArgumentParser:
                       help="also compile each D-Lion variant whose fsdp "
                       "axis the compiler owns in plain jax.jit form "
                       "(dl.workers), named '<variant> (plain jit)'")
+  parser.add_argument("--kernels", choices=fused.KERNELS, default="auto",
+                      help="the D-Lion variants' kernels option (the fused "
+                      "Pallas kernels: 'auto' takes them on TPU)")
+  parser.add_argument("--xla-too", action="store_true",
+                      help="also compile each D-Lion variant with "
+                      "kernels='xla', named '<variant> (XLA)'")
   parser.add_argument("--json", help="also write the rows to this file")
   parser.add_argument("--out", help="also write the report to this file")
   return parser
@@ -591,17 +621,28 @@ def main(argv=None) -> str:
   if why:
     parser.error(f"cannot compile for TPU topologies ({why}); install "
                  'libtpu: pip install "dlion_jax[tpu-aot]"')
+  if args.plain and args.kernels == "pallas":
+    parser.error("--kernels pallas cannot run in --plain's plain jitted "
+                 "steps (XLA partitions them, and not a Pallas kernel); "
+                 "leave out one of them")
+  if args.xla_too and args.kernels == "xla":
+    parser.error("--xla-too adds kernels='xla' rows beside --kernels auto "
+                 "or pallas; leave out one of them")
   budgets = [b or None for b in args.bucket_bytes]
-  jobs = [(m, t, s, v, b, plain) for m in args.model for t in args.topology
+  jobs = [(m, t, s, v, b, plain, k)
+          for m in args.model for t in args.topology
           for s in args.slices for v in args.variants for b in budgets
           for plain in ((False, True) if args.plain and has_plain_form(v)
                         else (False,))
+          for k in ((args.kernels, "xla") if args.xla_too
+                    and variant(v).comm is not None else (args.kernels,))
           if b is None or variant(v).comm is not None]
   problems = {m: aot_models.PROBLEMS[m]() for m in args.model}
   warm_up(args.topology[0], args.slices[0])
   rows = []
-  for m, t, s, v, b, plain in bench.progress(jobs, len(jobs), "compiling"):
-    rows.append(compile_row(problems[m], t, s, v, b, plain))
+  for m, t, s, v, b, plain, k in bench.progress(jobs, len(jobs),
+                                               "compiling"):
+    rows.append(compile_row(problems[m], t, s, v, b, plain, k))
     reporting.write_json(args.json, [row_json(r) for r in rows], indent=1)
   return reporting.emit(report(rows, args.overlap), args.out)
 
