@@ -132,6 +132,8 @@ def test_kernels_and_xla_too_step_side_by_side_and_agree():
     (["--kernels", "pallas"], ["--kernels pallas", "interpreter", "GPU",
                                "--tpu"]),
     (["--kernels", "pallas", "--plain"], ["--kernels pallas", "--plain"]),
+    (["--tpu", "v5e:2x4", "--kernels", "xla", "--xla-too"],
+     ["--xla-too", "--kernels auto or pallas"]),
 ])
 def test_kernel_options_that_cannot_measure_are_refused(argv, names, capsys):
   """Options that would time nothing they name: refused before any

@@ -609,6 +609,9 @@ def main(argv=None) -> str:
     parser.error("--xla-too compares the fused kernels with the XLA path; "
                  "add --tpu TOPOLOGY, or --kernels pallas on a GPU ("
                  "kernels='auto' takes the kernels on TPU only)")
+  if args.xla_too and args.kernels == "xla":
+    parser.error("--xla-too adds kernels='xla' rows beside --kernels auto "
+                 "or pallas; leave out one of them")
   if args.kernels == "pallas" and args.plain:
     parser.error("--kernels pallas cannot run in the plain jitted steps of "
                  "--plain (XLA partitions them, and not a Pallas kernel); "
