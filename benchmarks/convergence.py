@@ -168,13 +168,25 @@ class ConvergenceTask:
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
 _LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
                 "D-Lion outer, H=32", "DiLoCo outer, H=32")
+# Tasks that more than one study runs (each study its own rows).
+_CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
+# A 2-block GPT of width 64 on 64-byte windows, 300 steps.
+_CHARLM = Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+               steps=300, local_batch=8, overrides=_LONG_LM)
+# The same GPT 5x longer, with test loss curves, on 4.7 MB of Python source
+# (GPL-3's 35 KB, read 190 times in 1,500 steps, was memorized: test loss
+# rose from step ~500 on), tested on the first 1,024 windows (64 KB) of its
+# held-out tail.
+_CHARLM_LONG = Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
+                    steps=1500, local_batch=8, curve_points=15,
+                    overrides=(*_LONG_LM, "data.limit_test=1024"),
+                    text=study.python_stdlib_text)
 TASKS = {
     "fashion_mnist_mlp": ConvergenceTask(
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3)),
     # About 70 s a run on 2 CPU cores: N = 8 only, learning rate only.
-    "fashion_mnist_cnn": ConvergenceTask(
-        Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3),
-        workers=(8,), tune_decay=False),
+    "fashion_mnist_cnn": ConvergenceTask(_CNN, workers=(8,),
+                                         tune_decay=False),
     # The config's ViT at width 64 and depth 2 (the shipped width 128,
     # depth 4 takes 4.5 min a run here); the papers' model family.
     "fashion_mnist_vit": ConvergenceTask(
@@ -182,21 +194,10 @@ TASKS = {
              overrides=("model.dim=64", "model.depth=2")),
         workers=(8,), tune_decay=False, start_lrs=(1e-3, 3e-3),
         rows=PAPER_ROWS[:5]),
-    # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
-    "charlm": ConvergenceTask(
-        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-             steps=300, local_batch=8, overrides=_LONG_LM),
-        workers=(8,), tune_decay=False),
-    # The same GPT 5x longer; Lion rows also tune b2; test loss curves.
-    # ... on 4.7 MB of Python source (GPL-3's 35 KB, read 190 times in
-    # 1,500 steps, was memorized: test loss rose from step ~500 on), tested
-    # on the first 1,024 windows (64 KB) of its held-out tail.
+    "charlm": ConvergenceTask(_CHARLM, workers=(8,), tune_decay=False),
+    # The same GPT 5x longer; Lion rows also tune b2.
     "charlm_long": ConvergenceTask(
-        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-             steps=1500, local_batch=8, curve_points=15,
-             overrides=(*_LONG_LM, "data.limit_test=1024"),
-             text=study.python_stdlib_text),
-        workers=(8,), tune_decay=False, start_lrs=(3e-4, 1e-3),
+        _CHARLM_LONG, workers=(8,), tune_decay=False, start_lrs=(3e-4, 1e-3),
         b2s=(0.95, 0.98, 0.99),
         rows=("global AdamW", "global Lion", "D-Lion MaVo", "D-Lion Avg",
               "Signum (majority vote)")),
@@ -226,21 +227,14 @@ TASKS = {
         workers=(8,), tune_decay=False,
         rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
     # ... the CNN (about 60 s a run here) and the GPT of charlm, at H = 32.
-    "cnn_local_steps": ConvergenceTask(
-        Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3),
-        workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
+    "cnn_local_steps": ConvergenceTask(_CNN, workers=(8,), tune_decay=False,
+                                       rows=_LOCAL_AT_32),
     "charlm_local_steps": ConvergenceTask(
-        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-             steps=300, local_batch=8, overrides=_LONG_LM),
-        workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
+        _CHARLM, workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
     # ... and charlm_long's GPT (1,500 steps, 46 rounds), without its b2 grid.
     "charlm_long_local_steps": ConvergenceTask(
-        Task("charlm_gpt", "test_bits_per_byte", False, epochs=None,
-             steps=1500, local_batch=8, curve_points=15,
-             overrides=(*_LONG_LM, "data.limit_test=1024"),
-             text=study.python_stdlib_text),
-        workers=(8,), tune_decay=False, start_lrs=(3e-4, 1e-3),
-        rows=_LOCAL_AT_32),
+        _CHARLM_LONG, workers=(8,), tune_decay=False,
+        start_lrs=(3e-4, 1e-3), rows=_LOCAL_AT_32),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),

@@ -629,14 +629,15 @@ def main(argv=None) -> str:
     parser.error("--xla-too adds kernels='xla' rows beside --kernels auto "
                  "or pallas; leave out one of them")
   budgets = [b or None for b in args.bucket_bytes]
+  dlion = {v: variant(v).comm is not None for v in args.variants}
   jobs = [(m, t, s, v, b, plain, k)
           for m in args.model for t in args.topology
           for s in args.slices for v in args.variants for b in budgets
           for plain in ((False, True) if args.plain and has_plain_form(v)
                         else (False,))
-          for k in ((args.kernels, "xla") if args.xla_too
-                    and variant(v).comm is not None else (args.kernels,))
-          if b is None or variant(v).comm is not None]
+          for k in ((args.kernels, "xla") if args.xla_too and dlion[v]
+                    else (args.kernels,))
+          if b is None or dlion[v]]
   problems = {m: aot_models.PROBLEMS[m]() for m in args.model}
   warm_up(args.topology[0], args.slices[0])
   rows = []
