@@ -215,11 +215,13 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   if blocked:
     layout = blocked
   if blocked and strategies.STRATEGIES[comm].sends_back:
+    decode_blocks = functools.partial(
+        fused.decode, radix=layout.down_radix, num_workers=n, spec=spec,
+        aggregation=aggregation, interpret=fusion.interpret)
     extra = dict(result_words=layout.result_words,
-                 decode_with=functools.partial(
-                     fused.decode, radix=layout.down_radix, num_workers=n,
-                     spec=spec, aggregation=aggregation,
-                     interpret=fusion.interpret))
+                 decode_with=lambda results, shard: _planes_in_blocks(
+                     lambda first, count: decode_blocks(
+                         results, shard, blocks=(first, count)), layout))
   message = _packed_message(rows, combine, alone, layout, spec, fusion,
                             batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
@@ -227,13 +229,17 @@ def _exchange(rows, combine, alone, options: VoteOptions,
                                             num_workers=n, spec=spec,
                                             aggregation=aggregation, **extra)
   if blocked and words is not None:
-    # The whole message tallied at once, its outcome in rows of 128 lanes.
-    m, rows_of = layout.digits_per_word, layout.words // shards.LANES
-    outcome = fused.tally(
-        words(0, layout.words), (m * rows_of, shards.LANES),
-        radix=layout.radix, num_workers=n, spec=spec,
-        aggregation=aggregation, interpret=fusion.interpret)
-    planes = strategies.planes_of_rows(outcome.reshape(m, rows_of, -1))
+    # The message tallied in blocks, its outcome in rows of 128 lanes.
+    m, everyone = layout.digits_per_word, words(0, layout.words)
+
+    def tally_blocks(first, count):
+      rows = count * fused.BLOCK_ROWS
+      return fused.tally(
+          everyone, (m * rows, shards.LANES), radix=layout.radix,
+          num_workers=n, spec=spec, aggregation=aggregation,
+          first_row=first * fused.BLOCK_ROWS,
+          interpret=fusion.interpret).reshape(m, rows, shards.LANES)
+    planes = _planes_in_blocks(tally_blocks, layout)
     decode, words = (lambda outcome: outcome), None
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
@@ -259,6 +265,31 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           n if aggregation == "avg" else 1, spec))
     results.append(outcome)
   return layout, results
+
+
+def _planes_in_blocks(outcome_of, layout):
+  """``planes(first, size)`` of a message whose outcome comes from one of
+  the fused kernels block by block, ``outcome_of(first, count)`` giving
+  ``[m, 32 count, 128]`` for blocks ``first`` to ``first + count`` of
+  :data:`dlion_jax.fused.DECODE_BLOCK` words. A run of whole blocks before
+  any other gets a call of its own: its outcome is an array the leaf's
+  update reads where it lies, where a slice of the whole message's would
+  be a copy (XLA:TPU made one). The rest of the message comes from one
+  call."""
+  block = fused.DECODE_BLOCK
+  rest = min((first for first, size in layout.run_words
+              if first % block or size % block), default=layout.words)
+  rest -= rest % block
+  if rest < layout.words:
+    tail = strategies.planes_of_rows(
+        outcome_of(rest // block, (layout.words - rest) // block))
+
+  def planes(first, size):
+    if first >= rest:
+      return tail(first - rest, size)
+    outcome = outcome_of(first // block, size // block)
+    return outcome.reshape(outcome.shape[0], size)
+  return planes
 
 
 def _finalize(outcome: jax.Array, options: VoteOptions, dtype) -> jax.Array:

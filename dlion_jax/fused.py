@@ -125,15 +125,18 @@ def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
-          aliases, interpret, gpu_warps: int = 4):
-  """``pallas_call`` with the cost it declares: every operand and output
-  read or written once (XLA's cost analysis counts a kernel's bytes as it
-  declares them). On TPU the inputs stay in HBM: XLA's memory-space
+          aliases, interpret, gpu_warps: int = 4, read: int | None = None):
+  """``pallas_call`` with the cost it declares: every operand (or ``read``
+  bytes of them, where the grid reads a stretch) and output read or written
+  once (XLA's cost analysis counts a kernel's bytes as it declares them).
+  On TPU the inputs stay in HBM: XLA's memory-space
   assignment would otherwise stage a big leaf in on-chip memory and copy it
   back. On GPU Triton compiles them with ``gpu_warps`` warps a program
   (each kernel's the fewest whose registers hold a block without spilling,
   read off ptxas for sm_90: design notes, "Fused kernels")."""
-  nbytes = sum(x.size * x.dtype.itemsize for x in inputs) + sum(
+  if read is None:
+    read = sum(x.size * x.dtype.itemsize for x in inputs)
+  nbytes = read + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)
   inputs, out_shape = _typed_alike(inputs, out_shape)
   where = "cpu" if interpret else platform()
@@ -264,7 +267,7 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
 
 def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
           num_workers: int, spec: quantize.VoteSpec, aggregation: str,
-          interpret: bool = False) -> jax.Array:
+          first_row: int = 0, interpret: bool = False) -> jax.Array:
   """The vote's outcome for one leaf, from ``K`` rows of its words.
 
   Args:
@@ -278,6 +281,9 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
     spec: what each worker sent.
     aggregation: ``'mavo'`` (the outcome is ``sign(s)``) or ``'avg'``
       (``s`` itself), ``s`` the sum of the workers' levels.
+    first_row: where the leaf's words start in ``words`` seen as ``[K,
+      rows, C]``, a multiple of :data:`BLOCK_ROWS`: the leaf's stretch of
+      a longer message, read where it lies (a slice would be a copy).
     interpret: run Pallas' interpreter.
 
   Returns:
@@ -288,11 +294,17 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   rows, lanes = _view(shape)
   rows //= m
   k = words.shape[0]
-  words = words.reshape(k, rows, lanes)
+  words = words.reshape(k, -1, lanes)
+  if first_row % BLOCK_ROWS or first_row + rows > words.shape[1]:
+    raise ValueError(
+        f"fused.tally: first_row={first_row} must be a multiple of "
+        f"{BLOCK_ROWS} with the leaf's {rows} rows of words within the "
+        f"{words.shape[1]} given.")
   dtype = strategies.int_container(
       num_workers if aggregation == "avg" else 1, spec)
   block, grid = _grid(rows, lanes)
-  word_spec = pl.BlockSpec((k,) + block, lambda i, j: (0, i, j))
+  skip = first_row // BLOCK_ROWS
+  word_spec = pl.BlockSpec((k,) + block, lambda i, j: (0, i + skip, j))
   out_spec = pl.BlockSpec((m,) + block, lambda i, j: (0, i, j))
 
   def kernel(words_ref, out_ref):
@@ -310,7 +322,8 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   out, = _call(kernel, [words], [jax.ShapeDtypeStruct((m, rows, lanes),
                                                       dtype)],
                [word_spec], [out_spec], grid, aliases={},
-               interpret=interpret, gpu_warps=16)
+               interpret=interpret, gpu_warps=16,
+               read=k * rows * lanes * words.dtype.itemsize)
   return out.reshape(shape)
 
 
@@ -321,6 +334,7 @@ DECODE_BLOCK = BLOCK_ROWS * shards.LANES
 
 def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
            spec: quantize.VoteSpec, aggregation: str,
+           blocks: tuple[int, int] | None = None,
            interpret: bool = False) -> jax.Array:
   """The vote's outcome for every digit of the message, from the results
   ``alltoall`` gathers back.
@@ -341,22 +355,28 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
     num_workers: N.
     spec: what each worker sent.
     aggregation: ``'mavo'`` or ``'avg'``.
+    blocks: ``(first, count)``: only the message's words from ``first *
+      DECODE_BLOCK`` to ``(first + count) * DECODE_BLOCK`` (a leaf's, its
+      outcome an array of its own rather than a slice of the message's);
+      None: every word.
     interpret: run Pallas' interpreter.
 
   Returns:
-    ``[m, N shard / 128, 128]``: row ``j`` read flat is the outcome
-    (``sign(s)``, or ``s`` for ``'avg'``) of digit place ``j`` of every
-    word of the message, as ``int8`` (``'avg'``: the
-    :func:`dlion_jax.strategies.int_container` of ``N`` workers' levels).
+    ``[m, N shard / 128, 128]`` (with ``blocks``, ``[m, 32 count, 128]``):
+    row ``j`` read flat is the outcome (``sign(s)``, or ``s`` for
+    ``'avg'``) of digit place ``j`` of every word of the message, as
+    ``int8`` (``'avg'``: the :func:`dlion_jax.strategies.int_container` of
+    ``N`` workers' levels).
   """
   n, m, q = words.shape
   per_word = packing.digits_per_word(radix)
   dtype = strategies.int_container(
       num_workers if aggregation == "avg" else 1, spec)
-  rows = n * shard // shards.LANES
+  first, count = blocks or (0, n * shard // DECODE_BLOCK)
+  rows = count * BLOCK_ROWS
 
   def segment(b):   # the shard and digit place a block of outcomes is in
-    at = b * DECODE_BLOCK
+    at = (first + b) * DECODE_BLOCK
     return at // shard, (at % shard) // q, (at % shard) % q // DECODE_BLOCK
   word_spec = pl.BlockSpec(
       (None, None, BLOCK_ROWS, shards.LANES),
@@ -380,6 +400,7 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
 
   out, = _call(kernel, [words.reshape(n, m, q // shards.LANES, shards.LANES)],
                [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
-               [word_spec], [out_spec], (m, rows // BLOCK_ROWS), aliases={},
-               interpret=interpret)
+               [word_spec], [out_spec], (m, count), aliases={},
+               interpret=interpret, read=m * rows * shards.LANES
+               * words.dtype.itemsize)
   return out

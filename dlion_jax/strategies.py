@@ -187,8 +187,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   (:attr:`~dlion_jax.message.MessageLayout.result_words` of a layout with
   ``result_blocks``) each place's results
   are packed into that many words, and ``decode_with(words, shard)``
-  (:func:`dlion_jax.fused.decode`) turns the gathered ``[N, m, words]``
-  into the outcome of every digit of the message, ``[m, rows, 128]``.
+  (of :func:`dlion_jax.fused.decode`) turns the gathered ``[N, m, words]``
+  into ``planes(first, size)`` of the outcome of every digit of the
+  message.
   """
   n = num_workers
   up_radix = spec.radix
@@ -217,9 +218,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
     return packing.pack_digits(down, down_radix, planar=True)
 
   def manual(message):
-    up = message.reshape(n, -1)     # MessageLayout.word_multiple
-    return _gather_words(tally(lax.all_to_all(up, axis_name, 0, 0)),
-                         axis_name, n)
+    up = _lane_rows(message.reshape(n, -1))  # MessageLayout.word_multiple
+    mine = lax.all_to_all(up, axis_name, 0, 0).reshape(n, -1)
+    return _gather_words(tally(mine), axis_name, n)
 
   def stacked(messages):
     # [worker, shard, words]: each device takes its shard of every worker's.
@@ -229,7 +230,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
 
   words = workers.exchanged(manual, stacked, axis_name)(message)
   if decode_with is not None:
-    return planes_of_rows(decode_with(words, message.shape[-1] // n)), (
+    return decode_with(words, message.shape[-1] // n), (
         lambda outcome: outcome), None
   places = words.shape[1]
   result = packing.unpack_digits(words.swapaxes(0, 1), down_radix,
@@ -242,6 +243,15 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
     return 2 * digits - 1 if down_radix == 2 else digits - 1
   return (lambda first, size: lax.slice_in_dim(result, first, first + size,
                                                axis=1)), decode, None
+
+
+def _lane_rows(words: jax.Array) -> jax.Array:
+  """``words`` with its last axis in rows of 128 lanes on TPU, where it is
+  a whole number of them: exchanged in that shape, the words land in the
+  tiles their reader takes (a flat buffer is relaid out on the way)."""
+  if shards.on_tpu() and words.shape[-1] % shards.LANES == 0:
+    return words.reshape(words.shape[:-1] + (-1, shards.LANES))
+  return words
 
 
 def planes_of_rows(outcome: jax.Array):
@@ -284,8 +294,11 @@ def _gather_words(words, axis_name, n):
   width = words.shape[-1]
   pad = -width % shards.LANES
   if words.ndim > 1 and 0 < width and pad <= _ROW_PADDING * width:
-    lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
-    return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
+    if pad:
+      lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
+      return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
+    return _all_gather(_lane_rows(words), axis_name).reshape(
+        (n,) + words.shape)
   rows = _all_gather(shards.lane_rows(words.reshape(-1), 4), axis_name)
   return rows.reshape(n, -1)[:, :words.size].reshape((n,) + words.shape)
 
@@ -294,7 +307,7 @@ def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
   everyone = workers.exchanged(
-      lambda m: _all_gather(m, axis_name),
+      lambda m: _all_gather(_lane_rows(m), axis_name).reshape(num_workers, -1),
       lambda messages: workers.place(messages, P()), axis_name)(message)
   words = lambda first, size: lax.slice_in_dim(everyone, first, first + size,
                                                axis=1)

@@ -144,6 +144,32 @@ def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
   np.testing.assert_array_equal(np.asarray(out).reshape(places, -1), want)
 
 
+def test_a_stretch_of_the_message_reads_its_own_blocks():
+  """decode(blocks=) and tally(first_row=): a leaf's stretch of the
+  message, the same outcome as the whole message's cut there."""
+  n, spec, places, per_word = 8, quantize.BINARY, 2, 5
+  shard = 2 * fused.DECODE_BLOCK
+  rng = np.random.default_rng(5)
+  words = rng.integers(0, 3 ** per_word, (n, places, fused.DECODE_BLOCK))
+  words = jnp.asarray(words.astype(np.uint8))
+  run = lambda **kw: np.asarray(fused.decode(
+      words, shard, radix=3, num_workers=n, spec=spec, aggregation="mavo",
+      interpret=True, **kw))
+  whole, rows = run(), fused.BLOCK_ROWS
+  np.testing.assert_array_equal(run(blocks=(5, 2)),
+                                whole[:, 5 * rows:7 * rows])
+  everyone = jnp.asarray(rng.integers(0, 256, (n, 4 * rows * 128), np.uint8))
+  tally = lambda w, first_row=0: np.asarray(fused.tally(
+      w, (8 * 2 * rows, 128), radix=2, num_workers=n, spec=spec,
+      aggregation="mavo", first_row=first_row, interpret=True))
+  np.testing.assert_array_equal(
+      tally(everyone, first_row=rows),
+      tally(everyone.reshape(n, -1, 128)[:, rows:3 * rows]))
+  with pytest.raises(ValueError) as err:
+    tally(everyone, first_row=3 * rows)
+  assert_names(err, "first_row=96", "multiple of 32", "64 rows", "128 given")
+
+
 @pytest.mark.parametrize("shape,dtype,radix,want", [
     ((256, 128), np.float32, 2, True),
     ((32768,), np.float32, 2, True),          # flat: 256 rows of 128
