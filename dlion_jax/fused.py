@@ -282,7 +282,7 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
     aggregation: ``'mavo'`` (the outcome is ``sign(s)``) or ``'avg'``
       (``s`` itself), ``s`` the sum of the workers' levels.
     first_row: where the leaf's words start in ``words`` seen as ``[K,
-      rows, C]``, a multiple of :data:`BLOCK_ROWS`: the leaf's stretch of
+      rows, C]``, a multiple of 32 (a block's rows): the leaf's stretch of
       a longer message, read where it lies (a slice would be a copy).
     interpret: run Pallas' interpreter.
 
