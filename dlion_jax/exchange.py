@@ -222,6 +222,13 @@ def _exchange(rows, combine, alone, options: VoteOptions,
                  decode_with=lambda results, shard: _planes_in_blocks(
                      lambda first, count: decode_blocks(
                          results, shard, blocks=(first, count)), layout))
+    if fusion.interpret or fused.platform() == "tpu":
+      # Not through Triton: N rows of words and m sums a block would not
+      # fit a GPU program's registers (unchecked; see gpu_warps).
+      extra["tally_with"] = functools.partial(
+          fused.vote_shard, result_words=layout.result_words,
+          radix=layout.radix, down_radix=layout.down_radix, num_workers=n,
+          spec=spec, aggregation=aggregation, interpret=fusion.interpret)
   message = _packed_message(rows, combine, alone, layout, spec, fusion,
                             batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]

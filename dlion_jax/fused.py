@@ -10,6 +10,8 @@ worker's digits into arrays of their own. These kernels read each once:
   ``m``) out;
 * :func:`tally`: ``K`` rows of words in (every worker's, ``allgather``; the
   summed counters, ``psum``), the vote's outcome out as ``int8``;
+* :func:`vote_shard`: ``alltoall``'s vote on a worker's shard, every
+  worker's words of it in, the packed results it gathers back out;
 * :func:`decode`: the results ``alltoall`` gathers back in, the outcome of
   every digit of the message out, in rows of 128 lanes.
 
@@ -142,7 +144,8 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
   where = "cpu" if interpret else platform()
   if where == "tpu":
     inputs = [_in_hbm(x) for x in inputs]
-    params = pltpu.CompilerParams(dimension_semantics=("parallel",) * 2)
+    params = pltpu.CompilerParams(
+        dimension_semantics=("parallel",) * len(grid))
   elif where == "gpu":
     params = pltriton.CompilerParams(num_warps=gpu_warps, num_stages=1)
   else:
@@ -404,3 +407,72 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
                interpret=interpret, read=m * rows * shards.LANES
                * words.dtype.itemsize)
   return out
+
+
+def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
+               down_radix: int, num_workers: int, spec: quantize.VoteSpec,
+               aggregation: str, interpret: bool = False) -> jax.Array:
+  """``alltoall``'s vote on a worker's shard: every worker's words of it
+  in, the packed results it gathers back out, in one pass.
+
+  Args:
+    mine: ``[N, S]`` words of ``radix`` (``S`` a multiple of
+      :data:`DECODE_BLOCK`): every worker's words of this worker's shard,
+      ``m`` digit places a word.
+    result_words: ``Q``, words of results a place (a multiple of
+      :data:`DECODE_BLOCK`, with ``S <= per_word Q``).
+    radix: the words' radix (the vote's).
+    down_radix: the results' (:func:`dlion_jax.strategies.alltoall_down_radix`).
+    num_workers: N.
+    spec: what each worker sent.
+    aggregation: ``'mavo'`` (results: the vote's sign) or ``'avg'`` (the
+      count of the workers' codes).
+    interpret: run Pallas' interpreter.
+
+  Returns:
+    ``[m, Q]`` words of ``down_radix``: digit ``p`` of word ``(j, q)`` is
+    the result for place ``j`` of shard word ``p Q + q`` (zero past
+    ``S``), as :func:`dlion_jax.packing.pack_digits` packs them planar.
+  """
+  n, size = mine.shape
+  m = packing.digits_per_word(radix)
+  per_word = packing.digits_per_word(down_radix)
+  q_blocks, last = result_words // DECODE_BLOCK, size // DECODE_BLOCK - 1
+  block = (n, BLOCK_ROWS, shards.LANES)
+  in_specs = [pl.BlockSpec(block, lambda b, p=p: (
+      0, jnp.minimum(p * q_blocks + b, last), 0)) for p in range(per_word)]
+  out_spec = pl.BlockSpec((m, BLOCK_ROWS, shards.LANES), lambda b: (0, b, 0))
+
+  def kernel(*refs):
+    b = pl.program_id(0)
+    words = [[ref[w].astype(jnp.uint32) for w in range(n)]
+             for ref in refs[:per_word]]
+    for j in range(m):
+      packed = None
+      for p in range(per_word):
+        count = None
+        for row in words[p]:
+          d = packing.digit(row, j, radix).astype(jnp.int32)
+          count = d if count is None else count + d
+        s = strategies.signed_sum(count, num_workers, spec)
+        if aggregation == "avg":
+          down = count
+        elif down_radix == 2:
+          down = (s > 0).astype(jnp.int32)
+        else:
+          down = (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32) + 1
+        down = jnp.where(p * q_blocks + b <= last, down, 0) * down_radix ** p
+        packed = down if packed is None else packed + down
+      refs[-1][j] = packed.astype(refs[-1].dtype)
+
+  word_dtype = packing.word_dtype(down_radix)
+  # The shard once an input, each read a block at its place value's rows.
+  out, = _call(kernel, [mine.reshape(n, -1, shards.LANES)] * per_word,
+               [jax.ShapeDtypeStruct(
+                   (m, result_words // shards.LANES, shards.LANES),
+                   word_dtype)],
+               in_specs, [out_spec], (q_blocks,), aliases={},
+               interpret=interpret,
+               read=min(size, per_word * result_words) * n
+               * mine.dtype.itemsize)
+  return out.reshape(m, result_words)

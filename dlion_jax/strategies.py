@@ -175,7 +175,7 @@ def _all_gather(x, axis_name, **kwargs):
 
 
 def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
-                      result_words=None, decode_with=None):
+                      result_words=None, decode_with=None, tally_with=None):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results.
 
@@ -189,7 +189,8 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   are packed into that many words, and ``decode_with(words, shard)``
   (of :func:`dlion_jax.fused.decode`) turns the gathered ``[N, m, words]``
   into ``planes(first, size)`` of the outcome of every digit of the
-  message.
+  message; ``tally_with(mine)`` (of :func:`dlion_jax.fused.vote_shard`), if
+  given, votes a shard into those words in place of XLA.
   """
   n = num_workers
   up_radix = spec.radix
@@ -217,16 +218,18 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
     # order.
     return packing.pack_digits(down, down_radix, planar=True)
 
+  vote = tally_with or tally
+
   def manual(message):
     up = _lane_rows(message.reshape(n, -1))  # MessageLayout.word_multiple
     mine = lax.all_to_all(up, axis_name, 0, 0).reshape(n, -1)
-    return _gather_words(tally(mine), axis_name, n)
+    return _gather_words(vote(mine), axis_name, n)
 
   def stacked(messages):
     # [worker, shard, words]: each device takes its shard of every worker's.
     mine = workers.place(messages.reshape(n, n, -1),
                          P(None, axis_name, None))
-    return workers.place(jax.vmap(tally, in_axes=1)(mine), P())
+    return workers.place(jax.vmap(vote, in_axes=1)(mine), P())
 
   words = workers.exchanged(manual, stacked, axis_name)(message)
   if decode_with is not None:

@@ -144,6 +144,38 @@ def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
   np.testing.assert_array_equal(np.asarray(out).reshape(places, -1), want)
 
 
+@pytest.mark.parametrize("num_workers,vote_radix,aggregation", [
+    (8, 2, "mavo"), (3, 2, "mavo"), (8, 2, "avg"), (3, 3, "avg"),
+    (4, 3, "mavo")])
+def test_vote_shard_packs_what_the_xla_tally_packs(num_workers, vote_radix,
+                                                   aggregation):
+  """alltoall's vote on a shard, every worker's words of it to the packed
+  results: the words XLA's tally packs, padding included (a shard of 3
+  blocks, results of 5, 8 or 10 a word)."""
+  n, spec = num_workers, quantize.VoteSpec(vote_radix)
+  m = packing.digits_per_word(vote_radix)
+  down = dl.strategies.alltoall_down_radix(n, aggregation=aggregation,
+                                           spec=spec)
+  per_word, shard = packing.digits_per_word(down), 3 * fused.DECODE_BLOCK
+  q = -(-shard // per_word // fused.DECODE_BLOCK) * fused.DECODE_BLOCK
+  codes = np.random.default_rng(n).integers(0, vote_radix, (n, m, shard))
+  mine = (codes * vote_radix ** np.arange(m)[:, None]).sum(axis=1)
+  got = fused.vote_shard(
+      jnp.asarray(mine.astype(packing.word_dtype(vote_radix))), q,
+      radix=vote_radix, down_radix=down, num_workers=n, spec=spec,
+      aggregation=aggregation, interpret=True)
+  count = codes.sum(axis=0)                          # [m, shard]
+  s = (2 * count - n if vote_radix == 2 else count - n * spec.max_level)
+  result = count if aggregation == "avg" else (
+      (s > 0) if down == 2 else np.sign(s) + 1)
+  padded = np.zeros((m, per_word * q), np.int64)
+  padded[:, :shard] = result
+  want = (padded.reshape(m, per_word, q)
+          * down ** np.arange(per_word)[:, None]).sum(axis=1)
+  assert got.dtype == packing.word_dtype(down)
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
 def test_a_stretch_of_the_message_reads_its_own_blocks():
   """decode(blocks=) and tally(first_row=): a leaf's stretch of the
   message, the same outcome as the whole message's cut there."""
@@ -231,7 +263,7 @@ COMPILES = [("v5e:2x2", RADICES)] + [(t, RADICES[:1]) for t in TOPOLOGIES[1:]]
 @pytest.mark.tpu_aot
 @pytest.mark.parametrize("topology,radices", COMPILES)
 def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
-  """Mosaic compiles the three kernels for each TPU generation, float32 and
+  """Mosaic compiles the four kernels for each TPU generation, float32 and
   bfloat16, binary and ternary codes in bytes and counters in uint32
   words; XLA's cost analysis counts a kernel's bytes as it declares them,
   so each must declare its operands and outputs (and no more). The
@@ -277,6 +309,19 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
     declared = (math.prod(results.shape) * results.dtype.itemsize
                 + 8 * n * 4 * fused.DECODE_BLOCK)
     counted = declared_and_counted(decode, declared)[1]
+    assert declared <= counted <= declared + 1024, (topology, n, aggregation)
+    # The vote on a shard of 4 blocks, each read once: results of 1 block.
+    # In rows of 128 lanes, as the step's all_to_all delivers them.
+    mine = jax.ShapeDtypeStruct((n, 4 * 32, 128), jnp.uint8)
+    vote = compiled_for(chip, lambda w, n=n, a=aggregation, r=radix:
+                        fused.vote_shard(w.reshape(n, -1), fused.DECODE_BLOCK,
+                                         radix=2, down_radix=r, num_workers=n,
+                                         spec=quantize.BINARY,
+                                         aggregation=a).reshape(8, -1, 128),
+                        mine)
+    declared = math.prod(mine.shape) + 8 * fused.DECODE_BLOCK * np.dtype(
+        packing.word_dtype(radix)).itemsize
+    counted = declared_and_counted(vote, declared)[1]
     assert declared <= counted <= declared + 1024, (topology, n, aggregation)
 
 
