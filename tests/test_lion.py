@@ -194,8 +194,9 @@ def test_fused_kernels_match_reference(monkeypatch, num_workers, configs,
 def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
                                                   vote, shape):
   """A leaf whose per-place results fill 256 words a worker: the TPU path
-  gathers them as rows ``[m, 256]`` (not as one flat buffer to cut them out
-  of), with the reference's updates bit for bit."""
+  gathers them as rows, each place's 256 words in rows of 128 lanes (``[m,
+  2, 128]``, not one flat buffer to cut them out of), with the
+  reference's updates bit for bit."""
   monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
   gathered, all_gather = [], dl.strategies._all_gather
   def recorded(x, *args, **kwargs):
@@ -209,7 +210,7 @@ def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
   match_every_comm(params, grads, num_workers, [("mavo", vote)],
                    kernels="xla")
   places = 8 if vote == "binary" else 5
-  assert (places, 256) in gathered, gathered
+  assert (places, 2, 128) in gathered, gathered
 
 
 @pytest.mark.parametrize("vote,expected", [("binary", -1.0), ("ternary", 0.0)])
