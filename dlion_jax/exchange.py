@@ -87,7 +87,6 @@ class _Fusion:
   def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
     """Whether run ``first`` (a row of leaves alone) runs the kernels."""
     return (first < num_alone and not spec.scaled
-            and layout.radix is not None
             and fused.fits(rows[first][0].shape,
                            [x.dtype for x in rows[first]], layout.radix))
 
@@ -646,7 +645,8 @@ def _run_words(rows, first, end, combine, alone, layout, spec,
   if fusion and fusion.takes(rows, first, len(alone), layout, spec):
     words, fusion.values[first] = fused.encode(
         combine, rows[first], spec=spec, radix=layout.radix,
-        also=fusion.also, interpret=fusion.interpret)
+        also=fusion.also, levels_dtype=layout.word_dtype,
+        interpret=fusion.interpret)
     return words.ravel()
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and packing.planes_in_place(rows[first][0].shape, m)

@@ -94,13 +94,13 @@ def _view(shape: tuple[int, ...]) -> tuple[int, int]:
   return math.prod(shape[:-1]), shape[-1]
 
 
-def fits(shape: tuple[int, ...], dtypes, radix: int) -> bool:
+def fits(shape: tuple[int, ...], dtypes, radix: int | None) -> bool:
   """Whether a leaf of ``shape`` (of ``dtypes``) is cut into blocks of the
   kernels: float32 or bfloat16, lanes a multiple of 128 (a flat leaf: in
   rows of 128), and ``m`` planes (``m`` =
-  :func:`dlion_jax.packing.digits_per_word`) along its leading axis, each
-  of whole blocks of rows: the planes of
-  :func:`dlion_jax.packing.leaf_planes`.
+  :func:`dlion_jax.packing.digits_per_word`; 1 for ``radix=None``, a
+  level a word) along its leading axis, each of whole blocks of rows: the
+  planes of :func:`dlion_jax.packing.leaf_planes`.
 
   Example:
     >>> from dlion_jax import fused
@@ -110,7 +110,7 @@ def fits(shape: tuple[int, ...], dtypes, radix: int) -> bool:
     >>> fused.fits((500, 256), [jnp.float32], 2)
     False
   """
-  m = packing.digits_per_word(radix)
+  m = 1 if radix is None else packing.digits_per_word(radix)
   if not shape or shape[-1] % shards.LANES or shape[0] % m:
     return False
   rows, _ = _view(shape)
@@ -205,8 +205,9 @@ def _codes(c: jax.Array, radix: int) -> jax.Array:
 
 
 def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
-           *, spec: quantize.VoteSpec, radix: int,
+           *, spec: quantize.VoteSpec, radix: int | None,
            also: Callable[..., jax.Array] | None = None,
+           levels_dtype=None,
            interpret: bool = False):
   """One pass over a leaf: the packed words of ``combine(*leaves)``'s vote
   codes, and ``also(*leaves)``.
@@ -218,7 +219,8 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     spec: the vote's codes (:func:`dlion_jax.quantize.encode`); a sign
       vote (L1-scaled votes need the whole leaf's scale first).
     radix: the radix the words pack the codes in (the vote's, or
-      ``psum``'s counters').
+      ``psum``'s counters'); None: no packing, each code's level (``-1``,
+      ``0``, ``+1``) a word of ``levels_dtype`` (``psum_int8``'s message).
     also: elementwise, of the leaves: computed in the same pass and
       written over ``leaves[-1]`` (donated) where it has its dtype.
     interpret: run Pallas' interpreter (any backend).
@@ -234,14 +236,14 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     raise ValueError("fused.encode takes sign votes; an L1-scaled vote "
                      "needs its leaf's scale before any code.")
   shape = leaves[0].shape
-  m = packing.digits_per_word(radix)
+  m = 1 if radix is None else packing.digits_per_word(radix)
   rows, lanes = _view(shape)
   rows //= m
   planes = [x.reshape(m, rows, lanes) for x in leaves]
   block, grid = _grid(rows, lanes)
   plane_spec = pl.BlockSpec((m,) + block, lambda i, k: (0, i, k))
   word_spec = pl.BlockSpec(block, lambda i, k: (i, k))
-  word_dtype = packing.word_dtype(radix)
+  word_dtype = levels_dtype if radix is None else packing.word_dtype(radix)
   out_shape = [jax.ShapeDtypeStruct((rows, lanes), word_dtype)]
   aliases = {}
   if also is not None:
@@ -259,8 +261,12 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
       codes.append(_codes(combine(*values), spec.radix))
       if also is not None:
         refs[-1][j] = also(*values)
-    words_ref[...] = packing.pack_planes(
-        codes, radix, dtype=jnp.uint32).astype(word_dtype)
+    if radix is None:
+      words_ref[...] = strategies.signed_sum(codes[0], 1, spec).astype(
+          word_dtype)
+    else:
+      words_ref[...] = packing.pack_planes(
+          codes, radix, dtype=jnp.uint32).astype(word_dtype)
 
   out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
               [word_spec] + [plane_spec] * (also is not None), grid,

@@ -76,6 +76,24 @@ def test_encode_matches_numpy(vote_radix, radix, dtype):
                                   np.asarray(xla).ravel())
 
 
+@pytest.mark.parametrize("vote_radix,dtype", [(2, np.int8), (3, np.int16)])
+def test_encode_writes_psum_int8_levels(vote_radix, dtype):
+  """radix=None: no packing, each code's level a word of the container
+  (psum_int8's message), the XLA path's bit for bit."""
+  spec = quantize.VoteSpec(vote_radix)
+  rng = np.random.default_rng(vote_radix)
+  g, mom = (rng.standard_normal((64, 256)).astype(np.float32)
+            for _ in range(2))
+  g[0, :5] = -mom[0, :5]                 # c = 0: binary -1, ternary 0
+  words, _ = fused.encode(lambda g, m: g + m, (g, mom), spec=spec,
+                          radix=None, levels_dtype=dtype, interpret=True)
+  c = g + mom
+  want = (np.where(c > 0, 1, -1) if vote_radix == 2
+          else np.sign(c)).astype(dtype)
+  assert words.dtype == dtype
+  np.testing.assert_array_equal(np.asarray(words), want)
+
+
 def np_outcome(codes, num_workers, spec, aggregation):
   """numpy: the sum of levels over workers, or its sign."""
   levels = codes.astype(np.int64) * (2 if spec.radix == 2 else 1) - (

@@ -175,10 +175,10 @@ def test_fused_kernels_match_reference(monkeypatch, num_workers, configs,
                                        dtype):
   """``kernels='pallas'`` (Pallas' interpreter here): every comm gives the
   numpy reference's params and momenta bit for bit, and the kernels ran
-  (``alltoall``'s results decoded in blocks, the message padded for
-  them)."""
+  (``alltoall``'s shards voted and results decoded in blocks, the message
+  padded for them; ``psum_int8``'s levels encoded)."""
   ran = []
-  for name in ("encode", "tally", "decode"):
+  for name in ("encode", "tally", "decode", "vote_shard"):
     def counted(*args, _kernel=getattr(dl.fused, name), _name=name, **kw):
       ran.append(_name)
       return _kernel(*args, **kw)
@@ -186,7 +186,7 @@ def test_fused_kernels_match_reference(monkeypatch, num_workers, configs,
   # Pallas' interpreter cannot run under check_vma (fused._call says why).
   check_big_leaves(num_workers, configs, dtype, FUSED_LEAVES,
                    check_vma=False, kernels="pallas")
-  assert {"encode", "tally", "decode"} <= set(ran), ran
+  assert {"encode", "tally", "decode", "vote_shard"} <= set(ran), ran
 
 
 @pytest.mark.parametrize("num_workers,vote,shape", [
