@@ -311,6 +311,16 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
     declared = math.prod(everyone.shape) * word_bytes + size
     counted = declared_and_counted(tally, declared)[1]
     assert declared <= counted <= declared + 1024, (topology, radix)
+  # psum_int8's levels: an int8 word a code, no packing.
+  shape = (64, 1024)
+  g = jax.ShapeDtypeStruct(shape, jnp.float32)
+  levels = compiled_for(chip, lambda g, m: fused.encode(
+      lambda g, m: 0.1 * g + 0.9 * m, (g, m), spec=quantize.BINARY,
+      radix=None, levels_dtype=jnp.int8,
+      also=lambda g, m: 0.01 * g + 0.99 * m), g, g, donate=1)
+  declared = 3 * math.prod(shape) * 4 + math.prod(shape)
+  counted = declared_and_counted(levels, declared)[1]
+  assert declared <= counted <= declared + 1024, topology
   # alltoall's results: 5 trits a byte (N = 8), 8 signs a byte (N = 3),
   # 10 counters a uint32 (Avg, N = 8).
   decodes = [(8, "mavo"), (3, "mavo"), (8, "avg")][:len(radices)]
