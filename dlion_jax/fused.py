@@ -274,6 +274,16 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
   return out[0], (out[1].reshape(shape) if also is not None else None)
 
 
+def _digit_sum(rows: list[jax.Array], j: int, radix: int) -> jax.Array:
+  """Digit ``j`` summed over ``rows`` of ``uint32`` words (every worker's):
+  how many workers' codes, or their counters' sum, in 32 bits."""
+  total = None
+  for row in rows:
+    digit = packing.digit(row, j, radix)
+    total = digit if total is None else total + digit
+  return total
+
+
 def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
           num_workers: int, spec: quantize.VoteSpec, aggregation: str,
           first_row: int = 0, interpret: bool = False) -> jax.Array:
@@ -319,11 +329,8 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   def kernel(words_ref, out_ref):
     rows = [words_ref[w].astype(jnp.uint32) for w in range(k)]
     for j in range(m):
-      total = None
-      for row in rows:
-        digit = packing.digit(row, j, radix)
-        total = digit if total is None else total + digit
-      s = strategies.signed_sum(total, num_workers, spec)
+      s = strategies.signed_sum(_digit_sum(rows, j, radix), num_workers,
+                                spec)
       if aggregation == "mavo":
         s = (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32)
       out_ref[j] = s.astype(dtype)
@@ -456,17 +463,9 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
     for j in range(m):
       packed = None
       for p in range(per_word):
-        count = None
-        for row in words[p]:
-          d = packing.digit(row, j, radix).astype(jnp.int32)
-          count = d if count is None else count + d
-        s = strategies.signed_sum(count, num_workers, spec)
-        if aggregation == "avg":
-          down = count
-        elif down_radix == 2:
-          down = (s > 0).astype(jnp.int32)
-        else:
-          down = (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32) + 1
+        down = strategies.alltoall_result(
+            _digit_sum(words[p], j, radix), num_workers, spec, aggregation,
+            down_radix).astype(jnp.int32)
         down = jnp.where(p * q_blocks + b <= last, down, 0) * down_radix ** p
         packed = down if packed is None else packed + down
       refs[-1][j] = packed.astype(refs[-1].dtype)

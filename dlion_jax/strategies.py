@@ -156,6 +156,23 @@ def signed_sum(code_sum: jax.Array, num_workers: int,
   return total - num_workers * spec.max_level
 
 
+def alltoall_result(code_sum: jax.Array, num_workers: int,
+                    spec: quantize.VoteSpec, aggregation: str,
+                    down_radix: int) -> jax.Array:
+  """What ``alltoall`` sends back for a digit, from the sum of N workers'
+  codes: the count itself (``'avg'``, radix ``(levels - 1) N + 1``), else
+  the majority's sign as a digit of ``down_radix``: ``s > 0`` (odd N,
+  binary votes: no ties) or ``sign(s) + 1``. Compared rather than
+  ``jnp.sign``: the same in XLA and in a Mosaic kernel
+  (:func:`dlion_jax.fused.vote_shard`)."""
+  if aggregation == "avg":
+    return code_sum
+  s = signed_sum(code_sum, num_workers, spec)
+  if down_radix == 2:
+    return s > 0
+  return (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32) + 1
+
+
 # On TPU a row of gathered words may grow by this fraction of its width to
 # whole lanes (see _gather_words).
 _ROW_PADDING = 0.01
@@ -199,14 +216,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
 
   def tally(mine):
     """The packed results of a shard, from every worker's words of it."""
-    code_sum = packing.sum_planes(mine, up_radix)
-    if aggregation == "avg":
-      down = code_sum                  # exact count, radix (levels-1)*N+1
-    elif down_radix == 2:
-      down = signed_sum(code_sum, n, spec) > 0    # odd N, binary: no ties
-    else:
-      down = jnp.sign(signed_sum(code_sum, n, spec)) + 1
-    down = down.astype(packing.digit_dtype(down_radix))
+    down = alltoall_result(packing.sum_planes(mine, up_radix), n, spec,
+                           aggregation, down_radix).astype(
+                               packing.digit_dtype(down_radix))
     if result_words:
       down = packing.pad_to_multiple(down, packing.digits_per_word(
           down_radix) * result_words)
