@@ -511,4 +511,8 @@ def test_a_user_step_lowers_for_cuda_through_triton(monkeypatch):
   # Each kernel's warps, the fewest ptxas held without spills (sm_90).
   assert "num_warps = 8 : i32" in text               # encode
   assert "num_warps = 16 : i32" in text              # tally (allgather)
+  # psum_int8: w's and v's levels encoded, the summed levels the outcome.
+  text = exported("pallas", "psum_int8")
+  assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
+  assert "stablehlo.while" not in text
   assert "__gpu$xla.gpu.triton" not in exported("auto", "alltoall")
