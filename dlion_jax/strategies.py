@@ -162,15 +162,14 @@ def alltoall_result(code_sum: jax.Array, num_workers: int,
   """What ``alltoall`` sends back for a digit, from the sum of N workers'
   codes: the count itself (``'avg'``, radix ``(levels - 1) N + 1``), else
   the majority's sign as a digit of ``down_radix``: ``s > 0`` (odd N,
-  binary votes: no ties) or ``sign(s) + 1``. Compared rather than
-  ``jnp.sign``: the same in XLA and in a Mosaic kernel
-  (:func:`dlion_jax.fused.vote_shard`)."""
+  binary votes: no ties) or ``sign(s) + 1``. XLA's shard tally and
+  :func:`dlion_jax.fused.vote_shard` both compute it here."""
   if aggregation == "avg":
     return code_sum
   s = signed_sum(code_sum, num_workers, spec)
   if down_radix == 2:
     return s > 0
-  return (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32) + 1
+  return jnp.sign(s) + 1
 
 
 # On TPU a row of gathered words may grow by this fraction of its width to
