@@ -228,9 +228,12 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           fused.vote_shard, result_words=layout.result_words,
           radix=layout.radix, down_radix=layout.down_radix, num_workers=n,
           spec=spec, aggregation=aggregation, interpret=fusion.interpret)
-  message = _packed_message(rows, combine, alone, layout, spec, fusion,
-                            batched=workers.mapped_over_mesh(axis_name))
   strategy = strategies.STRATEGIES[comm]
+  if fusion and strategy.sums and not blocked:
+    message = _message_by_run(rows, combine, alone, layout, spec, fusion)
+  else:
+    message = _packed_message(rows, combine, alone, layout, spec, fusion,
+                              batched=workers.mapped_over_mesh(axis_name))
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
                                             num_workers=n, spec=spec,
                                             aggregation=aggregation, **extra)
@@ -621,6 +624,30 @@ def _packed_message(rows, combine, alone, layout, spec, fusion, *,
   return message
 
 
+def _message_by_run(rows, combine, alone, layout, spec, fusion) -> dict:
+  """The message in pieces by their first word, for a strategy that sums
+  them where they lie (:attr:`dlion_jax.strategies.Strategy.sums`): a
+  fused kernel's words of a leaf whose rows are not 128 lanes in the
+  shape it wrote them, each other stretch of runs laid end to end. Laid
+  into one flat message, such a leaf's words were relaid out on the way
+  in and out (XLA:TPU, ``psum_int8``, the 1B GPT of
+  :mod:`dlion_jax.bench.aot`: 65.7 bytes a parameter a chip, 48.3 so)."""
+  pieces, flat = {}, []
+  ends = layout.runs[1:] + (len(rows),)
+  for first, end, (word, _) in zip(layout.runs, ends, layout.run_words):
+    words = _run_words(rows, first, end, combine, alone, layout, spec, fusion,
+                       flat=False)
+    if words.ndim > 1 and words.shape[-1] != shards.LANES:
+      pieces[word] = words
+      flat = []
+      continue
+    if not flat:
+      pieces[word] = flat
+    flat.append(words.ravel())
+  return {word: jnp.concatenate(piece) if isinstance(piece, list) else piece
+          for word, piece in pieces.items()}
+
+
 def _laid_end_to_end(rows, combine, alone, layout, spec,
                      fusion) -> list[jax.Array]:
   """Each run's packed words, and zero words for the padding around them:
@@ -639,15 +666,16 @@ def _laid_end_to_end(rows, combine, alone, layout, spec,
 
 
 def _run_words(rows, first, end, combine, alone, layout, spec,
-               fusion) -> jax.Array:
-  """The packed words of the run of rows ``first .. end - 1``."""
+               fusion, *, flat: bool = True) -> jax.Array:
+  """The packed words of the run of rows ``first .. end - 1`` (a fused
+  kernel's, unless ``flat``, in the shape it wrote them)."""
   m = layout.digits_per_word
   if fusion and fusion.takes(rows, first, len(alone), layout, spec):
     words, fusion.values[first] = fused.encode(
         combine, rows[first], spec=spec, radix=layout.radix,
         also=fusion.also, levels_dtype=layout.word_dtype,
         interpret=fusion.interpret)
-    return words.ravel()
+    return words.ravel() if flat else words
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and packing.planes_in_place(rows[first][0].shape, m)
       and shards.on_tpu()):

@@ -97,10 +97,13 @@ def _view(shape: tuple[int, ...]) -> tuple[int, int]:
 def fits(shape: tuple[int, ...], dtypes, radix: int | None) -> bool:
   """Whether a leaf of ``shape`` (of ``dtypes``) is cut into blocks of the
   kernels: float32 or bfloat16, lanes a multiple of 128 (a flat leaf: in
-  rows of 128), and ``m`` planes (``m`` =
+  rows of 128), and its rows (leading axes merged) ``m`` planes (``m`` =
   :func:`dlion_jax.packing.digits_per_word`; 1 for ``radix=None``, a
-  level a word) along its leading axis, each of whole blocks of rows: the
-  planes of :func:`dlion_jax.packing.leaf_planes`.
+  level a word) of whole blocks of rows: the planar order of
+  :func:`dlion_jax.packing.leaf_planes`. The planes are cut along the
+  leading axis, or the rows of a stack (three axes or more) are whole
+  blocks (``shape[-2]`` a multiple of 32: on TPU, whose tiles are 32 rows
+  or fewer, merging its axes moves nothing).
 
   Example:
     >>> from dlion_jax import fused
@@ -109,9 +112,12 @@ def fits(shape: tuple[int, ...], dtypes, radix: int | None) -> bool:
     True
     >>> fused.fits((500, 256), [jnp.float32], 2)
     False
+    >>> fused.fits((18, 2048, 256), [jnp.float32], 2)   # 8 x 4608 rows
+    True
   """
   m = 1 if radix is None else packing.digits_per_word(radix)
-  if not shape or shape[-1] % shards.LANES or shape[0] % m:
+  if not shape or shape[-1] % shards.LANES or (
+      len(shape) > 2 and shape[0] % m and shape[-2] % BLOCK_ROWS):
     return False
   rows, _ = _view(shape)
   return rows % (m * BLOCK_ROWS) == 0 and all(

@@ -74,7 +74,9 @@ class Strategy:
     ints: the votes go as integers, not packed digits (:func:`int_container`).
     returns_sign: its majority vote comes back as the sign itself.
     exchange: ``exchange(message, *, axis_name, num_workers, spec,
-      aggregation) -> (planes, decode, words)`` over a named axis:
+      aggregation) -> (planes, decode, words)`` over a named axis (the
+      ``message`` flat, or where the strategy :attr:`sums`, possibly in
+      pieces by their first word, each in its own shape):
       ``planes(first, words)`` the ``[m, words]`` digits of a run of the
       message's words, which read plane after plane are the run's digits
       in order, ``decode`` the vote's outcome from them, and ``words(first,
@@ -95,6 +97,12 @@ class Strategy:
     """Whether it sends results back (``alltoall``: a buffer of
     :func:`alltoall_down_radix` digits)."""
     return any(send.back for send in self.sends)
+
+  @property
+  def sums(self) -> bool:
+    """Whether its collectives are all-reduces: each word of the message
+    is summed on its own, so the message may go as its runs' words."""
+    return all(send.op == "all-reduce" for send in self.sends)
 
   @property
   def gathers(self) -> bool:
@@ -339,8 +347,7 @@ def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
   """
   del aggregation
   radix = psum_radix(num_workers, spec)
-  total = workers.psum(message, axis_name)
-  words = lambda first, size: lax.slice(total, (first,), (first + size,))[None]
+  words = _summed(message, axis_name)
   return (lambda first, size: packing.digit_planes(words(first, size)[0],
                                                    radix)), functools.partial(
       signed_sum, num_workers=num_workers, spec=spec), words
@@ -352,9 +359,25 @@ def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
   The container widens to int16/int32 when N exceeds what int8 can sum.
   """
   del num_workers, spec, aggregation
+  return _summed(message, axis_name), lambda levels: levels.astype(
+      jnp.int32), None
+
+
+def _summed(message, axis_name):
+  """``words(first, size)``, ``[1, size]``, of the workers' messages summed
+  by one ``psum``: a flat message, or one given in pieces by their first
+  word (``{first: words}``), each summed in its own shape."""
   total = workers.psum(message, axis_name)
-  return (lambda first, size: lax.slice(total, (first,), (first + size,))[
-      None]), lambda levels: levels.astype(jnp.int32), None
+  if not isinstance(total, dict):
+    total = {0: total}
+
+  def words(first, size):
+    at = max(word for word in total if word <= first)
+    piece = total[at]
+    if piece.ndim > 1:     # a run in its own shape
+      return piece.reshape(1, size)
+    return lax.slice(piece, (first - at,), (first - at + size,))[None]
+  return words
 
 
 # How each strategy of dlion_jax.message.STRATEGIES runs.

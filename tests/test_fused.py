@@ -227,7 +227,8 @@ def test_a_stretch_of_the_message_reads_its_own_blocks():
     ((160, 128), np.float32, 3, True),        # 5 trits a byte
     ((256, 100), np.float32, 2, False),       # lanes not whole
     ((252, 128), np.float32, 2, False),       # planes not whole blocks
-    ((4, 64, 128), np.float32, 2, False),     # leading axis not m planes
+    ((4, 64, 128), np.float32, 2, True),      # 256 rows: 8 planes of 32
+    ((2, 80, 128), np.float32, 3, False),     # 2 / 5, rows within tiles
     ((256, 128), np.float64, 2, False),
     ((256, 128), np.float32, 3, False),       # 256 rows in 5 planes
     ((), np.float32, 2, False),
@@ -351,6 +352,32 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
         packing.word_dtype(radix)).itemsize
     counted = declared_and_counted(vote, declared)[1]
     assert declared <= counted <= declared + 1024, (topology, n, aggregation)
+
+
+@pytest.mark.tpu_aot
+def test_a_stack_of_layers_reaches_the_kernels_without_a_copy():
+  """A stack of layers (``[L, R, C]``, ``L`` not ``m`` planes), as a
+  scanned model's params are: its encoding and its tally move only the
+  bytes they declare, in bfloat16 too (merging the stack's axes into
+  rows of whole tiles copies nothing on TPU)."""
+  chip = tpu_chip("v5e:2x2")
+  shape, m = (3, 256, 384), 8
+  size = math.prod(shape)
+  for dtype in (jnp.float32, jnp.bfloat16):
+    g = jax.ShapeDtypeStruct(shape, dtype)
+    encode = compiled_for(chip, lambda g, m: fused.encode(
+        lambda g, m: 0.1 * g + 0.9 * m, (g, m), spec=quantize.BINARY,
+        radix=2, also=lambda g, m: 0.01 * g + 0.99 * m), g, g, donate=1)
+    declared = 3 * size * g.dtype.itemsize + size // m
+    counted = declared_and_counted(encode, declared)[1]
+    assert declared <= counted <= declared + 1024, dtype
+  everyone = jax.ShapeDtypeStruct((8, 3 * 256 // m, 384), jnp.uint8)
+  tally = compiled_for(chip, lambda w: fused.tally(
+      w, shape, radix=2, num_workers=8, spec=quantize.BINARY,
+      aggregation="mavo"), everyone)
+  declared = math.prod(everyone.shape) + size
+  assert declared <= declared_and_counted(tally, declared)[1] <= (
+      declared + 1024)
 
 
 def test_pallas_off_tpu_under_check_vma_is_refused_with_the_fix():
@@ -516,3 +543,39 @@ def test_a_user_step_lowers_for_cuda_through_triton(monkeypatch):
   assert text.count("custom_call @__gpu$xla.gpu.triton") == 2
   assert "stablehlo.while" not in text
   assert "__gpu$xla.gpu.triton" not in exported("auto", "alltoall")
+
+
+def test_psum_int8_sums_a_kernel_leaf_in_its_own_shape(monkeypatch):
+  """An all-reduce sums each word where it lies, so ``psum_int8``'s levels
+  of a leaf whose rows are not 128 lanes go in the shape the kernel wrote
+  them (laid into one flat message they were relaid out, on TPU, both
+  ways), the leaves in rows of 128 and the small ones end to end in one
+  piece; the updates are the XLA path's bit for bit. (``psum``'s counters
+  with ``kernels='pallas'`` are tallied in blocks of the whole message.)"""
+  n, comm = 3, "psum_int8"
+  summed, psum = [], dl.workers.psum
+  def recorded(x, *args, **kwargs):
+    summed.append(jax.tree.map(lambda a: a.shape, x))
+    return psum(x, *args, **kwargs)
+  monkeypatch.setattr(dl.workers, "psum", recorded)
+  mesh = dl.devices.data_mesh(n)
+  shapes = {"w": (128, 256), "flat": (8192,), "b": (37,)}
+  rng = np.random.default_rng(0)
+  grads = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
+           for k, s in shapes.items()}
+  mu = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
+        for k, s in shapes.items()}
+
+  def run(kernels):
+    tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
+                                      kernels=kernels)
+    def local(grads, mu):
+      return tx.update(grads, dl.DistributedLionState(
+          jnp.zeros([], jnp.int32), mu))[0]
+    return jax.jit(dl.parallel.per_worker(
+        local, mesh, axis_name="data", ins=("stacked", "stacked"),
+        outs="replicated", check_vma=False))(grads, mu)
+  xla = run("xla")
+  del summed[:]
+  jax.tree.map(np.testing.assert_array_equal, run("pallas"), xla)
+  assert summed == [{0: (128, 256), 128 * 256: (8192 + 37,)}], summed

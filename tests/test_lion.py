@@ -158,8 +158,10 @@ def test_big_leaves_match_reference_on_the_tpu_path(monkeypatch, num_workers,
 # counters of 3 workers' binary votes, 4 a byte: 64 rows), 5 planes (trits),
 # 10 (the counters of 8 workers' binary votes), a flat one, and a small one
 # they leave to XLA.
+# "stack": a stack of layers, 8 planes of its 256 rows but not of its 2.
 FUSED_LEAVES = {"w": (256, 256), "trits": (160, 128), "counters": (320, 128),
-                "flat": (32768,), "cube": (8, 32, 128), "odd": (37,)}
+                "flat": (32768,), "cube": (8, 32, 128), "stack": (2, 128, 128),
+                "odd": (37,)}
 
 
 FUSED_8 = (8, [("mavo", "binary"), ("avg", "ternary")])
