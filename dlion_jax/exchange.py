@@ -90,6 +90,14 @@ class _Fusion:
             and fused.fits(rows[first][0].shape,
                            [x.dtype for x in rows[first]], layout.radix))
 
+  @classmethod
+  def apart(cls, rows, first: int, num_alone: int, layout, spec) -> bool:
+    """Whether run ``first`` takes the kernels and its words are not rows
+    of 128 lanes (a flat message would relay them out)."""
+    shape = rows[first][0].shape
+    return (cls.takes(rows, first, num_alone, layout, spec)
+            and len(shape) > 1 and shape[-1] != shards.LANES)
+
   def decoding(self, rows, num_alone: int, layout):
     """``layout`` in blocks of :data:`dlion_jax.fused.DECODE_BLOCK` words,
     where the whole message's outcome comes from one kernel: the results
@@ -229,7 +237,9 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           radix=layout.radix, down_radix=layout.down_radix, num_workers=n,
           spec=spec, aggregation=aggregation, interpret=fusion.interpret)
   strategy = strategies.STRATEGIES[comm]
-  if fusion and strategy.sums and not blocked:
+  if fusion and strategy.sums and not blocked and any(
+      fusion.apart(rows, row, len(alone), layout, spec)
+      for row in layout.runs):
     message = _message_by_run(rows, combine, alone, layout, spec, fusion)
   else:
     message = _packed_message(rows, combine, alone, layout, spec, fusion,
@@ -635,15 +645,16 @@ def _message_by_run(rows, combine, alone, layout, spec, fusion) -> dict:
   pieces, flat = {}, []
   ends = layout.runs[1:] + (len(rows),)
   for first, end, (word, _) in zip(layout.runs, ends, layout.run_words):
+    apart = fusion.apart(rows, first, len(alone), layout, spec)
     words = _run_words(rows, first, end, combine, alone, layout, spec, fusion,
-                       flat=False)
-    if words.ndim > 1 and words.shape[-1] != shards.LANES:
+                       flat=not apart)
+    if apart:
       pieces[word] = words
       flat = []
       continue
     if not flat:
       pieces[word] = flat
-    flat.append(words.ravel())
+    flat.append(words)
   return {word: jnp.concatenate(piece) if isinstance(piece, list) else piece
           for word, piece in pieces.items()}
 
