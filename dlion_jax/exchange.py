@@ -640,8 +640,8 @@ def _message_by_run(rows, combine, alone, layout, spec, fusion) -> dict:
   fused kernel's words of a leaf whose rows are not 128 lanes in the
   shape it wrote them, each other stretch of runs laid end to end. Laid
   into one flat message, such a leaf's words were relaid out on the way
-  in and out (XLA:TPU, ``psum_int8``, the 1B GPT of
-  :mod:`dlion_jax.bench.aot`: 65.7 bytes a parameter a chip, 48.3 so)."""
+  in and out (XLA:TPU, ``psum_int8``, the 1B GPT's training step of
+  :mod:`dlion_jax.bench.aot`: 68.7 bytes a parameter a chip, 50.9 so)."""
   pieces, flat = {}, []
   ends = layout.runs[1:] + (len(rows),)
   for first, end, (word, _) in zip(layout.runs, ends, layout.run_words):

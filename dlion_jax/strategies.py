@@ -100,8 +100,8 @@ class Strategy:
 
   @property
   def sums(self) -> bool:
-    """Whether its collectives are all-reduces: each word of the message
-    is summed on its own, so the message may go as its runs' words."""
+    """Whether its collectives are all-reduces, which sum each word of
+    the message on its own (so the message may go in pieces)."""
     return all(send.op == "all-reduce" for send in self.sends)
 
   @property
