@@ -374,7 +374,10 @@ def _summed(message, axis_name):
   def words(first, size):
     at = max(word for word in total if word <= first)
     piece = total[at]
-    if piece.ndim > 1:     # a run in its own shape
+    if piece.ndim > 1:     # a run in its own shape, whole
+      if (first, size) != (at, piece.size):
+        raise ValueError(f"words({first}, {size}) cuts the piece of "
+                         f"{piece.size} words at {at}, summed in its shape.")
       return piece.reshape(1, size)
     return lax.slice(piece, (first - at,), (first - at + size,))[None]
   return words

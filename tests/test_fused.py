@@ -545,14 +545,20 @@ def test_a_user_step_lowers_for_cuda_through_triton(monkeypatch):
   assert "__gpu$xla.gpu.triton" not in exported("auto", "alltoall")
 
 
-def test_psum_int8_sums_a_kernel_leaf_in_its_own_shape(monkeypatch):
+@pytest.mark.parametrize("comm,words", [("psum_int8", (128, 256)),
+                                        ("psum", (32, 256))])
+def test_summed_strategies_sum_a_kernel_leaf_in_its_own_shape(monkeypatch,
+                                                              comm, words):
   """An all-reduce sums each word where it lies, so ``psum_int8``'s levels
-  of a leaf whose rows are not 128 lanes go in the shape the kernel wrote
-  them (laid into one flat message they were relaid out, on TPU, both
-  ways), the leaves in rows of 128 and the small ones end to end in one
-  piece; the updates are the XLA path's bit for bit. (``psum``'s counters
-  with ``kernels='pallas'`` are tallied in blocks of the whole message.)"""
-  n, comm = 3, "psum_int8"
+  and ``psum``'s counters (4 a byte at N = 3) of a leaf whose rows are not
+  128 lanes go in the shape the kernel wrote them (laid into one flat
+  message they were relaid out, on TPU, both ways), the leaves in rows of
+  128 and the small ones end to end in one piece; the updates are the XLA
+  path's bit for bit. The kernels are taken as ``'auto'`` takes them on
+  TPU (``'pallas'`` would tally ``psum``'s message in blocks, whole)."""
+  n = 3
+  monkeypatch.setattr(dl.exchange, "_uses_kernels",
+                      lambda kernels, constants, axis_name: kernels != "xla")
   summed, psum = [], dl.workers.psum
   def recorded(x, *args, **kwargs):
     summed.append(jax.tree.map(lambda a: a.shape, x))
@@ -577,5 +583,7 @@ def test_psum_int8_sums_a_kernel_leaf_in_its_own_shape(monkeypatch):
         outs="replicated", check_vma=False))(grads, mu)
   xla = run("xla")
   del summed[:]
-  jax.tree.map(np.testing.assert_array_equal, run("pallas"), xla)
-  assert summed == [{0: (128, 256), 128 * 256: (8192 + 37,)}], summed
+  jax.tree.map(np.testing.assert_array_equal, run("auto"), xla)
+  m = 128 * 256 // math.prod(words)
+  assert summed == [{0: words, math.prod(words): (
+      8192 // m + -(-37 // m),)}], summed
