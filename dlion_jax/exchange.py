@@ -90,6 +90,25 @@ class _Fusion:
             and fused.fits(rows[first][0].shape,
                            [x.dtype for x in rows[first]], layout.radix))
 
+  @staticmethod
+  def fits_row(row, rows, options: VoteOptions) -> bool:
+    """Whether ``row`` of ``rows`` (to be voted on together) fits the
+    kernels, in the radix of the strategy its message will take. The
+    leaves that fit go first in the message: each then gets a decoding or
+    tally call of its own (:func:`_planes_in_blocks`), where a run before
+    them that is not whole blocks (a stack of biases) would send them
+    through the one call for the rest of the message, cut leaf by leaf
+    (copies on TPU: the 1B GPT's MaVo ``auto`` step, 45.0 -> 41.9 bytes
+    a parameter a chip)."""
+    comm = resolve_comm(options.comm, options.num_workers,
+                        aggregation=options.aggregation, spec=options.spec,
+                        leaf_sizes=[r[0].size for r in rows],
+                        gathers=can_gather(options.axis_name))
+    radix = strategies.STRATEGIES[comm].radix(options.num_workers,
+                                              options.spec)
+    return not options.spec.scaled and fused.fits(
+        row[0].shape, [x.dtype for x in row], radix)
+
   @classmethod
   def apart(cls, rows, first: int, num_alone: int, layout, spec) -> bool:
     """Whether run ``first`` takes the kernels and its words are not rows
@@ -523,6 +542,8 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   # grouped by dtypes so that each group concatenates (see _packed_message).
   alone = [k for k, row in enumerate(rows)
            if options.spec.scaled or row[0].size >= OWN_PACKING]
+  if fusion:
+    alone.sort(key=lambda k: not fusion.fits_row(rows[k], rows, options))
   grouped = sorted(set(range(len(rows))) - set(alone),
                    key=lambda k: (str(_dtypes(rows[k])), k))
   order = alone + grouped
