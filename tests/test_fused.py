@@ -587,3 +587,38 @@ def test_summed_strategies_sum_a_kernel_leaf_in_its_own_shape(monkeypatch,
   m = 128 * 256 // math.prod(words)
   assert summed == [{0: words, math.prod(words): (
       8192 // m + -(-37 // m),)}], summed
+
+
+def test_leaves_that_fit_go_first_and_decode_alone(monkeypatch):
+  """A big leaf that fits the kernels after one that does not, in tree
+  order (a stack of biases before a stack of layers): it goes first in
+  the message, so ``decode`` writes its outcome in a call of its own (a
+  slice of the rest's would be a copy on TPU); the updates are the XLA
+  path's bit for bit."""
+  n = 4
+  calls, decode = [], fused.decode
+  def recorded(*args, **kwargs):
+    calls.append(kwargs.get("blocks"))
+    return decode(*args, **kwargs)
+  monkeypatch.setattr(fused, "decode", recorded)
+  mesh = dl.devices.data_mesh(n)
+  shapes = {"a_bias": (18, 1000), "b_layers": (2, 128, 256)}
+  rng = np.random.default_rng(1)
+  grads = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
+           for k, s in shapes.items()}
+  mu = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
+        for k, s in shapes.items()}
+
+  def run(kernels):
+    tx = dl.scale_by_distributed_lion(axis_name="data", comm="alltoall",
+                                      kernels=kernels)
+    def local(grads, mu):
+      return tx.update(grads, dl.DistributedLionState(
+          jnp.zeros([], jnp.int32), mu))[0]
+    return jax.jit(dl.parallel.per_worker(
+        local, mesh, axis_name="data", ins=("stacked", "stacked"),
+        outs="replicated", check_vma=False))(grads, mu)
+  xla = run("xla")
+  jax.tree.map(np.testing.assert_array_equal, run("pallas"), xla)
+  leaf_blocks = 2 * 128 * 256 // 8 // fused.DECODE_BLOCK
+  assert (0, leaf_blocks) in calls, calls
