@@ -86,9 +86,8 @@ class _Fusion:
   @staticmethod
   def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
     """Whether run ``first`` (a row of leaves alone) runs the kernels."""
-    return (first < num_alone and not spec.scaled
-            and fused.fits(rows[first][0].shape,
-                           [x.dtype for x in rows[first]], layout.radix))
+    return first < num_alone and _Fusion.fits_row(rows[first], layout.radix,
+                                                  spec)
 
   @staticmethod
   def radix_of(rows, options: VoteOptions) -> int | None:
@@ -102,7 +101,7 @@ class _Fusion:
                                              options.spec)
 
   @staticmethod
-  def fits_row(row, radix: int, spec) -> bool:
+  def fits_row(row, radix: int | None, spec) -> bool:
     """Whether ``row`` fits the kernels in ``radix``. The leaves that fit
     go first in a message of digits: each then gets a decoding or tally
     call of its own (:func:`_planes_in_blocks`), where a run before them

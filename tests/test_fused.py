@@ -435,6 +435,26 @@ def test_pallas_in_a_plain_step_on_tpu_is_refused_with_the_fix():
                "kernels='auto'", "make_train_step")
 
 
+def update_step(n, **options):
+  """A jitted step of ``scale_by_distributed_lion(**options)`` over ``n``
+  workers: their stacked gradients and momenta in, the update out."""
+  tx = dl.scale_by_distributed_lion(axis_name="data", **options)
+
+  def local(grads, mu):
+    return tx.update(grads, dl.DistributedLionState(
+        jnp.zeros([], jnp.int32), mu))[0]
+  return jax.jit(dl.parallel.per_worker(
+      local, dl.devices.data_mesh(n), axis_name="data",
+      ins=("stacked", "stacked"), outs="replicated", check_vma=False))
+
+
+def stacked_normal(n, shapes, seed):
+  """Gradients and momenta, ``n`` workers' rows of each shape."""
+  rng = np.random.default_rng(seed)
+  return [{k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
+           for k, s in shapes.items()} for _ in range(2)]
+
+
 @pytest.mark.parametrize("comm,aggregation", [
     ("alltoall", "mavo"), ("alltoall", "avg"), ("allgather", "mavo"),
     ("psum", "avg")])
@@ -443,16 +463,7 @@ def test_blocked_results_send_what_the_layout_counts(comm, aggregation):
   forces them), the compiled step sends exactly what MessageLayout with
   result_blocks counts: the shards (and alltoall's results) padded."""
   n, shapes = 8, {"w": (256, 256), "flat": (32768,), "odd": (37, 5)}
-  mesh = dl.devices.data_mesh(n)
-  tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
-                                    aggregation=aggregation, kernels="pallas")
-
-  def local(grads, mu):
-    return tx.update(grads, dl.DistributedLionState(
-        jnp.zeros([], jnp.int32), mu))[0]
-  step = jax.jit(dl.parallel.per_worker(
-      local, mesh, axis_name="data", ins=("stacked", "stacked"),
-      outs="replicated", check_vma=False))
+  step = update_step(n, comm=comm, aggregation=aggregation, kernels="pallas")
   arg = {k: jax.ShapeDtypeStruct((n,) + s, jnp.float32)
          for k, s in shapes.items()}
   sent = dl.hlo.collective_bytes(step.lower(arg, arg).compile())
@@ -564,23 +575,8 @@ def test_summed_strategies_sum_a_kernel_leaf_in_its_own_shape(monkeypatch,
     summed.append(jax.tree.map(lambda a: a.shape, x))
     return psum(x, *args, **kwargs)
   monkeypatch.setattr(dl.workers, "psum", recorded)
-  mesh = dl.devices.data_mesh(n)
-  shapes = {"w": (128, 256), "flat": (8192,), "b": (37,)}
-  rng = np.random.default_rng(0)
-  grads = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
-           for k, s in shapes.items()}
-  mu = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
-        for k, s in shapes.items()}
-
-  def run(kernels):
-    tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
-                                      kernels=kernels)
-    def local(grads, mu):
-      return tx.update(grads, dl.DistributedLionState(
-          jnp.zeros([], jnp.int32), mu))[0]
-    return jax.jit(dl.parallel.per_worker(
-        local, mesh, axis_name="data", ins=("stacked", "stacked"),
-        outs="replicated", check_vma=False))(grads, mu)
+  rows = stacked_normal(n, {"w": (128, 256), "flat": (8192,), "b": (37,)}, 0)
+  run = lambda kernels: update_step(n, comm=comm, kernels=kernels)(*rows)
   xla = run("xla")
   del summed[:]
   jax.tree.map(np.testing.assert_array_equal, run("auto"), xla)
@@ -601,23 +597,10 @@ def test_leaves_that_fit_go_first_and_decode_alone(monkeypatch):
     calls.append(kwargs.get("blocks"))
     return decode(*args, **kwargs)
   monkeypatch.setattr(fused, "decode", recorded)
-  mesh = dl.devices.data_mesh(n)
-  shapes = {"a_bias": (18, 1000), "b_layers": (2, 128, 256)}
-  rng = np.random.default_rng(1)
-  grads = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
-           for k, s in shapes.items()}
-  mu = {k: jnp.asarray(rng.normal(size=(n,) + s), jnp.float32)
-        for k, s in shapes.items()}
-
-  def run(kernels):
-    tx = dl.scale_by_distributed_lion(axis_name="data", comm="alltoall",
-                                      kernels=kernels)
-    def local(grads, mu):
-      return tx.update(grads, dl.DistributedLionState(
-          jnp.zeros([], jnp.int32), mu))[0]
-    return jax.jit(dl.parallel.per_worker(
-        local, mesh, axis_name="data", ins=("stacked", "stacked"),
-        outs="replicated", check_vma=False))(grads, mu)
+  rows = stacked_normal(n, {"a_bias": (18, 1000), "b_layers": (2, 128, 256)},
+                        1)
+  run = lambda kernels: update_step(n, comm="alltoall", kernels=kernels)(
+      *rows)
   xla = run("xla")
   jax.tree.map(np.testing.assert_array_equal, run("pallas"), xla)
   leaf_blocks = 2 * 128 * 256 // 8 // fused.DECODE_BLOCK
