@@ -39,6 +39,7 @@ code: slow, for checking (``kernels='pallas'`` on CPU).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Literal, get_args
 
@@ -133,7 +134,8 @@ def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 
 def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
-          aliases, interpret, gpu_warps: int = 4, read: int | None = None):
+          aliases, interpret, gpu_warps: int = 4, read: int | None = None,
+          scratch: tuple = ()):
   """``pallas_call`` with the cost it declares: every operand (or ``read``
   bytes of them, where the grid reads a stretch) and output read or written
   once (XLA's cost analysis counts a kernel's bytes as it declares them).
@@ -141,7 +143,8 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
   assignment would otherwise stage a big leaf in on-chip memory and copy it
   back. On GPU Triton compiles them with ``gpu_warps`` warps a program
   (each kernel's the fewest whose registers hold a block without spilling,
-  read off ptxas for sm_90: design notes, "Fused kernels")."""
+  read off ptxas for sm_90: design notes, "Fused kernels"). ``scratch``:
+  the kernel's on-chip buffers and DMA semaphores (TPU, interpreter)."""
   if read is None:
     read = sum(x.size * x.dtype.itemsize for x in inputs)
   nbytes = read + sum(
@@ -161,7 +164,7 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
       out_specs=out_specs, input_output_aliases=aliases,
       cost_estimate=pl.CostEstimate(flops=0, transcendentals=0,
                                     bytes_accessed=int(nbytes)),
-      compiler_params=params,
+      compiler_params=params, scratch_shapes=scratch,
       interpret=interpret)
   if interpret and out_shape[0].manual_axis_type.varying:
     raise ValueError(
@@ -361,6 +364,12 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
   """The vote's outcome for every digit of the message, from the results
   ``alltoall`` gathers back.
 
+  On TPU (and in the interpreter) each block of results is read once: a
+  grid step decodes every digit of it and copies each outcome block to its
+  place (a block of the output a digit, ``Q / 4096`` blocks apart), 0.8
+  bytes a parameter less than reading it once a digit (5 results a byte).
+  On GPU a Triton program writes the one outcome block it is given.
+
   Args:
     words: ``[N, m, Q]`` words of ``radix`` (``Q`` the
       :attr:`~dlion_jax.message.MessageLayout.result_words` of a layout
@@ -391,10 +400,117 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
     ``N`` workers' levels).
   """
   n, m, q = words.shape
-  per_word = packing.digits_per_word(radix)
+  first, count = blocks or (0, n * shard // DECODE_BLOCK)
   dtype = strategies.int_container(
       num_workers if aggregation == "avg" else 1, spec)
-  first, count = blocks or (0, n * shard // DECODE_BLOCK)
+  outcome = functools.partial(_decoded, radix=radix, num_workers=num_workers,
+                              spec=spec, aggregation=aggregation, dtype=dtype)
+  words = words.reshape(n, m, q // shards.LANES, shards.LANES)
+  if platform() == "gpu" and not interpret:
+    return _decode_by_block(words, shard, first, count, outcome, dtype,
+                            radix=radix, interpret=False)
+  return _decode_by_result(words, shard, first, count, outcome, dtype,
+                           radix=radix, interpret=interpret)
+
+
+def _decoded(digit, *, radix, num_workers, spec, aggregation, dtype):
+  """The outcome a result digit stands for."""
+  if aggregation == "avg":
+    out = strategies.signed_sum(digit, num_workers, spec)
+  elif radix == 2:
+    out = 2 * digit.astype(jnp.int32) - 1
+  else:
+    out = digit.astype(jnp.int32) - 1
+  return out.astype(dtype)
+
+
+def _result_groups(first: int, count: int, shard_blocks: int,
+                   place_blocks: int) -> list[tuple[int, int, int, int]]:
+  """The blocks of results that outcome blocks ``first`` to ``first +
+  count`` are read from, as rectangles ``(worker, workers, block,
+  blocks)``: block ``qb`` of a worker's results holds (digit ``p``) the
+  outcome of its shard's block ``p place_blocks + qb``."""
+  end, rects = first + count, []
+  for k in range(first // shard_blocks, (end - 1) // shard_blocks + 1):
+    a = max(first - k * shard_blocks, 0)
+    e = min(end - k * shard_blocks, shard_blocks)
+    lo = a % place_blocks
+    if e - a >= place_blocks:
+      spans = [(0, place_blocks)]
+    elif lo + e - a <= place_blocks:
+      spans = [(lo, e - a)]
+    else:
+      spans = [(0, lo + e - a - place_blocks), (lo, place_blocks - lo)]
+    for qb, nqb in spans:
+      last = rects[-1] if rects else None
+      if last and last[2:] == (qb, nqb) and last[0] + last[1] == k:
+        rects[-1] = (last[0], last[1] + 1, qb, nqb)
+      else:
+        rects.append((k, 1, qb, nqb))
+  return rects
+
+
+def _decode_by_result(words, shard, first, count, outcome, dtype, *,
+                      radix, interpret):
+  """:func:`decode` reading each block of results once (TPU, interpreter):
+  a grid step decodes the ``per_word`` outcome blocks a result block holds
+  and copies each that is in range to its place in the output."""
+  m, per_word = words.shape[1], packing.digits_per_word(radix)
+  shard_blocks, place_blocks = shard // DECODE_BLOCK, words.shape[2] // (
+      BLOCK_ROWS)
+  rects = _result_groups(first, count, shard_blocks, place_blocks)
+  offsets = [0]
+  for _, nk, _, nqb in rects:
+    offsets.append(offsets[-1] + nk * nqb)
+
+  def group(s):            # the (worker, result block) grid step s reads
+    k = qb = 0
+    for (k0, nk, q0, nqb), off in zip(rects, offsets):
+      local = s - off
+      inside = (local >= 0) & (local < nk * nqb)
+      k = jnp.where(inside, k0 + local // nqb, k)
+      qb = jnp.where(inside, q0 + local % nqb, qb)
+    return k, qb
+
+  def kernel(words_ref, out_ref, decoded, sems):
+    j = pl.program_id(0)
+    k, qb = group(pl.program_id(1))
+    row = words_ref[...].astype(jnp.uint32)
+    copies = []
+    for p in range(per_word):
+      decoded[p] = outcome(packing.digit(row, p, radix))
+      b = k * shard_blocks + p * place_blocks + qb
+      inside = ((p * place_blocks + qb < shard_blocks) & (b >= first)
+                & (b < first + count))
+      copy = functools.partial(
+          lambda b, p: pltpu.make_async_copy(
+              decoded.at[p], out_ref.at[j, pl.ds((b - first) * BLOCK_ROWS,
+                                                 BLOCK_ROWS)], sems.at[p]),
+          b, p)
+      pl.when(inside)(lambda copy=copy: copy().start())
+      copies.append((inside, copy))
+    for inside, copy in copies:
+      pl.when(inside)(lambda copy=copy: copy().wait())
+
+  word_spec = pl.BlockSpec((None, None, BLOCK_ROWS, shards.LANES),
+                           lambda j, s: (group(s)[0], j, group(s)[1], 0))
+  rows = count * BLOCK_ROWS
+  out, = _call(kernel, [words],
+               [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
+               [word_spec], [pl.BlockSpec(memory_space=pl.ANY)],
+               (m, offsets[-1]), aliases={}, interpret=interpret,
+               read=m * offsets[-1] * DECODE_BLOCK * words.dtype.itemsize,
+               scratch=(pltpu.VMEM((per_word, BLOCK_ROWS, shards.LANES),
+                                   dtype),
+                        pltpu.SemaphoreType.DMA((per_word,))))
+  return out
+
+
+def _decode_by_block(words, shard, first, count, outcome, dtype, *, radix,
+                     interpret):
+  """:func:`decode` a grid step an outcome block (GPU: a Triton program
+  writes its own block), reading the result block it is a digit of."""
+  m, q = words.shape[1], words.shape[2] * shards.LANES
   rows = count * BLOCK_ROWS
 
   def segment(b):   # the shard and digit place a block of outcomes is in
@@ -410,17 +526,11 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
     place = segment(pl.program_id(1))[1]
     row = words_ref[...].astype(jnp.uint32)
     digit = packing.digit(row, 0, radix)
-    for p in range(1, per_word):
+    for p in range(1, packing.digits_per_word(radix)):
       digit = jnp.where(place == p, packing.digit(row, p, radix), digit)
-    if aggregation == "avg":
-      out = strategies.signed_sum(digit, num_workers, spec)
-    elif radix == 2:
-      out = 2 * digit.astype(jnp.int32) - 1
-    else:
-      out = digit.astype(jnp.int32) - 1
-    out_ref[...] = out.astype(dtype)
+    out_ref[...] = outcome(digit)
 
-  out, = _call(kernel, [words.reshape(n, m, q // shards.LANES, shards.LANES)],
+  out, = _call(kernel, [words],
                [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
                [word_spec], [out_spec], (m, count), aliases={},
                interpret=interpret, read=m * rows * shards.LANES

@@ -74,6 +74,24 @@ def test_tpu_bytes_read_what_a_lion_step_must_move():
     step.tpu_table(8, shapes, "v5e:2x2")
 
 
+def test_all_in_hbm_compiles_a_step_with_nothing_staged_on_chip():
+  """--all-in-hbm: with memory-space assignment off no buffer of the step
+  is in on-chip memory (``S(1)``), where the default compile of a step
+  whose leaves fit on chip stages some there."""
+  pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
+  import optax  # pylint: disable=g-import-not-at-top
+  from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
+  mesh = jax.sharding.Mesh(np.array(aot.tpu_devices("v5e:2x4", 1)),
+                           (step.AXIS,))
+  shapes = {"w": (2048, 1024)}
+  text = lambda **kw: step.tpu_compiled(optax.lion(1e-3), mesh, shapes,
+                                        **kw).as_text()
+  assert "S(1)" in text()
+  assert "S(1)" not in text(options=step.ALL_IN_HBM)
+  table = step.tpu_table(8, shapes, "v5e:2x4", all_in_hbm=True)
+  assert "| all in HBM |" in table.splitlines()[0]
+
+
 def test_the_grid_checks_each_group_of_strategies():
   """``--grid``: every aggregation x comm x vote, each group of strategies
   (aggregation and vote) checked bit for bit on its own."""
@@ -134,6 +152,7 @@ def test_kernels_and_xla_too_step_side_by_side_and_agree():
     (["--kernels", "pallas", "--plain"], ["--kernels pallas", "--plain"]),
     (["--tpu", "v5e:2x4", "--kernels", "xla", "--xla-too"],
      ["--xla-too", "--kernels auto or pallas"]),
+    (["--all-in-hbm"], ["--all-in-hbm", "--tpu TOPOLOGY"]),
 ])
 def test_kernel_options_that_cannot_measure_are_refused(argv, names, capsys):
   """Options that would time nothing they name: refused before any

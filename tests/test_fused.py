@@ -2,6 +2,7 @@
 numpy, the optimizer through them against the numpy reference, and their
 TPU compiles (``tpu_aot``)."""
 
+import functools
 import math
 
 import jax
@@ -160,6 +161,36 @@ def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
   else:
     want = 2 * flat - 1 if radix == 2 else flat - 1
   np.testing.assert_array_equal(np.asarray(out).reshape(places, -1), want)
+
+
+@pytest.mark.parametrize("first,count", [
+    (0, 33), (4, 2), (5, 2), (10, 3), (2, 25), (32, 1), (11, 11), (6, 1)])
+def test_decode_reads_each_block_of_results_once(first, count):
+  """A stretch of the message's outcome (3 shards of 11 blocks, results of
+  5 trits a byte in 3 blocks a place), decoded a result block at a time
+  and copied to each of its digits' places (TPU; one grid step a result
+  block: the stretch wraps around a place, crosses shards) and an outcome
+  block at a time (GPU): both the numpy reference's."""
+  n, places, shard_blocks, place_blocks = 3, 2, 11, 3
+  block, rows = fused.DECODE_BLOCK, fused.BLOCK_ROWS
+  rng = np.random.default_rng(first + 40 * count)
+  results = rng.integers(0, 3, (n, places, 5 * place_blocks * block))
+  results[..., shard_blocks * block:] = 0             # past the shard
+  words = (results.reshape(n, places, 5, -1)
+           * 3 ** np.arange(5)[:, None]).sum(axis=2).astype(np.uint8)
+  want = (results[..., :shard_blocks * block] - 1).transpose(1, 0, 2).reshape(
+      places, -1)[:, first * block:(first + count) * block]
+  kw = dict(radix=3, num_workers=n, spec=quantize.BINARY, aggregation="mavo",
+            dtype=jnp.int8)
+  outcome = functools.partial(fused._decoded, **kw)
+  by = dict(result=fused._decode_by_result, block=fused._decode_by_block)
+  for name, decode in by.items():
+    got = decode(jnp.asarray(words.reshape(n, places, -1, 128)),
+                 shard_blocks * block, first, count, outcome, jnp.int8,
+                 radix=3, interpret=True)
+    assert got.shape == (places, count * rows, 128), name
+    np.testing.assert_array_equal(np.asarray(got).reshape(places, -1), want,
+                                  err_msg=name)
 
 
 @pytest.mark.parametrize("num_workers,vote_radix,aggregation", [
@@ -328,15 +359,18 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
   for n, aggregation in decodes:
     radix = dl.strategies.alltoall_down_radix(
         n, aggregation=aggregation, spec=quantize.BINARY)
-    results = jax.ShapeDtypeStruct((n, 8, 128, 128),
+    # A shard of 10 blocks: results in 2 blocks a place (1 for Avg's
+    # uint32 words), each read once for all its digits.
+    place_blocks = -(-10 // packing.digits_per_word(radix))
+    results = jax.ShapeDtypeStruct((n, 8, 32 * place_blocks, 128),
                                    packing.word_dtype(radix))
     decode = compiled_for(chip, lambda w, n=n, a=aggregation, r=radix:
                           fused.decode(w.reshape(n, 8, -1),
-                                       4 * fused.DECODE_BLOCK, radix=r,
+                                       10 * fused.DECODE_BLOCK, radix=r,
                                        num_workers=n, spec=quantize.BINARY,
                                        aggregation=a), results)
     declared = (math.prod(results.shape) * results.dtype.itemsize
-                + 8 * n * 4 * fused.DECODE_BLOCK)
+                + 8 * n * 10 * fused.DECODE_BLOCK)
     counted = declared_and_counted(decode, declared)[1]
     assert declared <= counted <= declared + 1024, (topology, n, aggregation)
     # The vote on a shard of 4 blocks, each read once: results of 1 block.

@@ -504,11 +504,18 @@ def profile_table(runners: dict[str, Runner], steps: int = 5,
   return "\n".join(parts)
 
 
+# XLA:TPU's memory-space assignment off: every buffer stays in HBM. With it
+# on, XLA may stage a buffer in on-chip memory (VMEM) by copies, whose both
+# ends its cost analysis counts as bytes accessed, though one end is on chip.
+ALL_IN_HBM = {"xla_msa_enable": False}
+
+
 def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
-                 plain: bool = False):
+                 plain: bool = False, options: dict | None = None):
   """:func:`make_step` (or with ``plain`` :func:`make_plain_step`) compiled
   for the TPU chips of ``mesh`` (no chip needed: libtpu compiles for a
-  topology) on params of ``shapes``."""
+  topology) on params of ``shapes``, with XLA compiler ``options`` (e.g.
+  :data:`ALL_IN_HBM`)."""
   n = mesh.devices.size
   def placed(shape, spec, dtype=np.float32):
     return jax.ShapeDtypeStruct(shape, dtype,
@@ -522,17 +529,19 @@ def tpu_compiled(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
       jax.eval_shape(jax.vmap(tx.init), grads))
   if plain:
     with jax.set_mesh(mesh):
-      return make_plain_step(tx).lower(params, states, grads).compile()
+      return make_plain_step(tx).lower(params, states, grads).compile(
+          compiler_options=options)
   return make_step(tx, mesh, pmean_grads=pmean_grads).lower(
-      params, states, grads).compile()
+      params, states, grads).compile(compiler_options=options)
 
 
 def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
-              plain: bool = False) -> tuple[float, int]:
+              plain: bool = False,
+              options: dict | None = None) -> tuple[float, int]:
   """``(bytes accessed, fusions)`` of a chip's :func:`tpu_compiled` step,
   from XLA:TPU's own cost analysis."""
   compiled = tpu_compiled(tx, mesh, shapes, pmean_grads=pmean_grads,
-                          plain=plain)
+                          plain=plain, options=options)
   cost = compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, list) else cost
   entry = compiled.as_text().split("\nENTRY", 1)[1]
@@ -541,11 +550,13 @@ def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
 
 def tpu_table(num_workers: int, shapes: dict, topology: str, *,
               grid: bool = False, plain: bool = False,
-              xla_too: bool = False, kernels: str = "auto") -> str:
+              xla_too: bool = False, kernels: str = "auto",
+              all_in_hbm: bool = False) -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
   chip reads and writes, against the floor's (see :func:`tpu_bytes`);
   with ``xla_too`` each D-Lion variant also without the fused kernels,
-  named ``<variant> (XLA)``."""
+  named ``<variant> (XLA)``; with ``all_in_hbm`` also the bytes of the
+  step compiled with every buffer in HBM (:data:`ALL_IN_HBM`)."""
   devices = aot.tpu_devices(topology, 1)[:num_workers]
   if len(devices) != num_workers:
     raise ValueError(
@@ -561,11 +572,15 @@ def tpu_table(num_workers: int, shapes: dict, topology: str, *,
                                 plain=form)
     per_param[key] = nbytes / num_params(shapes)
     rows.append([key, f"{per_param[key]:.1f}", None, str(fusions)])
+    if all_in_hbm:
+      unstaged = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads,
+                           plain=form, options=ALL_IN_HBM)[0]
+      rows[-1].append(f"{unstaged / num_params(shapes):.1f}")
   for row in rows:
     row[2] = f"{per_param[row[0]] / per_param[FLOOR]:.2f}x"
   return reporting.markdown_table(
       ["variant", "bytes a parameter (a chip)", "vs local lion (floor)",
-       "fusions"], rows)
+       "fusions"] + ["all in HBM"] * all_in_hbm, rows)
 
 
 def main(argv=None) -> str:
@@ -603,6 +618,11 @@ def main(argv=None) -> str:
                       help="with --tpu or --kernels pallas, also each "
                       "D-Lion variant with kernels='xla' (no fused Pallas "
                       "kernels), named '<variant> (XLA)'")
+  parser.add_argument("--all-in-hbm", action="store_true",
+                      help="with --tpu, also compile each step with XLA's "
+                      "memory-space assignment off (every buffer in HBM) "
+                      "and report its bytes: the cost analysis counts both "
+                      "ends of a copy that stages a buffer on chip")
   parser.add_argument("--out", default=None, help="also write markdown here")
   args = parser.parse_args(argv)
   if args.xla_too and not (args.tpu or args.kernels == "pallas"):
@@ -624,6 +644,8 @@ def main(argv=None) -> str:
   if args.plain and args.vmap:
     parser.error("--plain maps the workers over the mesh's devices; leave "
                  "out --vmap")
+  if args.all_in_hbm and not args.tpu:
+    parser.error("--all-in-hbm compiles for TPU; add --tpu TOPOLOGY")
   if args.tpu:
     if args.vmap or args.profile:
       parser.error("--tpu compiles the step and times nothing; leave out "
@@ -677,7 +699,7 @@ def _tpu_report(parser, args) -> str:
   try:
     table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid,
                          plain=args.plain, xla_too=args.xla_too,
-                         kernels=args.kernels)
+                         kernels=args.kernels, all_in_hbm=args.all_in_hbm)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([
