@@ -74,10 +74,12 @@ def test_tpu_bytes_read_what_a_lion_step_must_move():
     step.tpu_table(8, shapes, "v5e:2x2")
 
 
-def test_all_in_hbm_compiles_a_step_with_nothing_staged_on_chip():
+@pytest.mark.tpu_aot
+def test_all_in_hbm_compiles_a_step_with_nothing_staged_on_chip(monkeypatch):
   """--all-in-hbm: with memory-space assignment off no buffer of the step
   is in on-chip memory (``S(1)``), where the default compile of a step
-  whose leaves fit on chip stages some there."""
+  whose leaves fit on chip stages some there, and the table's column reads
+  at least what the step must move and at most the staged figure."""
   pytest.importorskip("libtpu", reason="needs the [tpu-aot] extra")
   import optax  # pylint: disable=g-import-not-at-top
   from dlion_jax.bench import aot  # pylint: disable=g-import-not-at-top
@@ -88,8 +90,16 @@ def test_all_in_hbm_compiles_a_step_with_nothing_staged_on_chip():
                                         **kw).as_text()
   assert "S(1)" in text()
   assert "S(1)" not in text(options=step.ALL_IN_HBM)
-  table = step.tpu_table(8, shapes, "v5e:2x4", all_in_hbm=True)
-  assert "| all in HBM |" in table.splitlines()[0]
+  every = step.variants
+  monkeypatch.setattr(step, "variants", lambda *a, **k: {
+      name: v for name, v in every(*a, **k).items()
+      if name in (step.FLOOR, "dlion mavo auto")})
+  lines = step.tpu_table(8, shapes, "v5e:2x4", all_in_hbm=True).splitlines()
+  assert lines[0].split("|")[-2].strip() == "all in HBM"
+  rows = {line.split("|")[1].strip(): line.split("|") for line in lines[2:]}
+  assert set(rows) == {step.FLOOR, "dlion mavo auto"}
+  compiled, unstaged = float(rows[step.FLOOR][2]), float(rows[step.FLOOR][5])
+  assert 20 <= unstaged <= compiled
 
 
 def test_the_grid_checks_each_group_of_strategies():
