@@ -706,7 +706,10 @@ def _tpu_report(parser, args) -> str:
       f"Compiled for {args.workers} chips of TPU {args.tpu} by libtpu "
       f"({bench.machine_line()}). Parameters ({args.tree}): "
       f"{num_params(shapes):,}. Bytes: XLA:TPU's cost analysis of each "
-      "chip's step (`bytes accessed`), over the parameters.", "",
+      "chip's step (`bytes accessed`), over the parameters."
+      + (" All in HBM: the same step compiled with memory-space assignment "
+         "off (`xla_msa_enable=False`), nothing staged in on-chip memory."
+         if args.all_in_hbm else ""), "",
       table_md, "",
       f"- Compiled in {time.perf_counter() - start:.1f} s."])
 
