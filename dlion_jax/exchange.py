@@ -97,8 +97,8 @@ class _Fusion:
                         aggregation=options.aggregation, spec=options.spec,
                         leaf_sizes=[r[0].size for r in rows],
                         gathers=can_gather(options.axis_name))
-    return strategies.STRATEGIES[comm].radix(options.num_workers,
-                                             options.spec)
+    return message_lib.message_radix(comm, options.num_workers,
+                                     options.spec)
 
   @staticmethod
   def fits_row(row, radix: int | None, spec) -> bool:

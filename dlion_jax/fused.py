@@ -494,8 +494,11 @@ def _decode_by_result(words, shard, first, count, outcome, dtype, *,
     for asked, dma in copies:
       pl.when(asked)(lambda dma=dma: dma().wait())
 
+  def word_block(j, s):
+    k, qb = group(s)
+    return k, j, qb, 0
   word_spec = pl.BlockSpec((None, None, BLOCK_ROWS, shards.LANES),
-                           lambda j, s: (group(s)[0], j, group(s)[1], 0))
+                           word_block)
   rows = count * BLOCK_ROWS
   out, = _call(kernel, [words],
                [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
