@@ -279,15 +279,29 @@ def scale_by_distributed_lion(
   constants = () if isinstance(b1, (int, float)) else (b1,)
 
   def pre_sign(g, m, *traced_b1):
-    """``(1 - b1) g + b1 m``, ``b1 m`` in the wider dtype of the two (``b1``
-    taken in the momentum's, as JAX takes a Python scalar): as
-    :func:`moment`, a bf16 momentum's product must not round on its own
-    where a program's fusions split it from the sum (a vote flipped on
-    Explicit axes)."""
+    """``c = (1 - b1) g + b1 m`` for the vote, in float32 at least (float64
+    for float64 leaves), each rate first rounded to its operand's dtype (as
+    JAX takes a Python scalar).
+
+    bf16 (or f16) operands and rates multiply exactly in float32, so ``c``
+    is rounded once, whatever fusions a program makes: computed in bf16,
+    XLA keeps or drops the products' roundings by fusion, and the level of
+    a value-dependent vote (``ternary_l1``, ``pbit_l1``, error feedback)
+    differed between the plain, Explicit and ``shard_map`` steps.
+    """
     rate = traced_b1[0] if traced_b1 else b1
+    wide = quantize.scale_dtype(jnp.promote_types(g.dtype, m.dtype))
+    new = jnp.asarray(1.0 - rate, g.dtype).astype(wide)
+    old = jnp.asarray(rate, m.dtype).astype(wide)
+    return new * g.astype(wide) + old * m.astype(wide)
+
+  def lion_pre_sign(g, m):
+    """``c`` with no vote (one worker): :func:`optax.scale_by_lion`'s
+    arithmetic, in the dtype ``g`` and ``m`` promote to, ``b1 m`` in the
+    wider of the two (as :func:`moment`)."""
     wide = jnp.promote_types(g.dtype, m.dtype)
-    scale = rate if traced_b1 else jnp.asarray(b1, m.dtype)
-    return (1.0 - rate) * g + scale.astype(wide) * m.astype(wide)
+    return (1.0 - b1) * g + jnp.asarray(b1, m.dtype).astype(wide) * m.astype(
+        wide)
 
   def moment(g, m):
     """``(1 - b2) g + b2 m`` in the wider dtype of the two, rounded once to
@@ -320,7 +334,7 @@ def scale_by_distributed_lion(
       _drift.check_local_gradients(updates, axis_name)
     extra, done, fused_mu = {}, None, {}
     if num_workers == 1:
-      new_updates = jax.tree.map(lambda g, m: jnp.sign(pre_sign(g, m)),
+      new_updates = jax.tree.map(lambda g, m: jnp.sign(lion_pre_sign(g, m)),
                                  updates, state.mu)
       extra = {"error": state.error} if error_feedback else {}
     elif error_feedback:
@@ -328,6 +342,7 @@ def scale_by_distributed_lion(
                                state.mu, state.error)
       new_updates, done, _ = voted_update(lambda c: c, num_workers,
                                           corrected)
+      new_updates = _in_dtypes_of(new_updates, updates, state.mu)
       leaves, treedef = jax.tree.flatten(corrected)
       extra = {"error": treedef.unflatten([
           _residual(p, d, e.dtype) for p, d, e in zip(
@@ -337,6 +352,7 @@ def scale_by_distributed_lion(
       new_updates, done, fused_mu = voted_update(
           pre_sign, num_workers, updates, state.mu, constants=constants,
           also=fused_moment)
+      new_updates = _in_dtypes_of(new_updates, updates, state.mu)
     mu = _moments(moment, updates, state.mu, fused_mu)
     if done is not None and not shards.on_tpu():
       mu = _after_vote(mu, done)
@@ -348,6 +364,15 @@ def scale_by_distributed_lion(
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _in_dtypes_of(voted, updates, mu):
+  """The vote's ``D`` (in ``c``'s float32) in the dtype ``g`` and ``m``
+  promote to, as :func:`optax.scale_by_lion` returns it: exact for MaVo,
+  and for Avg the same rounding as the vote's table of quotients."""
+  return jax.tree.map(
+      lambda d, g, m: d.astype(jnp.promote_types(g.dtype, m.dtype)),
+      voted, updates, mu)
 
 
 def _moments(moment, updates, mu, fused_mu: dict):

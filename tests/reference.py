@@ -46,6 +46,20 @@ def lin_comb(a, x, b, y):
   return mul_add(a, x, (_as(b, y.dtype).astype(dt) * y.astype(dt)))
 
 
+def vote_input(b1, g, m):
+  """c = (1 - b1) g + b1 m as a worker votes on it: in float32 at least.
+
+  Each rate rounds to its operand's dtype first (a Python scalar's weak
+  type). Two bf16 (or f16) operands multiply exactly in float32, so ``c``
+  rounds once; with a float32 operand, XLA's contraction (:func:`lin_comb`).
+  """
+  if np.result_type(g.dtype, m.dtype).itemsize >= 4:
+    return lin_comb(1.0 - b1, g, b1, m)
+  a = _as(1.0 - b1, g.dtype).astype(np.float32)
+  b = _as(b1, m.dtype).astype(np.float32)
+  return a * g.astype(np.float32) + b * m.astype(np.float32)
+
+
 def worker_vote(c: np.ndarray, vote: str) -> np.ndarray:
   """d_i: +1/-1 (binary, c <= 0 and NaN vote -1) or sign(c) (ternary)."""
   if vote == "binary":
@@ -132,13 +146,14 @@ class DistributedLionReference:
       return worker_vote(c, self.vote)
     return l1_vote(c, self.level)
 
-  def combine(self, cs):
-    """D of one leaf from every worker's (error-corrected) c."""
+  def combine(self, cs, dtype):
+    """D of one leaf, in ``dtype``, from every worker's (error-corrected)
+    c."""
     if cs[0].size < self.min_compress_size:
       total = np.sum([c.astype(np.float64) for c in cs], axis=0)
-      return np.sign(total).astype(cs[0].dtype)
+      return np.sign(total).astype(dtype)
     return aggregate([self.worker_vote(c) for c in cs], self.aggregation,
-                     cs[0].dtype, self.level)
+                     dtype, self.level)
 
   def feed_back(self, k, cs, d):
     """p_i = c_i + e_i before the vote; e_i <- p_i - mean|p_i| * D after."""
@@ -164,7 +179,8 @@ class DistributedLionReference:
       cs = []
       for i in range(self.n):
         g, m = grads[i][k], self.mu[i][k]
-        c = lin_comb(1.0 - self.b1, g, self.b1, m)
+        c = (lin_comb(1.0 - self.b1, g, self.b1, m) if self.n == 1
+             else vote_input(self.b1, g, m))
         if self.error_feedback and self.n > 1:
           c = c + self.error[i][k]
         cs.append(c)
@@ -173,7 +189,8 @@ class DistributedLionReference:
       if self.n == 1:
         out[k] = np.sign(cs[0])
         continue
-      out[k] = self.combine(cs)
+      out[k] = self.combine(
+          cs, np.result_type(grads[0][k].dtype, self.mu[0][k].dtype))
       if self.error_feedback:
         self.feed_back(k, cs, out[k])
     if self.t in self.sync_steps and self.n > 1:

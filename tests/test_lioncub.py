@@ -10,6 +10,7 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 import pytest
@@ -449,3 +450,83 @@ def test_float64_leaves_are_scaled_and_summed_in_float64():
       d = jax.vmap(lambda x: tx.update(x, tx.init(x))[0], axis_name="w")(big)
       # mean |c| = 2.5e299: 1e300 saturates, the small entries round to 0.
       np.testing.assert_array_equal(d[0], [1.0, 0.0, 0.0, 0.0])
+
+
+BF16_LEAVES = {"w": (41, 24), "big": (130, 70), "b": (5,)}
+BF16_VOTES = {
+    "ternary_l1": dict(quantizer="ternary_l1"),
+    "pbit_l1": dict(quantizer="pbit_l1", bits=4),
+    "sign ef": dict(error_feedback=True),
+    "pbit_l1 avg ef": dict(quantizer="pbit_l1", bits=3, aggregation="avg",
+                           error_feedback=True),
+}
+
+
+def _bf16_run(tx, params, grads, mesh, door):
+  """``tx`` stepped in one of the three step programs a user builds: the
+  plain jitted step (dl.workers) on the mesh's axes, or the shard_map step
+  (dl.parallel.per_worker)."""
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    s = dl.parallel.init_worker_states(tx, p, mesh)
+    if door == "plain":
+      step = jax.jit(lambda g, s, p: dl.workers.update(tx)(g, s, p))
+    else:
+      step = jax.jit(dl.parallel.per_worker(
+          lambda g, s, p: tx.update(g, s, p), mesh,
+          ins=("stacked", "stacked", "replicated"),
+          outs=("replicated", "stacked")))
+    for g in grads:
+      u, s = step(jax.device_put(g, NamedSharding(mesh, P(AXIS))), s, p)
+      p = optax.apply_updates(p, u)
+    return jax.device_get(p), jax.device_get(s)
+
+
+@pytest.mark.parametrize("name", sorted(BF16_VOTES))
+def test_bf16_value_dependent_votes_agree_in_every_step_program(name):
+  """bf16 params and momenta, 3 workers, 8 steps of random gradients: the
+  L1-scaled levels and the residual of error feedback take ``c`` rounded
+  once in float32, so the plain step on Explicit and on Auto axes and the
+  shard_map step agree bit for bit (params, momenta, residuals; they
+  differed by flipped votes when ``c`` was computed in bf16), and with the
+  numpy reference on params and momenta. The residual ``p - a D`` takes
+  the leaf's L1 scale ``a``, a float32 sum whose order XLA picks (numpy's
+  is a float64 sum): a residual entry may be one bf16 ulp from numpy's."""
+  from jax.sharding import AxisType
+  n, options = 3, BF16_VOTES[name]
+  rng = np.random.default_rng(55)
+  params = random_tree(rng, BF16_LEAVES, ml_dtypes.bfloat16)
+  grads = [random_tree(rng, BF16_LEAVES, ml_dtypes.bfloat16, n)
+           for _ in range(8)]
+  tx = dl.distributed_lion(LR, weight_decay=WD, axis_name=AXIS, **options)
+  ref = run_reference(params, grads, n, **options)
+  runs = {
+      f"{door} {kind.name}": _bf16_run(
+          tx, params, grads, jax.make_mesh((n,), (AXIS,), axis_types=(kind,)),
+          door)
+      for door, kind in (("plain", AxisType.Explicit),
+                         ("plain", AxisType.Auto),
+                         ("shard_map", AxisType.Explicit))}
+  first = runs["plain Explicit"]
+  for program, (p, s) in runs.items():
+    assert_same_tree(p, first[0], program)
+    assert_same_tree(s, first[1], program)
+    state = s[0]
+    for k in BF16_LEAVES:
+      np.testing.assert_array_equal(p[k], ref.params[k],
+                                    err_msg=f"{program} params[{k}]")
+      for i in range(n):
+        np.testing.assert_array_equal(state.mu[k][i], ref.mu[i][k],
+                                      err_msg=f"{program} mu[{k}] {i}")
+        if options.get("error_feedback"):
+          got = np.asarray(state.error[k][i], np.float32)
+          want = np.asarray(ref.error[i][k], np.float32)
+          ulp = np.abs(want) * 2.0**-7 + 2.0**-133
+          assert np.sum(got != want) <= max(1, got.size // 1000), program
+          assert np.all(np.abs(got - want) <= ulp), program
+
+
+def assert_same_tree(a, b, name):
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+    np.testing.assert_array_equal(x, y, err_msg=name)
