@@ -317,7 +317,8 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
   keeps its named tuples as dicts) and its rows resized; the optimizer's
   other stacked leaves (an ``nnx.Optimizer``'s ``step``, an
   ``nnx.OptState``) keep their first row on each of the N' workers, and
-  the rest (params, a ``TrainState``'s ``step``) is returned as it is.
+  the rest (params, a ``TrainState``'s ``step``) keeps its values, moved
+  onto ``mesh``'s devices where it lay on others (an in-memory resize).
 
   Args:
     tx: the optimizer the state is of.
@@ -398,29 +399,57 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
       return leaf
     return jnp.stack([_mean(leaf, g) for g in groups])
   kinds = [k for _, k, _, _ in todo]
-  # On Auto axes: Explicit ones type the rows' axis as sharded over
-  # axis_name and refuse to slice it ("slicing on sharded dims"). The
-  # same devices and specs, so both moves are free; the result is the
-  # Auto mesh's, bit for bit, then typed as init_worker_states types it.
-  old = jax.device_put([leaves[i] for i, _, _, _ in todo],
-                       _on_auto_axes([s for _, _, s, _ in todo]))
-  new = jax.jit(lambda xs: [one(x, k) for x, k in zip(xs, kinds)],
-                out_shardings=_on_auto_axes([s for *_, s in todo]))(old)
-  new = jax.device_put(new, [s for *_, s in todo])
+  new = _rows_mapped(lambda xs: [one(x, k) for x, k in zip(xs, kinds)],
+                     [leaves[i] for i, _, _, _ in todo],
+                     [s for _, _, s, _ in todo], [s for *_, s in todo], mesh)
   for (i, _, _, _), x in zip(todo, new):
     leaves[i] = x
+  resized = {i for i, *_ in todo}
+  leaves = [x if i in resized else _kept_on(x, mesh)
+            for i, x in enumerate(leaves)]
   return jax.tree.unflatten(treedef, leaves)
 
 
-def _on_auto_axes(shardings: Any) -> Any:
-  """``shardings`` on a mesh of the same devices and axes, all Auto."""
-  def auto(s):
-    mesh = s.mesh
-    if all(t == AxisType.Auto for t in mesh.axis_types):
-      return s
-    return NamedSharding(Mesh(mesh.devices, mesh.axis_names, axis_types=(
-        AxisType.Auto,) * len(mesh.axis_names)), s.spec)
-  return jax.tree.map(auto, shardings)
+def _kept_on(x: Any, mesh: Mesh) -> Any:
+  """A leaf the resize keeps, on ``mesh``'s devices where it lay on others
+  (an ``nnx.Optimizer``'s unstacked ``step``, a ``TrainState``'s params,
+  resized in memory onto fewer devices): sharded as it was where ``mesh``
+  has its spec's axes and they divide its dims, else whole on every
+  device."""
+  if not isinstance(x, jax.Array) or x.sharding.device_set == set(
+      mesh.devices.flat):
+    return x
+  spec = getattr(x.sharding, "spec", P())
+  def fits(dim, entry):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return entry is None or (set(names) <= set(mesh.axis_names) and
+                             dim % devices.axis_size(mesh, names) == 0)
+  if not all(fits(d, e) for d, e in zip(x.shape, spec)):
+    spec = P()
+  return jax.device_put(x, NamedSharding(mesh, spec))
+
+
+def _rows_mapped(fn, tree: Any, old: Any, new: Any, mesh: Mesh) -> Any:
+  """``fn(tree)``, ``tree`` placed by ``old`` and the result by ``new``
+  (shardings on ``mesh``), computed on ``mesh``'s devices with every axis
+  Auto.
+
+  Explicit axes type the rows' axis as sharded over the workers' and refuse
+  to slice it ("slicing on sharded dims"); the same devices and specs on
+  Auto axes, so both moves are free and the values are the Auto mesh's,
+  bit for bit, then typed as ``new`` types them. Under the caller's
+  ``jax.set_mesh`` (the plain jitted step's style) the Auto mesh is set
+  for the computation, whose every value must be typed on the context
+  mesh.
+  """
+  auto = Mesh(mesh.devices, mesh.axis_names,
+              axis_types=(AxisType.Auto,) * len(mesh.axis_names))
+  on_auto = lambda shardings: jax.tree.map(
+      lambda s: NamedSharding(auto, s.spec), shardings)
+  with jax.set_mesh(auto):
+    values = jax.device_put(tree, on_auto(old))
+    values = jax.jit(fn, out_shardings=on_auto(new))(values)
+  return jax.device_put(values, new)
 
 
 def _mean(rows: jax.Array, group: list[int]) -> jax.Array:
@@ -548,12 +577,13 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
   # old rows onto the new mesh first (a no-op for params restored there),
   # over axis_name where its devices divide them, as the state's.
   rows_as = lambda x, lead: NamedSharding(mesh, P(lead, *_row_spec(x, mesh)))
-  params = jax.device_put(params, jax.tree.map(
-      lambda x: rows_as(x, _lead(mesh, axis_name, num_old)), params))
+  old = jax.tree.map(lambda x: rows_as(x, _lead(mesh, axis_name, num_old)),
+                     params)
   if num_old == num_new:       # placed as the new run holds them already
-    return params
-  out = jax.tree.map(lambda x: rows_as(x, axis_name), params)
-  return jax.jit(lambda t: jax.tree.map(one, t), out_shardings=out)(params)
+    return jax.device_put(params, old)
+  return _rows_mapped(lambda t: jax.tree.map(one, t), params, old,
+                      jax.tree.map(lambda x: rows_as(x, axis_name), params),
+                      mesh)
 
 
 def _row_spec(x: Any, mesh: Mesh) -> tuple:

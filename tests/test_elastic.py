@@ -372,8 +372,8 @@ def test_an_nnx_optimizers_state_resizes_like_its_optax_state():
 def test_a_linen_train_states_opt_state_resizes_the_rest_kept():
   """A flax TrainState whose opt_state is stacked per worker (the Linen
   guide's): opt_state resized as the plain optax state, params and step
-  returned as they are. Was: "state is not the state tx makes for
-  params"."""
+  kept, moved onto the new mesh's devices (they were on the 8 devices of
+  the old). Was: "state is not the state tx makes for params"."""
   train_state = pytest.importorskip("flax.training.train_state")
   tx = dl.distributed_lion(1e-2, axis_name="data")
   params, state = stepped_state(tx, devices.data_mesh(8))
@@ -384,9 +384,10 @@ def test_a_linen_train_states_opt_state_resizes_the_rest_kept():
   out = elastic.resize_worker_states(tx, ts, params2, mesh)
   assert_same_leaves(out.opt_state, elastic.resize_worker_states(
       tx, state, params2, mesh))
-  assert all(a is b for a, b in zip(jax.tree.leaves(out.params),
-                                    jax.tree.leaves(ts.params)))
-  assert out.step is ts.step
+  for a, b in zip(jax.tree.leaves(out.params), jax.tree.leaves(ts.params)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert a.sharding == jax.NamedSharding(mesh, P())
+  assert int(out.step) == 3 and out.step.sharding.mesh == mesh
   assert out.tx is tx
 
 
@@ -504,3 +505,86 @@ def test_worker_params_sharded_inside_a_node_stay_so():
 def shards_of(spec):
   return {a for entry in spec if entry is not None
           for a in (entry if isinstance(entry, tuple) else (entry,))}
+
+
+@pytest.mark.parametrize("old,new", [(8, 4), (8, 3), (4, 8)])
+def test_local_steps_params_resize_on_explicit_meshes_and_under_set_mesh(
+    old, new):
+  """A local-steps run of the plain jitted step (Explicit axes, under
+  ``jax.set_mesh``): its per-worker params and its state resize to N'
+  workers as on Auto axes, bit for bit, placed on the Explicit mesh. Was:
+  ShardingTypeError "slicing on sharded dims" for the params at N' != N,
+  and under set_mesh "context mesh ... should match the aval mesh" for
+  params and state, N' = N included."""
+  tx = dl.local_steps(optax.lion(1e-2), dl.distributed_lion(
+      0.1, axis_name="data", weight_decay=0.0), every=3)
+  params, state, _ = local_steps_run(tx, devices.data_mesh(old), 2)
+  auto = devices.data_mesh(new)
+  want_p = elastic.resize_worker_params(params, auto)
+  want_s = elastic.resize_worker_states(tx, state, zero_params(auto), auto)
+  mesh = explicit(auto)
+  with jax.set_mesh(mesh):
+    got_p = elastic.resize_worker_params(params, mesh)
+    got_s = elastic.resize_worker_states(tx, state, zero_params(mesh), mesh)
+    same_p = elastic.resize_worker_params(got_p, mesh)        # N' = N
+    same_s = elastic.resize_worker_states(tx, got_s, zero_params(mesh),
+                                          mesh)
+  for got, want in ((got_p, want_p), (got_s, want_s), (same_p, want_p),
+                    (same_s, want_s)):
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want),
+                    strict=True):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+      assert g.sharding.mesh == mesh and g.sharding.spec == w.sharding.spec
+
+
+def test_an_nnx_optimizer_resized_in_memory_steps_on_the_new_mesh():
+  """The Flax NNX guide's plain nnx.jit step (``dl.workers.stacked(tx)``
+  under ``jax.set_mesh``), its optimizer's state resized in memory from 8
+  workers to 4 under the new mesh: every leaf on the 4 devices (the
+  optimizer's own unstacked ``step`` included) and the guide's step runs
+  there. Was: "context mesh ... should match the aval mesh" in the
+  resize, and once past it "incompatible devices" in the next step (the
+  step counter left on the 8 devices)."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(4, 3, rngs=rngs)
+
+    def __call__(self, x):
+      return self.up(x)
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(1e-2, axis_name="data"))
+  mesh8, mesh4 = explicit(devices.data_mesh(8)), explicit(
+      devices.data_mesh(4))
+  with jax.set_mesh(mesh8):
+    model = Model(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, dl.workers.stacked(tx), wrt=nnx.Param)
+  opt_def, opt_state = nnx.split(optimizer)
+  model_def, model_state = nnx.split(model)
+
+  @nnx.jit
+  def train_step(model, optimizer, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    def loss_of(params, rows):
+      return jnp.mean(nnx.merge(graphdef, params, rest)(rows) ** 2)
+    losses, grads = dl.workers.value_and_grad(loss_of)(params, batch)
+    optimizer.update(model, grads)
+    return losses.mean()
+
+  with jax.set_mesh(mesh4):
+    state4 = jax.device_put(model_state, jax.NamedSharding(mesh4, P()))
+    resized = elastic.resize_worker_states(
+        tx, opt_state, nnx.state(nnx.merge(model_def, state4), nnx.Param),
+        mesh4)
+    devices4 = set(mesh4.devices.flat)
+    assert all(x.sharding.device_set == devices4
+               for x in jax.tree.leaves(resized))
+    assert resized["opt_state"][1][0]["mu"]["up"]["kernel"][...].shape == (
+        4, 4, 3)
+    model4 = nnx.merge(model_def, state4)
+    optimizer4 = nnx.merge(opt_def, resized)
+    batch = devices.shard_batch(np.ones((8, 4), np.float32), mesh4)
+    assert np.isfinite(float(train_step(model4, optimizer4, batch)))
+  assert int(optimizer4.step[...]) == 1
