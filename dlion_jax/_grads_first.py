@@ -144,7 +144,7 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
 
   def region(*args):
     # The gradients come last: the exchange check reads them as varying.
-    return _per_worker.per_worker(
+    return _per_worker.mapped(
         local_update, jax.sharding.get_abstract_mesh() if explicit else mesh,
         axis_name=axis_name,
         ins=("replicated", "stacked", "stacked", "stacked"),

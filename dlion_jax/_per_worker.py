@@ -28,7 +28,8 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
                check_vma: bool = False,
                check_replicated: bool = True,
                fold_in_worker: bool = True,
-               donate_argnums: int | tuple[int, ...] = ()) -> Callable:
+               donate_argnums: int | tuple[int, ...] = (),
+               placement: Any = None) -> Callable:
   """``jax.shard_map`` of ``fn``, written for one worker.
 
   Each positional argument and each output of ``fn`` has one of three
@@ -92,6 +93,13 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
       same key.
     donate_argnums: the arguments whose buffers a call on arrays donates
       (as :func:`jax.jit`'s).
+    placement: the params' ``PartitionSpec``s over the mesh's other axes
+      (a pytree like the params, e.g. ``jax.tree.map(lambda x:
+      x.sharding.spec, params)`` of the concrete params), for a function
+      traced inside a ``jax.jit`` of yours on a mesh whose other axes are
+      Auto: there a traced array does not say how it is placed. The
+      optimizer's vote then cuts each leaf as it lies, and each output of
+      the params' structure is constrained to it.
 
   Returns:
     The mapped function on the global arrays. Called on arrays it compiles
@@ -99,10 +107,11 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     output that updates an argument (the same pytree, shapes and dtypes)
     keeps that argument's placement: on Auto axes the compiler would pick
     its own for the new params and state. Traced inside a ``jax.jit`` (or
-    ``nnx.jit``) of yours it is traced as it is, and there, on Auto axes,
-    pin ``out_shardings`` yourself. It raises a ValueError for a
-    ``"stacked"`` argument whose leading axis is not ``N`` and for a
-    ``"replicated"`` output that differs between workers.
+    ``nnx.jit``) of yours on a mesh with Auto axes of more than one device
+    beside ``axis_name``, it needs ``placement`` (without it a ValueError
+    says so: the compiler would re-place the params silently). It raises
+    a ValueError for a ``"stacked"`` argument whose leading axis is not
+    ``N`` and for a ``"replicated"`` output that differs between workers.
 
   Example:
     >>> import jax, jax.numpy as jnp
@@ -115,6 +124,18 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     >>> jax.jit(fn)(jnp.ones(2), jnp.ones((1, 2)))
     Array([2., 2.], dtype=float32)
   """
+  call = mapped(fn, mesh, axis_name=axis_name, ins=ins, outs=outs,
+                check_vma=check_vma, check_replicated=check_replicated,
+                fold_in_worker=fold_in_worker)
+  return _placement.PlacedCall(call, mesh, axis_name, donate_argnums,
+                               placement)
+
+
+def mapped(fn: Callable, mesh: Mesh, *, axis_name, ins, outs,
+           check_vma: bool = False, check_replicated: bool = True,
+           fold_in_worker: bool = True) -> Callable:
+  """:func:`per_worker`'s ``shard_map`` of ``fn``, to be traced inside a
+  ``jax.jit`` that places its outputs (the library's own steps)."""
   n = axis_size(mesh, axis_name)
   single = not isinstance(outs, (tuple, list))
   ins, outs_ = tuple(ins), (outs,) if single else tuple(outs)
@@ -139,7 +160,7 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     out = tuple(_rows(o, k, lambda x: x[None]) for o, k in zip(out, outs_))
     return out[0] if single else out
   out_specs = tuple(map(spec, outs_))
-  mapped = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
+  sharded = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
                          out_specs=out_specs[0] if single else out_specs,
                          axis_names=set(_placement.names(axis_name)),
                          check_vma=check_vma)
@@ -155,8 +176,8 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
           "one row per worker", "Stack one row per worker, or lay the "
           "argument out \"split\" if its rows are to be divided among "
           "the workers."))
-    return mapped(*args)
-  return _placement.PlacedCall(call, mesh, axis_name, donate_argnums)
+    return sharded(*args)
+  return call
 
 
 def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:

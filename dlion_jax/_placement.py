@@ -253,24 +253,27 @@ def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
 
 
 class PlacedCall:
-  """:func:`dlion_jax.parallel.per_worker`'s function. Traced inside a
-  caller's ``jax.jit`` it is the mapped function as is; called on arrays
-  it is jitted, once a placement of its arguments, with each output that
+  """:func:`dlion_jax.parallel.per_worker`'s function. Called on arrays it
+  is jitted, once a placement of its arguments, with each output that
   updates an argument (the same pytree of the same shapes) placed as that
   argument. On the mesh's Auto axes the compiler would otherwise pick its
   own placement for the new params and state (replicated params come back
-  sharded)."""
+  sharded). Traced inside a caller's ``jax.jit`` it is the mapped function,
+  told the params' ``placement`` where Auto axes partition the mesh beside
+  the workers' (refused without it: nothing there says how the arguments
+  lie)."""
 
   def __init__(self, call: Callable, mesh: Mesh, axis_name,
-               donate_argnums):
+               donate_argnums, placement: Any = None):
     functools.update_wrapper(self, call)
     self._call, self._mesh, self._axis = call, mesh, axis_name
     self._donate = donate_argnums
+    self._placement = placement
     self._jitted = {}
 
   def __call__(self, *args):
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
-      return self._call(*args)
+      return self._traced(*args)
     return self._for(args)(*args)
 
   def trace(self, *args):
@@ -278,6 +281,35 @@ class PlacedCall:
 
   def lower(self, *args):
     return self._for(args).lower(*args)
+
+  def _auto_axes(self) -> tuple:
+    """The Auto axes beside the workers' that partition the mesh."""
+    return tuple(a for a, t in zip(self._mesh.axis_names,
+                                   self._mesh.axis_types)
+                 if a not in names(self._axis) and self._mesh.shape[a] > 1
+                 and t == jax.sharding.AxisType.Auto)
+
+  def _traced(self, *args):
+    auto = self._auto_axes()
+    if not auto:
+      return self._call(*args)
+    if self._placement is None:
+      raise ValueError(
+          "per_worker's function is traced inside a jax.jit of yours on "
+          f"the mesh's Auto axes {auto}, where a traced array does not say "
+          "how it is placed: the vote would cut each param as it guesses, "
+          "and the compiler would pick the new params' placement itself "
+          "(a tensor-parallel P('fsdp', 'model') param came back "
+          "P('fsdp',), silently). Pass the params' placement: "
+          "parallel.per_worker(..., placement=jax.tree.map(lambda x: "
+          "x.sharding.spec, params)) of the concrete params; or call the "
+          "function on the arrays themselves (it compiles itself and keeps "
+          "each updated argument's placement), or use Explicit axes.")
+    specs = jax.tree.map(lambda x: getattr(x, "spec", x), self._placement,
+                         is_leaf=_is_spec)
+    with shards.placed(shards.specs_by_path(specs, specs)):
+      out = self._call(*args)
+    return _constrained(out, specs, self._mesh)
 
   def _for(self, args) -> Callable:
     placed = tuple((np.shape(x), getattr(x, "sharding", None))
@@ -291,6 +323,25 @@ class PlacedCall:
           self._call, donate_argnums=self._donate,
           out_shardings=_placed_like(self._call, args) if auto else None)
     return self._jitted[key]
+
+
+def _is_spec(x) -> bool:
+  return x is None or isinstance(x, (P, NamedSharding))
+
+
+def _constrained(out: Any, specs: Any, mesh: Mesh) -> Any:
+  """Each output of the params' structure (``specs``'s, a spec or None a
+  leaf) constrained to lie as ``specs`` says, the rest as it is."""
+  structure = jax.tree.structure(specs, is_leaf=_is_spec)
+  def constrain(tree):
+    if jax.tree.structure(tree) != structure:
+      return tree
+    return jax.tree.map(
+        lambda x, spec: x if spec is None else jax.lax.with_sharding_constraint(
+            x, NamedSharding(mesh, spec)), tree, specs, is_leaf=_is_spec)
+  if isinstance(out, tuple):
+    return tuple(constrain(o) for o in out)
+  return constrain(out)
 
 
 def _placed_like(fn: Callable, args: tuple) -> Any:

@@ -61,7 +61,7 @@ from dlion_jax import rounds
 from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
-from dlion_jax._per_worker import per_worker  # public here, with its layouts
+from dlion_jax._per_worker import per_worker  # noqa: F401  (public here)
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -105,8 +105,8 @@ def init_worker_states(tx: optax.GradientTransformation, params: Any,
   """
   _grads_first.check_shard_axis(axis_name, shard_axis, mesh)
   _placement.check_not_over(params, axis_name)
-  init = per_worker(tx.init, mesh, axis_name=axis_name,
-                    ins=("replicated",), outs="stacked")
+  init = _per_worker.mapped(tx.init, mesh, axis_name=axis_name,
+                            ins=("replicated",), outs="stacked")
   try:
     shardings = state_shardings(tx, jax.eval_shape(init, params), params,
                                 mesh, axis_name, shard_axis=shard_axis)
@@ -423,10 +423,11 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         return params, state, _worker_step.mean_of_workers(loss, axis_name)
 
       params_layout = "stacked" if params_per_worker else "replicated"
-      step = per_worker(local_step, mesh, axis_name=axis_name,
-                        ins=(params_layout, "stacked", "split"),
-                        outs=(params_layout, "stacked", "replicated"),
-                        check_vma=check_vma, check_replicated=False)
+      step = _per_worker.mapped(
+          local_step, mesh, axis_name=axis_name,
+          ins=(params_layout, "stacked", "split"),
+          outs=(params_layout, "stacked", "replicated"),
+          check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
       _per_worker.check_worker_states(state, n, mesh.devices.size)

@@ -278,6 +278,30 @@ def placed(specs: dict[str, P]):
     _PLACED.reset(token)
 
 
+def specs_by_path(tree: Any, placement: Any) -> dict[str, P]:
+  """``placement``'s specs (a pytree like ``tree``, of ``PartitionSpec``s,
+  ``NamedSharding``s or None) by the key paths of ``tree``'s leaves, as
+  :func:`placed` takes them.
+
+  Raises:
+    ValueError: ``placement`` has another number of leaves than ``tree``.
+  """
+  if placement is None:
+    return {}
+  specs = [getattr(x, "spec", x) for x in jax.tree.leaves(
+      placement, is_leaf=lambda x: x is None or isinstance(
+          x, (P, jax.sharding.NamedSharding)))]
+  paths = [jax.tree_util.keystr(path) for path, _ in
+           jax.tree_util.tree_flatten_with_path(tree)[0]]
+  if len(specs) != len(paths):
+    raise ValueError(
+        f"placement has {len(specs)} leaves and the params {len(paths)}: "
+        "give a PartitionSpec (or None) for each params leaf, e.g. "
+        "placement=jax.tree.map(lambda x: x.sharding.spec, params) of the "
+        "concrete params.")
+  return {path: spec for path, spec in zip(paths, specs) if spec is not None}
+
+
 def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
               ) -> P:
   """How ``x`` is sharded over the mesh axes ``axes``: read off its type

@@ -351,7 +351,8 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None, 0),
                       spmd_axis_name=axis_name)(params, rows)
     k = _mesh_size(groups)
-    placed = _by_path(params, placement)
+    from dlion_jax import shards  # import this module
+    placed = shards.specs_by_path(params, placement)
 
     def spec(path, x):      # its type's on Explicit axes, else placement's
       typed = _spec_of(x)
@@ -572,7 +573,7 @@ def update(tx, *, axis_name: str = "data",
         "(for an nnx.Optimizer or a Linen TrainState, with "
         "dl.workers.stacked(tx)), not tx.init(params).")
     try:
-      with shards.placed(_by_path(grads, placement)):
+      with shards.placed(shards.specs_by_path(grads, placement)):
         updates, state = mapped(grads, state, params)
       # A count made one value (alike_state) would come back replicated,
       # and the next step compile again for a state so placed.
@@ -596,24 +597,6 @@ def update(tx, *, axis_name: str = "data",
           "g.mean(0), grads)), not through dl.workers.update."
       ) from None
   return run
-
-
-def _by_path(grads: Any, placement: Any) -> dict[str, P]:
-  """``placement``'s specs by the key paths of ``grads``' leaves."""
-  if placement is None:
-    return {}
-  specs = [getattr(x, "spec", x) for x in jax.tree.leaves(
-      placement, is_leaf=lambda x: x is None or isinstance(
-          x, (P, jax.sharding.NamedSharding)))]
-  paths = [jax.tree_util.keystr(path) for path, _ in
-           jax.tree_util.tree_flatten_with_path(grads)[0]]
-  if len(specs) != len(paths):
-    raise ValueError(
-        f"placement has {len(specs)} leaves and the gradients {len(paths)}: "
-        "give a PartitionSpec (or None) for each params leaf, e.g. "
-        "placement=jax.tree.map(lambda x: x.sharding.spec, params) of the "
-        "concrete params.")
-  return {path: spec for path, spec in zip(paths, specs) if spec is not None}
 
 
 def stacked(tx: optax.GradientTransformation, *,

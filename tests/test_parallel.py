@@ -1063,9 +1063,21 @@ def test_per_worker_keeps_the_placement_of_what_it_updates():
                          jax.NamedSharding(mesh, jax.P(("data", "fsdp"))))
   new_params, new_state = mapped(params, state, batch)
   assert placed((new_params, new_state)) == before
-  # Under a jit of the caller's, the compiler places them (and may
-  # partition the gradient otherwise: the same values to rounding).
-  jitted = jax.jit(mapped)(params, state, batch)
+  # Under a jit of the caller's, nothing says how the arguments lie: the
+  # params' placement is asked for, and then kept (was: the compiler's
+  # choice, P('fsdp', 'model') came back P('fsdp',), silently).
+  with pytest.raises(ValueError) as e:
+    jax.jit(mapped)(params, state, batch)
+  assert_names(e, "Auto axes ('fsdp', 'model')", "placement=jax.tree.map",
+               "call the function on the arrays")
+  told = parallel.per_worker(
+      step, mesh, ins=("replicated", "stacked", "split"),
+      outs=("replicated", "stacked"),
+      placement=jax.tree.map(lambda x: x.sharding.spec, params))
+  jitted = jax.jit(told)(params, state, batch)
+  for x, spec in zip(jax.tree.leaves(jitted[0]), before[:2]):
+    assert x.sharding.is_equivalent_to(jax.NamedSharding(mesh, spec), 2)
+  chex.assert_trees_all_equal(jitted, told(params, state, batch))
   chex.assert_trees_all_close(jitted, (new_params, new_state), rtol=1e-5,
                               atol=1e-6)
 

@@ -407,7 +407,8 @@ def test_hand_written_per_worker_step_equals_make_train_step(kind):
   x = jax.device_put(rows, NamedSharding(mesh, P("data")))
   by_hand = jax.jit(parallel.per_worker(
       step, mesh, ins=("replicated", "stacked", "split"),
-      outs=("replicated", "stacked")))
+      outs=("replicated", "stacked"),
+      placement=jax.tree.map(lambda x: x.sharding.spec, params)))
   helper = parallel.make_train_step(loss, tx, mesh, donate=False)
   state = parallel.init_worker_states(tx, params, mesh)
   want, _, _ = helper(params, state, x)

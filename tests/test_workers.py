@@ -322,11 +322,14 @@ def placed_steps(txs, shape, kind, steps=3, seed=0):
     p = {k: jax.device_put(x, jax.NamedSharding(mesh, specs[k]))
          for k, x in params.items()}
     for name, tx in txs.items():
-      plain = jax.jit(lambda g, s, p, tx=tx: dl.workers.update(tx)(g, s, p))
+      told = specs if kind == AxisType.Auto else None
+      plain = jax.jit(lambda g, s, p, tx=tx: dl.workers.update(
+          tx, placement=told)(g, s, p))
       manual = jax.jit(parallel.per_worker(
           lambda g, s, p, tx=tx: tx.update(g, s, p), mesh,
           ins=("stacked", "stacked", "replicated"),
-          outs=("replicated", "stacked")))
+          outs=("replicated", "stacked"),
+          placement=told))
       results = []
       for fn in (plain, manual):
         q, s = p, parallel.init_worker_states(tx, p, mesh)
