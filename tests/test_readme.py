@@ -48,6 +48,27 @@ def test_readme_example_runs_with_a_schedule(tmp_path):
   assert float(re.search(r"loss (\S+);", out.stdout).group(1)) < 5.0
 
 
+def test_readme_example_runs_with_the_chain_of_pieces(tmp_path):
+  """The documented chain of pieces, a schedule read by optax's own
+  ``scale_by_learning_rate`` after the vote, in the Example's
+  ``shard_map(check_vma=True)`` step. Was: JAX's bare "out_specs ... could
+  not infer replication" (the step took its row without typed_alike)."""
+  code = re.search(r"```python\n(.*?)```", (ROOT / "README.md").read_text(),
+                   re.S).group(1)
+  pieces = ("optax.chain(optax.clip_by_global_norm(1.0), "
+            "dl.scale_by_distributed_lion(axis_name='data'), "
+            "optax.add_decayed_weights(1e-2), optax.scale_by_learning_rate("
+            "optax.warmup_cosine_decay_schedule(0.0, 1e-2, 30, 300)))\n")
+  start = code.index("tx = optax.chain(")
+  end = code.index("\n\n", start) + 1
+  script = tmp_path / "example.py"
+  script.write_text(code[:start] + "tx = " + pieces + code[end:])
+  out = subprocess.run([sys.executable, str(script)], capture_output=True,
+                       text=True, timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert float(re.search(r"loss (\S+);", out.stdout).group(1)) < 5.0
+
+
 def _run_after_the_example(tmp_path, block: str, check: str) -> str:
   """The stdout of the README's Example, then ``block``, then ``check``,
   run as one script (which must exit 0)."""
