@@ -116,3 +116,21 @@ def positive_int(name: str, value: Any, what: str | None = None) -> int:
     raise ValueError(
         f"{name} must be a positive int{meaning}, got {name}={value!r}.")
   return value
+
+
+def decay_rate(name: str, value: Any, what: str) -> Any:
+  """``value``, a Python or numpy number in ``[0, 1)``, as it is; a traced
+  or array value (``optax.inject_hyperparams``) unchecked.
+
+  Raises:
+    ValueError: naming the argument, the value and what it means.
+  """
+  if isinstance(value, bool) or not isinstance(value, (int, float,
+                                                       np.floating,
+                                                       np.integer)):
+    return value
+  if not 0 <= value < 1:
+    raise ValueError(
+        f"{name} must be in [0, 1) ({what}), got {name}={value!r}: at 1 or "
+        "more the momentum grows without bound.")
+  return value

@@ -131,6 +131,13 @@ def scale_by_distributed_lion(
     D &= \mathrm{sign}\big(\textstyle\sum_i d_i\big) \quad \text{(mavo)}
       \qquad D = \tfrac1N \textstyle\sum_i d_i \quad \text{(avg)}
 
+  The workers vote on :math:`c_i` computed in float32 (float64 for
+  float64 leaves) from each rate rounded to its operand's dtype: on bf16
+  leaves the products are exact and :math:`c_i` rounds once, so every
+  step program (``shard_map``, the plain jitted step on Auto or Explicit
+  axes) takes the same levels. The update :math:`D` comes back in the
+  dtype the gradients and momenta promote to.
+
   ``vote='binary'`` sends one bit, :math:`d = +1` if :math:`c > 0` else
   :math:`-1` (so :math:`\pm 0` and NaN vote :math:`-1`); ``vote='ternary'``
   sends :math:`d = \mathrm{sign}(c)` (NaN votes 0). A majority-vote tie (even

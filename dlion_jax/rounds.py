@@ -36,6 +36,7 @@ import optax
 from jax import lax
 
 from dlion_jax import transforms
+from dlion_jax._checks import decay_rate
 from dlion_jax._checks import positive_int
 
 
@@ -173,7 +174,11 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
     >>> import optax, dlion_jax as dl
     >>> tx = dl.local_steps(
     ...     optax.adamw(1e-3), dl.rounds.nesterov_outer(0.7), every=32)
+
+  Raises:
+    ValueError: ``momentum`` outside ``[0, 1)``.
   """
+  decay_rate("momentum", momentum, "the outer step's Nesterov momentum")
   return optax.chain(transforms.pmean_gradients(axis_name),
                      optax.sgd(learning_rate, momentum=momentum,
                                nesterov=True))

@@ -219,6 +219,18 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
   if workers.mapped_over_mesh(axis_name):
     return _beside_workers(axis_name, mesh, auto)
   partitioned = any(mesh.shape[a] > 1 for a in auto)
+  mapped = workers.mapped_mesh_axes()
+  if mapped:
+    mapped = mapped[0] if len(mapped) == 1 else mapped
+    raise ValueError(
+        f"The optimizer votes over axis_name={axis_name!r}, but the workers "
+        f"of this plain jitted step are mapped over {mapped!r}: "
+        "dl.workers.update(tx) and dl.workers.stacked(tx) map them over "
+        "axis_name='data' unless told otherwise. Build the optimizer "
+        f"with axis_name={mapped!r}, or "
+        f"pass axis_name={axis_name!r} to dl.workers.update / stacked / "
+        "value_and_grad if the workers are the devices of "
+        f"{axis_name!r}.")
   if partitioned and (not mesh.manual_axes
                       or not all(a in mesh.axis_names for a in names)):
     raise ValueError(

@@ -63,6 +63,15 @@ def mapped_over_mesh(axis_name: Hashable | tuple) -> bool:
   return True
 
 
+def mapped_mesh_axes() -> tuple[str, ...]:
+  """The axes of the enclosing mesh bound as ``jax.vmap`` axes here (the
+  workers of :func:`update` or :func:`stacked`), none manual."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return () if mesh.empty else tuple(
+      a for a in mesh.axis_names
+      if a not in mesh.manual_axes and mapped_over_mesh(a))
+
+
 def _names(axis_name) -> tuple:
   return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 

@@ -247,3 +247,33 @@ def test_per_worker_state_laid_out_replicated_names_stacked():
                               ins=("replicated", "stacked", "split"),
                               outs=("replicated", "stacked", "replicated"))
   jax.jit(right)(params, state, batch)
+
+
+def test_an_outer_momentum_of_one_or_more_is_refused():
+  """Was: nesterov_outer(momentum=1.5) accepted (the CLI refused it)."""
+  for bad in (1.0, 1.5, -0.1):
+    with pytest.raises(ValueError) as e:
+      dl.rounds.nesterov_outer(0.7, momentum=bad)
+    assert_names(e, f"momentum={bad!r}", "[0, 1)")
+  dl.rounds.nesterov_outer(0.7, momentum=0.0)
+
+
+@pytest.mark.parametrize("kind", ["Explicit", "Auto"])
+def test_a_vote_over_another_axis_than_the_plain_steps_workers(kind):
+  """A tx voting over "model" in dl.workers.update's step over "data": the
+  error names both axes and the two fixes. Was: a message about shard_map
+  regions suggesting dl.workers.update, the call already made."""
+  kind = getattr(jax.sharding.AxisType, kind)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), axis_types=(kind,) * 2)
+  tx = dl.distributed_lion(1e-2, axis_name="model")
+  with jax.set_mesh(mesh):
+    params = {"w": jnp.ones((8, 4))}
+    state = dl.parallel.init_worker_states(
+        dl.distributed_lion(1e-2, axis_name="data"), params, mesh)
+    grads = {"w": jax.device_put(jnp.ones((4, 8, 4)),
+                                 jax.NamedSharding(mesh, jax.P("data")))}
+    with pytest.raises(ValueError) as e:
+      jax.jit(dl.workers.update(tx))(grads, state, params)
+  assert_names(e, "axis_name='model'", "mapped over 'data'",
+               "with axis_name='data'", "pass axis_name='model'")
+  assert "shard_map" not in str(e.value)
