@@ -21,6 +21,8 @@ from typing import Sequence
 import jax
 import jax.extend.core as jex
 
+from dlion_jax import _mesh
+
 Axes = frozenset
 
 _NONE: Axes = frozenset()
@@ -175,7 +177,7 @@ def types_varying(axis_name) -> bool:
   """Whether values are typed by the axes they vary over here: inside a
   ``shard_map(check_vma=True)`` manual over ``axis_name`` (a worker's own
   index is typed varying there, and nowhere else)."""
-  return set(_names(axis_name)) <= typed_varying_axes(
+  return set(_mesh.names(axis_name)) <= typed_varying_axes(
       jax.lax.axis_index(axis_name))
 
 
@@ -195,7 +197,7 @@ def check_local_gradients(grads, axis_name) -> None:
     return
   same = [jax.tree_util.keystr(path) or "<root>"
           for path, g in jax.tree_util.tree_leaves_with_path(grads)
-          if g.size and not set(_names(axis_name)) & typed_varying_axes(g)]
+          if g.size and not set(_mesh.names(axis_name)) & typed_varying_axes(g)]
   if not same:
     return
   named = ", ".join(same[:4]) + (
@@ -211,7 +213,4 @@ def check_local_gradients(grads, axis_name) -> None:
       f"{axis_name!r}, to='varying') before jax.grad (the step then sends "
       "only the votes), or let dl.parallel.make_train_step build the step.")
 
-
-def _names(axis_name) -> tuple:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
 

@@ -6,7 +6,7 @@ plain one, a region manual over ``axis_name`` that differentiates and
 updates (in ``parallel.py``), and the two here, which take the gradients
 outside such a region (with ``shard_axis``, each node's mean gradient
 reduce-scattered over the fast axis by
-:func:`dlion_jax.shards.node_mean_grads`; on Explicit axes, ``jax.vmap``
+``dlion_jax._grads_first.node_mean_grads``; on Explicit axes, ``jax.vmap``
 over the workers' rows) and then vote in a region manual over
 ``axis_name`` alone.
 """
@@ -21,34 +21,11 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _mesh
 from dlion_jax import _per_worker
 from dlion_jax import _placement
-from dlion_jax import _worker_step
-from dlion_jax import shards
-from dlion_jax import workers
-from dlion_jax.devices import axis_size
-
-
-def check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
-  """Raises a ValueError naming ``axis_name`` or ``shard_axis`` where it
-  is not an axis of ``mesh``, or where they are the same axis."""
-  axis_size(mesh, axis_name)
-  if shard_axis is None:
-    return
-  if isinstance(axis_name, tuple):
-    raise ValueError(
-        f"shard_axis={shard_axis!r} with axis_name={axis_name!r}, a tuple of "
-        "axes: the step with shard_axis votes over one mesh axis of nodes. "
-        "Make the nodes one axis of the mesh (reshape the device array), or "
-        "drop shard_axis.")
-  if shard_axis == axis_name:
-    raise ValueError(
-        f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
-        "votes cross axis_name and each node's batch is split over "
-        "shard_axis, two different axes of the mesh. Pass the mesh's other "
-        "axis (dl.devices.hybrid_mesh names them 'data' and 'fsdp'), or drop "
-        "shard_axis.")
-  axis_size(mesh, shard_axis, name="shard_axis")
+from dlion_jax import _core
+from dlion_jax._mesh import axis_size
 
 
 def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
@@ -56,27 +33,27 @@ def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
                 check_vma: bool) -> Callable:
   """:func:`dlion_jax.parallel.make_train_step`'s step with a
   ``shard_axis``: each node's mean gradient by
-  :func:`dlion_jax.shards.node_mean_grads` (manual over both axes), then
+  ``dlion_jax._grads_first.node_mean_grads`` (manual over both axes), then
   the update of :func:`_voted`, each leaf's gradient and vote in the
   blocks :func:`dlion_jax._placement.blocks` gives it."""
   def step(params, state, batch):
     paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
-    floats = _worker_step.float_leaves(params)
+    floats = _core.float_leaves(params)
     param_specs, blocks = _placement.blocks(tx, specs, params, mesh,
                                             shard_axis)
 
     def device_grads(params, batch):
-      value, grads = _worker_step.loss_and_grads(loss_fn, params, batch,
+      value, grads = _core.loss_and_grads(loss_fn, params, batch,
                                                  has_aux, micro_batches)
       grads = jax.tree.leaves(grads)
-      return (_worker_step.mean_of_workers(value, shard_axis),
+      return (_core.mean_of_workers(value, shard_axis),
               [grads[i] for i in floats])
-    value, grads = shards.node_mean_grads(
+    value, grads = _core.node_mean_grads(
         device_grads, mesh, axis_name=axis_name, shard_axis=shard_axis,
-        param_dims=[shards.axis_dim(s, shard_axis, f"params leaf {p}")
+        param_dims=[_core.axis_dim(s, shard_axis, f"params leaf {p}")
                     for s, p in zip(param_specs, paths)],
-        grad_dims=[shards.axis_dim(blocks[paths[i]], shard_axis)
+        grad_dims=[_core.axis_dim(blocks[paths[i]], shard_axis)
                    for i in floats])(params, batch)
     return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
         params, state, value, grads)
@@ -100,17 +77,17 @@ def explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
   n = axis_size(mesh, axis_name)
 
   def step(params, state, batch):
-    floats = _worker_step.float_leaves(params)
+    floats = _core.float_leaves(params)
     _, blocks = _placement.blocks(tx, specs, params, mesh, None)
 
     def worker_grads(rows):
-      value, grads = _worker_step.loss_and_grads(loss_fn, params, rows,
+      value, grads = _core.loss_and_grads(loss_fn, params, rows,
                                                  has_aux, micro_batches)
       grads = jax.tree.leaves(grads)
       return value, [grads[i] for i in floats]
     with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
       rows = jax.tree_util.tree_map_with_path(
-          lambda path, x: workers.worker_rows(x, n, axis_name, path), batch)
+          lambda path, x: _core.worker_rows(x, n, axis_name, path), batch)
       value, grads = jax.vmap(worker_grads, spmd_axis_name=axis_name)(rows)
     return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
         params, state, value, grads)
@@ -128,10 +105,10 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
   (``jax.sharding.auto_axes``): a region manual over some axes of an
   Explicit mesh all-gathers its inputs and outputs over the others (jax
   0.10), which would gather every gradient and momentum; the update is
-  told each leaf's placement instead (:func:`dlion_jax.shards.placed`).
+  told each leaf's placement instead (``dlion_jax._blocks.placed``).
   """
-  explicit = _placement.explicit_axes(mesh, axis_name)
-  update = _worker_step.worker_update(tx, blocks)
+  explicit = _mesh.explicit_axes(mesh, axis_name)
+  update = _core.worker_update(tx, blocks)
 
   def local_update(params, state, value, float_grads):
     whole = [jnp.zeros(np.shape(x), jnp.result_type(x))
@@ -140,7 +117,7 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
       whole[i] = g
     params, state = update(jax.tree.unflatten(jax.tree.structure(params),
                                               whole), state, params)
-    return params, state, _worker_step.mean_of_workers(value, axis_name)
+    return params, state, _core.mean_of_workers(value, axis_name)
 
   def region(*args):
     # The gradients come last: the exchange check reads them as varying.
@@ -162,3 +139,5 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
           out_sharding=(typed(params), typed(state), P()))(
               params, state, value, grads)
   return voted
+
+

@@ -15,9 +15,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _mesh
 from dlion_jax import _placement
 from dlion_jax import _replication
-from dlion_jax.devices import axis_size
+from dlion_jax._mesh import axis_size
+from dlion_jax import _core
 
 
 _LAYOUTS = ("replicated", "stacked", "split")
@@ -162,7 +164,7 @@ def mapped(fn: Callable, mesh: Mesh, *, axis_name, ins, outs,
   out_specs = tuple(map(spec, outs_))
   sharded = jax.shard_map(local, mesh=mesh, in_specs=tuple(map(spec, ins)),
                          out_specs=out_specs[0] if single else out_specs,
-                         axis_names=set(_placement.names(axis_name)),
+                         axis_names=set(_mesh.names(axis_name)),
                          check_vma=check_vma)
   def call(*args):
     if len(args) != len(ins):
@@ -171,7 +173,7 @@ def mapped(fn: Callable, mesh: Mesh, *, axis_name, ins, outs,
           f"but ins gives {len(ins)} layouts {ins}; give one layout per "
           "argument.")
     for i, (arg, layout) in enumerate(zip(args, ins)):
-      _rows(arg, layout, lambda x: x, lambda sub: check_leading_axis(
+      _rows(arg, layout, lambda x: x, lambda sub: _core.check_leading_axis(
           sub, n, f"per_worker argument {i} (\"stacked\")",
           "one row per worker", "Stack one row per worker, or lay the "
           "argument out \"split\" if its rows are to be divided among "
@@ -231,53 +233,3 @@ def _rows(tree: Any, layout: Any, row: Callable, check=None) -> Any:
   return jax.tree.map(part, layout, tree)
 
 
-def check_leading_axis(tree: Any, n: int, what: str, wants: str,
-                       fix: str, pmap: bool = False) -> None:
-  """Raises a ValueError naming the first leaf without a leading axis n
-  (and, for an injected hyperparameter, how to set one)."""
-  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
-    shape = np.shape(leaf)
-    if not shape or shape[0] != n:
-      name = _hyperparameter(path)
-      raise ValueError(
-          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
-          f"{shape}; the step wants {wants} on a leading axis of size {n}. "
-          + (fix if name is None else _set_hyperparameter(name, n, pmap)))
-
-
-def _hyperparameter(path) -> str | None:
-  """The name of the :func:`optax.inject_hyperparams` hyperparameter at
-  ``path`` in a state, or None."""
-  keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
-  for field, key in zip(keys, keys[1:]):
-    if field == "hyperparams":
-      return key
-  return None
-
-
-def _set_hyperparameter(name: str, n: int, pmap: bool) -> str:
-  value = f"state.hyperparams[{name!r}]"
-  how = (f"{value} = jnp.full_like({value}, new_value)" if pmap else
-         f"value = {value}; {value} = jax.device_put(jnp.full_like(value, "
-         "new_value), value.sharding)")
-  return (
-      f"It is the hyperparameter {name!r} of optax.inject_hyperparams, "
-      f"which every worker's state holds, one row per worker ({n}): set "
-      + ("every row: " if pmap else
-         "every row, keeping the leaf's sharding: ") + how + ".")
-
-
-def check_worker_states(state: Any, n: int, devices: int) -> None:
-  """Raises a ValueError naming the first state leaf not stacked for the
-  ``n`` workers of the step, and the call that builds the state (a state
-  with a row per device of the mesh was built for a step whose workers
-  are every device)."""
-  rows = {np.shape(x)[0] for x in jax.tree.leaves(state) if np.ndim(x)}
-  fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
-         "not tx.init(params).")
-  if devices != n and rows == {devices}:
-    fix = (f"It has a row per device of the mesh ({devices}); this step's "
-           f"workers are the {n} rows of the data axis, each voting for "
-           "its node. " + fix)
-  check_leading_axis(state, n, "optimizer state",
-                     "every worker's state stacked", fix)

@@ -23,13 +23,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import devices
-from dlion_jax import shards
-
-
-def names(axes) -> tuple:
-  """The axes of ``axes``, one mesh axis or a tuple of them, as a tuple."""
-  return axes if isinstance(axes, tuple) else (axes,)
+from dlion_jax import _mesh
+from dlion_jax import _blocks
 
 
 def cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:
@@ -40,9 +35,9 @@ def cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:
   state."""
   k = mesh.shape[shard_axis]
   def cut(x):
-    spec = devices.spec_on(x, mesh)
-    if shard_axis not in shards.spec_axes(spec):
-      spec = devices.fsdp_spec(np.shape(x), k, shard_axis, placed=spec)
+    spec = _mesh.spec_on(x, mesh)
+    if shard_axis not in _mesh.spec_axes(spec):
+      spec = _mesh.fsdp_spec(np.shape(x), k, shard_axis, placed=spec)
     return jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x),
                                 sharding=NamedSharding(mesh, spec))
   return jax.tree.map(cut, params)
@@ -54,7 +49,7 @@ def check_not_over(params: Any, axis_name: str) -> None:
   for path, x in jax.tree_util.tree_leaves_with_path(params):
     sharding = getattr(x, "sharding", None)
     if (isinstance(sharding, NamedSharding)
-        and axis_name in shards.spec_axes(sharding.spec)):
+        and axis_name in _mesh.spec_axes(sharding.spec)):
       raise ValueError(
           f"params leaf {jax.tree_util.keystr(path)} is sharded "
           f"{sharding.spec}, over axis_name={axis_name!r}, the axis the "
@@ -145,12 +140,12 @@ def placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
   """For each params leaf (by key path), the most sharded of its own
   placement and that of the state leaves shaped like it (a ZeRO-2
   momentum): how the optimizer update is to cut it (:func:`dlion_jax.
-  shards.placed`)."""
+  _blocks.placed`)."""
   out = {}
   def note(spec, param_spec, path):
     best = out.get(path, param_spec)
-    if isinstance(spec, P) and len(shards.spec_axes(spec)) > len(
-        shards.spec_axes(best)):
+    if isinstance(spec, P) and len(_mesh.spec_axes(spec)) > len(
+        _mesh.spec_axes(best)):
       best = spec
     out[path] = best
   _each_param_leaf(tx, note, params_specs, params_specs)
@@ -193,8 +188,8 @@ def check_placement(tx, specs: Any, mesh: Mesh) -> None:
       return
     mine, theirs = P(*spec[1:]), param_spec
     pad = max(len(mine), len(theirs))
-    if (shards.spec_axes(theirs) & explicit
-        and shards.spec_axes(mine) & explicit
+    if (_mesh.spec_axes(theirs) & explicit
+        and _mesh.spec_axes(mine) & explicit
         and tuple(mine) + (None,) * (pad - len(mine))
         != tuple(theirs) + (None,) * (pad - len(theirs))):
       conflicts.append((path, mine, theirs))
@@ -208,19 +203,6 @@ def check_placement(tx, specs: Any, mesh: Mesh) -> None:
         "params as you place them: parallel.init_worker_states(tx, params, "
         "mesh), or from dl.devices.shard_params(params, mesh) for whole "
         "params and a sharded state (ZeRO-2).")
-
-
-def explicit_axes(mesh: Mesh, axis_name) -> tuple:
-  """The mesh's Explicit axes beside ``axis_name``."""
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if a not in names(axis_name)
-               and t == jax.sharding.AxisType.Explicit)
-
-
-def auto_axes(mesh) -> tuple:
-  """The Auto axes of more than one device of an abstract mesh."""
-  return tuple(a for a, t in zip(mesh.axis_names, mesh.axis_types)
-               if t == jax.sharding.AxisType.Auto and mesh.shape[a] > 1)
 
 
 def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
@@ -246,8 +228,8 @@ def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
   for path, x in leaves:
     key = jax.tree_util.keystr(path)
     spec = merged[key]
-    if shard_axis not in shards.spec_axes(spec):
-      spec = devices.fsdp_spec(x.shape, k, shard_axis, placed=spec)
+    if shard_axis not in _mesh.spec_axes(spec):
+      spec = _mesh.fsdp_spec(x.shape, k, shard_axis, placed=spec)
     blocks[key] = spec
   return param_specs, blocks
 
@@ -286,7 +268,7 @@ class PlacedCall:
     """The Auto axes beside the workers' that partition the mesh."""
     return tuple(a for a, t in zip(self._mesh.axis_names,
                                    self._mesh.axis_types)
-                 if a not in names(self._axis) and self._mesh.shape[a] > 1
+                 if a not in _mesh.names(self._axis) and self._mesh.shape[a] > 1
                  and t == jax.sharding.AxisType.Auto)
 
   def _traced(self, *args):
@@ -307,7 +289,7 @@ class PlacedCall:
           "each updated argument's placement), or use Explicit axes.")
     specs = jax.tree.map(lambda x: getattr(x, "spec", x), self._placement,
                          is_leaf=_is_spec)
-    with shards.placed(shards.specs_by_path(specs, specs)):
+    with _blocks.placed(_blocks.specs_by_path(specs, specs)):
       out = self._call(*args)
     return _constrained(out, specs, self._mesh)
 
@@ -318,7 +300,7 @@ class PlacedCall:
     if key not in self._jitted:
       auto = any(t == jax.sharding.AxisType.Auto for a, t in zip(
           self._mesh.axis_names, self._mesh.axis_types)
-                 if a not in names(self._axis))
+                 if a not in _mesh.names(self._axis))
       self._jitted[key] = jax.jit(
           self._call, donate_argnums=self._donate,
           out_shardings=_placed_like(self._call, args) if auto else None)

@@ -20,9 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from dlion_jax import _mesh
 from dlion_jax import _drift
-from dlion_jax import _placement
-from dlion_jax import _worker_step
+from dlion_jax import _core
 from dlion_jax import rounds
 
 
@@ -32,7 +32,7 @@ def _drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
   outputs of ``jaxpr``, one worker's step) varies over ``axis_name`` (an
   axis or a tuple of them) when the batch (its last ``num_batch_leaves``
   inputs) does; empty leaves cannot drift."""
-  axes = frozenset(_placement.names(axis_name))
+  axes = frozenset(_mesh.names(axis_name))
   inputs = _drift.open_jaxpr(jaxpr).invars
   fixed = len(inputs) - num_batch_leaves
   new = _drift.varying_outputs(
@@ -55,7 +55,7 @@ def _drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
       f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
   count = f"{len(leaves)} of {len(jax.tree.leaves(params))}"
   exchanged = _drift.exchanged_outputs(
-      jaxpr, frozenset(_placement.names(axis_name)))
+      jaxpr, frozenset(_mesh.names(axis_name)))
   if not any(exchanged[i] for i, _ in drifting):
     return ValueError(
         f"The optimizer exchanges nothing over axis {axis_name!r} for params "
@@ -158,7 +158,7 @@ class ExchangeCheck(_CheckedOnFirstTrace):
     if self._grads_first:
       varying = (len(region.outvars) - len(jax.tree.leaves(params))
                  - len(jax.tree.leaves(state))
-                 + len(_worker_step.float_leaves(params)))
+                 + len(_core.float_leaves(params)))
     else:
       varying = len(jax.tree.leaves(batch))
     _check_no_drift(region.params["jaxpr"], params, varying, self._axis,
@@ -183,7 +183,7 @@ def _check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:
   """Raises unless every anchor leaf of the new state is equal on all
   workers, given per-worker params and batch (the region's last inputs,
   after the constants it closes over) and a state alike on all."""
-  axes = frozenset(_placement.names(axis_name))
+  axes = frozenset(_mesh.names(axis_name))
   n_params, n_state, n_batch = (len(jax.tree.leaves(t))
                                 for t in (params, state, batch))
   consts = len(_drift.open_jaxpr(jaxpr).invars) - n_params - n_state - n_batch
@@ -233,7 +233,7 @@ def require_exchange(fn: Callable, axis_name: str, num_workers: int,
 def replication_checked(fn, ins, outs, single, axis_name) -> Callable:
   """``fn``, traced once to check that its ``"replicated"`` outputs are
   equal on every worker (:mod:`dlion_jax._drift`)."""
-  axes = frozenset(_placement.names(axis_name))
+  axes = frozenset(_mesh.names(axis_name))
   def checked(*args):
     closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
     shapes = (shape,) if single else outputs(shape, outs)

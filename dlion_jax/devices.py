@@ -12,7 +12,6 @@ step builders of :mod:`dlion_jax.parallel` take what these return;
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import jax
@@ -22,6 +21,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _mesh
+from dlion_jax._mesh import fsdp_spec  # noqa: F401  (public here)
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
 
@@ -114,29 +115,6 @@ def hybrid_mesh(nodes: int | None = None, *, axis_name: str = "data",
   return Mesh(np.array(devices).reshape(nodes, -1), (axis_name, shard_axis))
 
 
-def axis_size(mesh: Mesh, axis_name: str | tuple[str, ...], *,
-              name: str = "axis_name") -> int:
-  """The size of ``axis_name`` in ``mesh``, or the product of the sizes of a
-  tuple of axes.
-
-  Raises:
-    ValueError: naming the argument (``name``) and the mesh's axes, if an
-      axis is not one of them or a tuple names one twice.
-  """
-  axes = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  for axis in axes:
-    if axis not in mesh.shape:
-      which = "" if axis == axis_name else f": {axis!r}"
-      raise ValueError(
-          f"{name}={axis_name!r}{which} is not an axis of the mesh, whose "
-          f"axes are {tuple(mesh.axis_names)}.")
-    if axes.count(axis) > 1:
-      raise ValueError(
-          f"{name}={axis_name!r} names axis {axis!r} twice; name each axis "
-          "of the mesh at most once.")
-  return math.prod(mesh.shape[axis] for axis in axes)
-
-
 def replicate(tree: Any, mesh: Mesh) -> Any:
   """A copy of ``tree`` on every device of ``mesh`` (``P()``).
 
@@ -156,35 +134,6 @@ def replicate(tree: Any, mesh: Mesh) -> Any:
   placed = jax.device_put(leaves, NamedSharding(mesh, P()),
                           may_alias=[None if own else False for own in ours])
   return jax.tree.unflatten(treedef, placed)
-
-
-def fsdp_spec(shape: tuple[int, ...], num_shards: int,
-              axis_name: str | tuple[str, ...] = "fsdp", *,
-              placed: P = P()) -> P:
-  """The usual FSDP partition of a leaf: its largest dimension that
-  ``num_shards`` divides (the first of equals) cut over ``axis_name``;
-  ``P()`` (replicated) when none is, e.g. a bias of 10 over 4 devices.
-
-  With ``placed`` (the leaf's spec over other axes, e.g. tensor parallel
-  ``P(None, "model")``) the dimensions it shards are kept and not chosen.
-
-  Example:
-    >>> from jax.sharding import PartitionSpec as P
-    >>> fsdp_spec((8, 12), 4)
-    P(None, 'fsdp')
-    >>> fsdp_spec((8, 12), 4, placed=P(None, "model"))
-    P('fsdp', 'model')
-  """
-  entries = list(placed) + [None] * (len(shape) - len(placed))
-  fits = [d for d, n in enumerate(shape)
-          if n % num_shards == 0 and n > 0 and entries[d] is None]
-  if not fits:
-    return placed
-  best = max(fits, key=lambda d: (shape[d], -d))
-  entries[best] = axis_name
-  while entries and entries[-1] is None:
-    entries.pop()
-  return P(*entries)
 
 
 def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
@@ -208,9 +157,9 @@ def shard_params(tree: Any, mesh: Mesh, axis_name: str | tuple[str, ...]
     >>> w.sharding.spec
     P(None, 'fsdp')
   """
-  k = axis_size(mesh, axis_name)
+  k = _mesh.axis_size(mesh, axis_name)
   return jax.tree.map(lambda x: global_array(x, NamedSharding(
-      mesh, fsdp_spec(np.shape(x), k, axis_name))), tree)
+      mesh, _mesh.fsdp_spec(np.shape(x), k, axis_name))), tree)
 
 
 def stack_for_workers(tree: Any, mesh: Mesh, *,
@@ -232,26 +181,18 @@ def stack_for_workers(tree: Any, mesh: Mesh, *,
     >>> devices.stack_for_workers({"mu": jnp.zeros(3)}, mesh)["mu"].shape
     (1, 3)
   """
-  n = axis_size(mesh, axis_name)
+  n = _mesh.axis_size(mesh, axis_name)
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), t)
   return jax.jit(stack, out_shardings=jax.tree.map(
       lambda x: stacked_sharding(x, mesh, axis_name), tree))(tree)
 
 
-def spec_on(like: Any, mesh: Mesh) -> P:
-  """How ``like`` (an array or ``jax.ShapeDtypeStruct`` placed on
-  ``mesh``) is sharded; ``P()`` for anything else."""
-  sharding = getattr(like, "sharding", None)
-  return (sharding.spec if isinstance(sharding, NamedSharding)
-          and sharding.mesh.shape == mesh.shape else P())
-
-
 def stacked_sharding(like: Any, mesh: Mesh, axis_name: str) -> NamedSharding:
   """Rows split over ``axis_name`` (a leading worker axis), each row
   sharded over the mesh's other axes as ``like`` is (an array placed on
   ``mesh``; otherwise, or for None, whole)."""
-  return NamedSharding(mesh, P(axis_name, *spec_on(like, mesh)))
+  return NamedSharding(mesh, P(axis_name, *_mesh.spec_on(like, mesh)))
 
 
 def shard_batch(batch: Any, mesh: Mesh, *,
@@ -273,7 +214,7 @@ def shard_batch(batch: Any, mesh: Mesh, *,
     >>> batch["x"].sharding.spec
     P('data',)
   """
-  n = axis_size(mesh, axis_name)
+  n = _mesh.axis_size(mesh, axis_name)
   for path, leaf in jax.tree_util.tree_leaves_with_path(batch):
     if not np.ndim(leaf) or np.shape(leaf)[0] % n:
       raise ValueError(

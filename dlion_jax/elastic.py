@@ -41,11 +41,11 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import devices
+from dlion_jax import _mesh
 from dlion_jax import lion
-from dlion_jax import parallel
 from dlion_jax import rounds
 from dlion_jax._checks import check_choice
+from dlion_jax import _core
 
 RESIZE_POLICIES = ("mean", "all", "keep")
 ERROR_POLICIES = ("map", "clear")
@@ -156,10 +156,10 @@ def _target_shardings(tx, params, mesh, axis_name, shard_axis) -> Any:
   """Where :func:`dlion_jax.parallel.init_worker_states` puts ``tx``'s
   state for ``params`` on ``mesh``."""
   shape = jax.eval_shape(
-      lambda p: parallel.init_worker_states(tx, p, mesh, axis_name=axis_name,
+      lambda p: _core.init_worker_states(tx, p, mesh, axis_name=axis_name,
                                             shard_axis=shard_axis), params)
   try:
-    return shape, parallel.state_shardings(tx, shape, params, mesh,
+    return shape, _core.state_shardings(tx, shape, params, mesh,
                                            axis_name, shard_axis=shard_axis)
   except (ValueError, TypeError):
     return shape, jax.tree.map(
@@ -291,7 +291,7 @@ def _check_state(state: Any, shape: Any) -> int:
 def _lead(mesh: Mesh, axis_name: str, num_workers: int) -> str | None:
   """Rows of ``num_workers`` go over ``axis_name`` where its devices divide
   them, else every device of the axis holds them all."""
-  return axis_name if num_workers % devices.axis_size(mesh, axis_name) == 0 \
+  return axis_name if num_workers % _mesh.axis_size(mesh, axis_name) == 0 \
       else None
 
 
@@ -349,7 +349,7 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
     >>> tx = dl.distributed_lion(1e-3, axis_name="data")
     >>> big, small = devices.data_mesh(2), devices.data_mesh(1)
     >>> p = devices.replicate({"w": jnp.zeros(3)}, big)
-    >>> state = parallel.init_worker_states(tx, p, big)
+    >>> state = _core.init_worker_states(tx, p, big)
     >>> state = elastic.resize_worker_states(
     ...     tx, state, devices.replicate({"w": jnp.zeros(3)}, small), small)
     >>> state[0].mu["w"].shape
@@ -357,7 +357,7 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
   """
   check_choice("policy", policy, RESIZE_POLICIES)
   check_choice("error", error, ERROR_POLICIES)
-  num_new = devices.axis_size(mesh, axis_name)
+  num_new = _mesh.axis_size(mesh, axis_name)
   shape, shardings = _target_shardings(tx, params, mesh, axis_name,
                                        shard_axis)
   leaves, treedef = jax.tree.flatten(state)
@@ -423,7 +423,7 @@ def _kept_on(x: Any, mesh: Mesh) -> Any:
   def fits(dim, entry):
     names = entry if isinstance(entry, tuple) else (entry,)
     return entry is None or (set(names) <= set(mesh.axis_names) and
-                             dim % devices.axis_size(mesh, names) == 0)
+                             dim % _mesh.axis_size(mesh, names) == 0)
   if not all(fits(d, e) for d, e in zip(x.shape, spec)):
     spec = P()
   return jax.device_put(x, NamedSharding(mesh, spec))
@@ -505,7 +505,7 @@ def restore_target(tx: optax.GradientTransformation, params: Any,
   for at in found:
     for i, x in zip(at, jax.tree.leaves(target)):
       leaves[i] = x
-  rows = devices.axis_size(mesh, axis_name)
+  rows = _mesh.axis_size(mesh, axis_name)
   for i in counters:
     x = leaves[i]
     if np.ndim(x) and np.shape(x)[0] == rows:
@@ -554,7 +554,7 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
     Array([[2., 4.]], dtype=float32)
   """
   check_choice("policy", policy, RESIZE_POLICIES)
-  num_new = devices.axis_size(mesh, axis_name)
+  num_new = _mesh.axis_size(mesh, axis_name)
   leaves = jax.tree.leaves(params)
   rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}
   if len(rows) != 1 or None in rows:
@@ -589,7 +589,7 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
 def _row_spec(x: Any, mesh: Mesh) -> tuple:
   """How a row of stacked ``x`` is sharded on ``mesh`` (nothing where
   ``x`` is not placed there)."""
-  return tuple(devices.spec_on(x, mesh))[1:]
+  return tuple(_mesh.spec_on(x, mesh))[1:]
 
 
 def worker_row(params: Any, mesh: Mesh) -> Any:

@@ -26,13 +26,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlion_jax import _collectives
+from dlion_jax import _mesh
 from dlion_jax import fused
 from dlion_jax import message as message_lib
 from dlion_jax import packing
-from dlion_jax import shards
+from dlion_jax import _blocks
 from dlion_jax import quantize
 from dlion_jax import strategies
-from dlion_jax import workers
 from dlion_jax._checks import check_choice
 from dlion_jax._deprecations import moved
 
@@ -120,7 +121,7 @@ class _Fusion:
     of 128 lanes (a flat message would relay them out)."""
     shape = rows[first][0].shape
     return (cls.takes(rows, first, num_alone, layout, spec)
-            and len(shape) > 1 and shape[-1] != shards.LANES)
+            and len(shape) > 1 and shape[-1] != _blocks.LANES)
 
   def decoding(self, rows, num_alone: int, layout):
     """``layout`` in blocks of :data:`dlion_jax.fused.DECODE_BLOCK` words,
@@ -148,14 +149,14 @@ def workers_along(axis_name: AxisName | None) -> int:
     NameError: ``axis_name`` is not bound by an enclosing ``shard_map`` or
       ``pmap``, with a message saying how to bind it.
     ValueError: it names a mesh axis the compiler owns
-      (:func:`dlion_jax.shards.compiler_axes`).
+      (``dlion_jax._blocks.compiler_axes``).
   """
   if axis_name is None:
     return 1
   try:
     return lax.axis_size(axis_name)
   except NameError:
-    shards.compiler_axes(axis_name)    # names an axis the compiler owns
+    _blocks.compiler_axes(axis_name)    # names an axis the compiler owns
     raise NameError(
         f"axis_name={axis_name!r} is not bound. The distributed Lion update "
         "exchanges votes over that axis, so call `update` inside "
@@ -267,7 +268,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
     message = _message_by_run(rows, combine, alone, layout, spec, fusion)
   else:
     message = _packed_message(rows, combine, alone, layout, spec, fusion,
-                              batched=workers.mapped_over_mesh(axis_name))
+                              batched=_collectives.mapped_over_mesh(axis_name))
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
                                             num_workers=n, spec=spec,
                                             aggregation=aggregation, **extra)
@@ -278,10 +279,10 @@ def _exchange(rows, combine, alone, options: VoteOptions,
     def tally_blocks(first, count):
       rows = count * fused.BLOCK_ROWS
       return fused.tally(
-          everyone, (m * rows, shards.LANES), radix=layout.radix,
+          everyone, (m * rows, _blocks.LANES), radix=layout.radix,
           num_workers=n, spec=spec, aggregation=aggregation,
           first_row=first * fused.BLOCK_ROWS,
-          interpret=fusion.interpret).reshape(m, rows, shards.LANES)
+          interpret=fusion.interpret).reshape(m, rows, _blocks.LANES)
     planes = _planes_in_blocks(tally_blocks, layout)
     decode, words = (lambda outcome: outcome), None
   # Each run's digits from its own words: read off planes of the whole
@@ -301,7 +302,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
     outcome = decode(planes(first, size).reshape(-1))
     if aggregation == "mavo" and not (strategy.returns_sign or blocked):
       outcome = jnp.sign(outcome)
-    if shards.on_tpu():
+    if _mesh.on_tpu():
       # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the
       # leaf's shape is a copy: of 1 byte a parameter rather than 4.
       outcome = outcome.astype(strategies.int_container(
@@ -368,7 +369,7 @@ def sign_of_mean(leaves: list[jax.Array], *,
     group = [i for i, x in enumerate(leaves)
              if quantize.scale_dtype(x.dtype) == dtype]
     flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in group])
-    total = jnp.sign(workers.psum(flat, axis_name))
+    total = jnp.sign(_collectives.psum(flat, axis_name))
     offset = 0
     for i in group:
       x = leaves[i]
@@ -414,12 +415,12 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
 
   Where the mesh has axes the compiler owns beside ``axis_name`` (a
   ``shard_map`` manual over the data axis only), each device votes on its
-  own part of every leaf (:func:`dlion_jax.shards.on_own_shards`): it
+  own part of every leaf (``dlion_jax._blocks.on_own_shards``): it
   sends only that part's votes, to its peers across ``axis_name``, and
   the L1 scales and the ``min_compress_size`` test see whole leaves.
   ``combine`` gets
   ``constants`` after the leaves (traced hyperparameters: see
-  :func:`dlion_jax.shards.on_own_shards`).
+  ``dlion_jax._blocks.on_own_shards``).
 
   ``bucket_bytes`` splits the voted leaves into buckets (:func:`buckets`),
   each packed into a message of its own and exchanged on its own, so that
@@ -444,14 +445,14 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   check_choice("kernels", kernels, fused.KERNELS)
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
                         min_compress_size, bucket_bytes, kernels)
-  axes = shards.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
   fuse = _uses_kernels(kernels, constants, axis_name)
   def run(*trees, leaf_shards=None, constants):
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
                       options=options, leaf_shards=leaf_shards, fuse=fuse,
                       also=None if axes else also)
   if axes:
-    updates, done, also_values = shards.on_own_shards(
+    updates, done, also_values = _blocks.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
   else:
     updates, done, also_values = run(*trees, constants=constants)
@@ -461,9 +462,9 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
 def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
   """Whether :func:`aggregate` takes the fused kernels (see there)."""
   if constants or kernels == "xla" or (
-      kernels == "auto" and not shards.on_tpu()):
+      kernels == "auto" and not _mesh.on_tpu()):
     return False
-  if workers.mapped_over_mesh(axis_name):
+  if _collectives.mapped_over_mesh(axis_name):
     if kernels == "pallas":
       raise ValueError(
           "kernels='pallas' cannot run in a plain jitted step "
@@ -570,7 +571,7 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
     run = (layout.run_of(j), dtypes[key])
     shape = rows[k][0].shape
-    if j < len(alone) and shards.on_tpu():
+    if j < len(alone) and _mesh.on_tpu():
       outcome = layout.leaf_values(results[run[0]], j).reshape(shape)
       if layout.radix is not None and not (
           fusion and run[0] in fusion.decoded):
@@ -716,7 +717,7 @@ def _run_words(rows, first, end, combine, alone, layout, spec,
     return words.ravel() if flat else words
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and packing.planes_in_place(rows[first][0].shape, m)
-      and shards.on_tpu()):
+      and _mesh.on_tpu()):
     # Plane by plane from the inputs' own planes: XLA:TPU writes out the
     # codes of a whole leaf before packing them (XLA:CPU fuses the two,
     # and m copies of the encoding a leaf would lengthen its compile).

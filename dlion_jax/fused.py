@@ -50,9 +50,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 from jax.experimental.pallas import triton as pltriton
 
+from dlion_jax import _mesh
 from dlion_jax import packing
 from dlion_jax import quantize
-from dlion_jax import shards
+from dlion_jax import _blocks
 from dlion_jax import strategies
 
 Kernels = Literal["auto", "pallas", "xla"]
@@ -75,7 +76,7 @@ def platform() -> str:
   is traced for TPU chips (over their mesh, as ahead of time) or jax's
   default backend is a TPU; ``'gpu'`` (Triton) where it is a GPU; else
   ``'cpu'``, where they run in Pallas' interpreter."""
-  if shards.on_tpu() or jax.default_backend() == "tpu":
+  if _mesh.on_tpu() or jax.default_backend() == "tpu":
     return "tpu"
   return "gpu" if jax.default_backend() == "gpu" else "cpu"
 
@@ -91,7 +92,7 @@ def _view(shape: tuple[int, ...]) -> tuple[int, int]:
   axes merged, or a flat leaf in rows of 128 lanes (on TPU either is the
   leaf's own layout)."""
   if len(shape) == 1:
-    return shape[0] // shards.LANES, shards.LANES
+    return shape[0] // _blocks.LANES, _blocks.LANES
   return math.prod(shape[:-1]), shape[-1]
 
 
@@ -117,7 +118,7 @@ def fits(shape: tuple[int, ...], dtypes, radix: int | None) -> bool:
     True
   """
   m = 1 if radix is None else packing.digits_per_word(radix)
-  if not shape or shape[-1] % shards.LANES or (
+  if not shape or shape[-1] % _blocks.LANES or (
       len(shape) > 2 and shape[0] % m and shape[-2] % BLOCK_ROWS):
     return False
   rows, _ = _view(shape)
@@ -354,7 +355,7 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
 
 #: Results in a block of :func:`decode`'s output: 32 rows of 128 lanes. A
 #: layout's ``result_blocks`` for it (:class:`dlion_jax.message.MessageLayout`).
-DECODE_BLOCK = BLOCK_ROWS * shards.LANES
+DECODE_BLOCK = BLOCK_ROWS * _blocks.LANES
 
 
 def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
@@ -406,7 +407,7 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
       num_workers if aggregation == "avg" else 1, spec)
   outcome = functools.partial(_decoded, radix=radix, num_workers=num_workers,
                               spec=spec, aggregation=aggregation, dtype=dtype)
-  words = words.reshape(n, m, q // shards.LANES, shards.LANES)
+  words = words.reshape(n, m, q // _blocks.LANES, _blocks.LANES)
   if platform() == "gpu" and not interpret:
     return _decode_by_block(words, shard, first, count, outcome, dtype,
                             radix=radix, interpret=False)
@@ -497,15 +498,15 @@ def _decode_by_result(words, shard, first, count, outcome, dtype, *,
   def word_block(j, s):
     k, qb = group(s)
     return k, j, qb, 0
-  word_spec = pl.BlockSpec((None, None, BLOCK_ROWS, shards.LANES),
+  word_spec = pl.BlockSpec((None, None, BLOCK_ROWS, _blocks.LANES),
                            word_block)
   rows = count * BLOCK_ROWS
   out, = _call(kernel, [words],
-               [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
+               [jax.ShapeDtypeStruct((m, rows, _blocks.LANES), dtype)],
                [word_spec], [pl.BlockSpec(memory_space=pl.ANY)],
                (m, offsets[-1]), aliases={}, interpret=interpret,
                read=m * offsets[-1] * DECODE_BLOCK * words.dtype.itemsize,
-               scratch=(pltpu.VMEM((per_word, BLOCK_ROWS, shards.LANES),
+               scratch=(pltpu.VMEM((per_word, BLOCK_ROWS, _blocks.LANES),
                                    dtype),
                         pltpu.SemaphoreType.DMA((per_word,))))
   return out
@@ -515,16 +516,16 @@ def _decode_by_block(words, shard, first, count, outcome, dtype, *, radix,
                      interpret):
   """:func:`decode` a grid step an outcome block (GPU: a Triton program
   writes its own block), reading the result block it is a digit of."""
-  m, q = words.shape[1], words.shape[2] * shards.LANES
+  m, q = words.shape[1], words.shape[2] * _blocks.LANES
   rows = count * BLOCK_ROWS
 
   def segment(b):   # the shard and digit place a block of outcomes is in
     at = (first + b) * DECODE_BLOCK
     return at // shard, (at % shard) // q, (at % shard) % q // DECODE_BLOCK
   word_spec = pl.BlockSpec(
-      (None, None, BLOCK_ROWS, shards.LANES),
+      (None, None, BLOCK_ROWS, _blocks.LANES),
       lambda j, b: (segment(b)[0], j, segment(b)[2], 0))
-  out_spec = pl.BlockSpec((None, BLOCK_ROWS, shards.LANES),
+  out_spec = pl.BlockSpec((None, BLOCK_ROWS, _blocks.LANES),
                           lambda j, b: (j, b, 0))
 
   def kernel(words_ref, out_ref):
@@ -536,9 +537,9 @@ def _decode_by_block(words, shard, first, count, outcome, dtype, *, radix,
     out_ref[...] = outcome(digit)
 
   out, = _call(kernel, [words],
-               [jax.ShapeDtypeStruct((m, rows, shards.LANES), dtype)],
+               [jax.ShapeDtypeStruct((m, rows, _blocks.LANES), dtype)],
                [word_spec], [out_spec], (m, count), aliases={},
-               interpret=interpret, read=m * rows * shards.LANES
+               interpret=interpret, read=m * rows * _blocks.LANES
                * words.dtype.itemsize)
   return out
 
@@ -572,10 +573,10 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
   m = packing.digits_per_word(radix)
   per_word = packing.digits_per_word(down_radix)
   q_blocks, last = result_words // DECODE_BLOCK, size // DECODE_BLOCK - 1
-  block = (n, BLOCK_ROWS, shards.LANES)
+  block = (n, BLOCK_ROWS, _blocks.LANES)
   in_specs = [pl.BlockSpec(block, lambda b, p=p: (
       0, jnp.minimum(p * q_blocks + b, last), 0)) for p in range(per_word)]
-  out_spec = pl.BlockSpec((m, BLOCK_ROWS, shards.LANES), lambda b: (0, b, 0))
+  out_spec = pl.BlockSpec((m, BLOCK_ROWS, _blocks.LANES), lambda b: (0, b, 0))
 
   def kernel(*refs):
     b = pl.program_id(0)
@@ -593,9 +594,9 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
 
   word_dtype = packing.word_dtype(down_radix)
   # The shard once an input, each read a block at its place value's rows.
-  out, = _call(kernel, [mine.reshape(n, -1, shards.LANES)] * per_word,
+  out, = _call(kernel, [mine.reshape(n, -1, _blocks.LANES)] * per_word,
                [jax.ShapeDtypeStruct(
-                   (m, result_words // shards.LANES, shards.LANES),
+                   (m, result_words // _blocks.LANES, _blocks.LANES),
                    word_dtype)],
                in_specs, [out_spec], (q_blocks,), aliases={},
                interpret=interpret,

@@ -9,14 +9,14 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from dlion_jax import _collectives
+from dlion_jax import _mesh
 from dlion_jax import _drift
 from dlion_jax import exchange
 from dlion_jax import fused
 from dlion_jax import message
 from dlion_jax import quantize
-from dlion_jax import shards
 from dlion_jax import sync
-from dlion_jax import workers
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import check_float_leaves
 from dlion_jax._checks import check_same_structure
@@ -361,13 +361,13 @@ def scale_by_distributed_lion(
           also=fused_moment)
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
     mu = _moments(moment, updates, state.mu, fused_mu)
-    if done is not None and not shards.on_tpu():
+    if done is not None and not _mesh.on_tpu():
       mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
       mu = sync.sync_momenta(
-          mu, flags, schedule(workers.alike(count, axis_name)), axis_name)
+          mu, flags, schedule(_collectives.alike(count, axis_name)), axis_name)
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -536,7 +536,7 @@ def _replicated_schedule(value: optax.ScalarOrSchedule, axis_name):
   (``check_vma=False``, ``pmap``, ``vmap`` alone) the schedule runs
   unchanged.
   """
-  alike = lambda x: workers.alike(x, axis_name)
+  alike = lambda x: _collectives.alike(x, axis_name)
   if isinstance(value, jax.Array):    # traced by optax.inject_hyperparams
     return alike(value)
   if not callable(value):

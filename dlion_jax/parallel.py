@@ -51,17 +51,21 @@ import optax
 from jax import lax
 from jax.sharding import Mesh
 
+from dlion_jax import _collectives
+from dlion_jax import _mesh
 from dlion_jax import _grads_first
 from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax import _replication
-from dlion_jax import _worker_step
+from dlion_jax import _core
 from dlion_jax import devices
 from dlion_jax import rounds
-from dlion_jax import workers
 from dlion_jax._checks import positive_int
 from dlion_jax._deprecations import moved
-from dlion_jax._per_worker import per_worker  # noqa: F401  (public here)
+# Public here: the per-worker state and per_worker's map.
+from dlion_jax._core import init_worker_states  # noqa: F401
+from dlion_jax._core import state_shardings  # noqa: F401
+from dlion_jax._per_worker import per_worker  # noqa: F401
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -80,69 +84,6 @@ __getattr__ = moved(__name__, {
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
 MAX_IN_FLIGHT = 8
-
-
-def init_worker_states(tx: optax.GradientTransformation, params: Any,
-                       mesh: Mesh, *, axis_name: str = "data",
-                       shard_axis: str | None = None) -> Any:
-  """``tx.init(params)`` for every worker, stacked and sharded over the axis.
-
-  Args:
-    tx: the optimizer.
-    params: the params, replicated or sharded over the mesh's other axes
-      (:func:`~dlion_jax.devices.shard_params`): each momentum is sharded
-      like its param.
-    mesh: the device mesh.
-    axis_name: the data-parallel axis the optimizer votes over.
-    shard_axis: a fast axis to shard the state over as well (ZeRO-2 for
-      :func:`make_train_step`'s ``shard_axis``): each momentum not sharded
-      over it already is cut over it as
-      :func:`~dlion_jax.devices.shard_params` would cut its param.
-
-  Returns:
-    The state pytree with a leading axis of size ``N`` on every leaf,
-    placed so that worker ``i`` holds row ``i``.
-  """
-  _grads_first.check_shard_axis(axis_name, shard_axis, mesh)
-  _placement.check_not_over(params, axis_name)
-  init = _per_worker.mapped(tx.init, mesh, axis_name=axis_name,
-                            ins=("replicated",), outs="stacked")
-  try:
-    shardings = state_shardings(tx, jax.eval_shape(init, params), params,
-                                mesh, axis_name, shard_axis=shard_axis)
-  except (ValueError, TypeError):
-    # A state optax cannot map param-shaped leaves of: the compiler places
-    # it (Explicit axes still shard each momentum like its param).
-    shardings = None
-  return jax.jit(init, out_shardings=shardings)(params)
-
-
-def state_shardings(tx: optax.GradientTransformation, state: Any,
-                    params: Any, mesh: Mesh, axis_name: str = "data", *,
-                    shard_axis: str | None = None) -> Any:
-  """Where :func:`init_worker_states` places the stacked ``state`` (its
-  shapes suffice): each worker's row on its ``axis_name`` devices, and a
-  leaf shaped like a param (a momentum) sharded over the mesh's other axes
-  as that param is (``params``' ``NamedSharding``s), and with a
-  ``shard_axis`` over that axis too.
-
-  Raises:
-    ValueError: a param sharded over ``axis_name`` itself (the workers
-      each hold every param; a momentum cannot be split over them twice).
-  """
-  if shard_axis is not None:
-    params = _placement.cut_over(params, mesh, shard_axis)
-  _placement.check_not_over(params, axis_name)
-
-  def like(leaf, param=None):
-    if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
-      return leaf
-    same = param is not None and leaf.shape[1:] == param.shape
-    return devices.stacked_sharding(param if same else None, mesh,
-                                    axis_name)
-  return optax.tree_utils.tree_map_params(
-      tx, like, state, params, transform_non_params=like,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
 
 
 @jax.jit
@@ -282,7 +223,7 @@ def typed_alike(state: Any) -> Any:
     >>> params["w"]
     Array([0.99, 0.99, 0.99, 0.99], dtype=float32)
   """
-  return workers.alike_state(state)
+  return _collectives.alike_state(state)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -302,7 +243,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   so ``optax.clip_by_global_norm``, masks by rank and
   ``optax.multi_transform`` labels mean what they mean, and each device
   votes on its own part of every leaf with its peers across
-  ``axis_name`` (:func:`dlion_jax.shards.on_own_shards`): Distributed Lion
+  ``axis_name`` (``dlion_jax._blocks.on_own_shards``): Distributed Lion
   over the nodes, each fed its node's mean gradient. Place the batch over
   all the axes (``NamedSharding(mesh, P(("data", "fsdp")))``) so each
   device differentiates its own rows.
@@ -313,7 +254,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   compiler: each device differentiates its own rows with whole params
   (gathered over ``shard_axis`` first where they are sharded at rest), and
   one reduce-scatter per leaf leaves it the node's mean gradient on its
-  block of the leaf (:func:`dlion_jax.shards.node_mean_grads`). The fast
+  block of the leaf (``dlion_jax._grads_first.node_mean_grads``). The fast
   links then carry that reduce-scatter and one all-gather (of the params,
   or of the updates where params are replicated), however the compiler
   would have partitioned an unannotated model. ``loss_fn`` then sees one
@@ -390,8 +331,8 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     >>> float(loss)
     9.0
   """
-  _grads_first.check_shard_axis(axis_name, shard_axis, mesh)
-  n = devices.axis_size(mesh, axis_name)
+  _core.check_shard_axis(axis_name, shard_axis, mesh)
+  n = _mesh.axis_size(mesh, axis_name)
   if params_per_worker:
     _check_params_per_worker_mesh(mesh, axis_name, shard_axis)
   micro_batches = positive_int("micro_batches", micro_batches)
@@ -400,19 +341,19 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   check_vma = check_vma and n > 1
   auto = any(t == jax.sharding.AxisType.Auto
              for a, t in zip(mesh.axis_names, mesh.axis_types)
-             if a not in _placement.names(axis_name))
+             if a not in _mesh.names(axis_name))
 
   def build(specs=None, out_shardings=None):
     if shard_axis is not None:
       step = _grads_first.hybrid_step(
           loss_fn, tx, mesh, axis_name, shard_axis, specs, has_aux=has_aux,
           micro_batches=micro_batches, check_vma=check_vma)
-    elif _placement.explicit_axes(mesh, axis_name):
+    elif _mesh.explicit_axes(mesh, axis_name):
       step = _grads_first.explicit_step(
           loss_fn, tx, mesh, axis_name, specs, has_aux=has_aux,
           micro_batches=micro_batches, check_vma=check_vma)
     else:
-      learn = _worker_step.learn(
+      learn = _core.learn(
           loss_fn, tx, has_aux, micro_batches,
           _placement.placement(tx, *specs) if specs and auto else None)
 
@@ -420,7 +361,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         local_params = (lax.pcast(params, axis_name, to="varying")
                         if check_vma and not params_per_worker else params)
         params, state, loss = learn(params, local_params, state, batch)
-        return params, state, _worker_step.mean_of_workers(loss, axis_name)
+        return params, state, _core.mean_of_workers(loss, axis_name)
 
       params_layout = "stacked" if params_per_worker else "replicated"
       step = _per_worker.mapped(
@@ -430,7 +371,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
           check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
-      _per_worker.check_worker_states(state, n, mesh.devices.size)
+      _core.check_worker_states(state, n, mesh.devices.size)
       _check_params_layout(params, state, n, params_per_worker)
       return step(params, state, batch)
 
@@ -445,7 +386,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
         build, jitted, mesh, tx, check_placement=shard_axis is None,
         params_per_worker=params_per_worker)
   grads_first = shard_axis is not None or bool(
-      _placement.explicit_axes(mesh, axis_name))
+      _mesh.explicit_axes(mesh, axis_name))
   if params_per_worker:     # whose params differ within a round
     jitted = _replication.AnchorCheck(jitted, axis_name, n)
   else:
@@ -454,7 +395,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
 
 def _check_params_per_worker_mesh(mesh: Mesh, axis_name, shard_axis) -> None:
-  explicit = _placement.explicit_axes(mesh, axis_name)
+  explicit = _mesh.explicit_axes(mesh, axis_name)
   if shard_axis is not None or explicit:
     raise ValueError(
         f"params_per_worker=True runs on a mesh of axis_name={axis_name!r} "
@@ -534,7 +475,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     ``[N]`` (equal entries).
   """
 
-  learn = _worker_step.learn(loss_fn, tx, has_aux, micro_batches)
+  learn = _core.learn(loss_fn, tx, has_aux, micro_batches)
 
   def local_step(params, state, batch):
     params, state, loss = _replication.require_exchange(
@@ -550,14 +491,14 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   def checked_step(params, state, batch):
     rounds.refuse(state, "make_pmap_train_step's step")
     stacked = "a copy for each of its devices stacked"
-    _per_worker.check_leading_axis(
+    _core.check_leading_axis(
         params, n, "params", stacked,
         f"Build it with dl.devices.replicate_for_pmap(params, {n}).")
-    _per_worker.check_leading_axis(
+    _core.check_leading_axis(
         state, n, "optimizer state", stacked,
         "Build it with parallel.init_pmap_states(tx, params, "
         f"{n}).", pmap=True)
-    _per_worker.check_leading_axis(
+    _core.check_leading_axis(
         batch, n, "batch", "each device's batch",
         f"Reshape it to [{n}, local_batch, ...].")
     return step(params, state, batch)

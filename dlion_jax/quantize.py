@@ -34,7 +34,7 @@ from typing import Literal, get_args
 import jax
 import jax.numpy as jnp
 
-from dlion_jax import shards
+from dlion_jax import _blocks
 from dlion_jax._checks import check_choice
 from dlion_jax._checks import static_int
 
@@ -109,7 +109,7 @@ def scale_dtype(dtype) -> jnp.dtype:
   return jnp.promote_types(dtype, jnp.float32)
 
 
-def l1_scale(c: jax.Array, shard: shards.LeafShard | None = None) -> jax.Array:
+def l1_scale(c: jax.Array, shard: _blocks.LeafShard | None = None) -> jax.Array:
   """Mean absolute value of a leaf, non-finite entries counted as 0 (the
   per-leaf scale ``a``), in :func:`scale_dtype`.
 
@@ -144,7 +144,7 @@ def sign_codes(c: jax.Array, radix: int) -> jax.Array:
 
 
 def l1_levels(c: jax.Array, max_level: int,
-              shard: shards.LeafShard | None = None) -> jax.Array:
+              shard: _blocks.LeafShard | None = None) -> jax.Array:
   """``clip(round(L * c / mean|c|), -L, L)`` in :func:`scale_dtype`; 0 where
   undefined (NaN, or a leaf whose finite entries are all 0)."""
   dtype = scale_dtype(c.dtype)
@@ -156,7 +156,7 @@ def l1_levels(c: jax.Array, max_level: int,
 
 
 def encode(c: jax.Array, spec: VoteSpec,
-           shard: shards.LeafShard | None = None) -> jax.Array:
+           shard: _blocks.LeafShard | None = None) -> jax.Array:
   """Vote codes (``uint8`` digits in ``[0, spec.radix)``) of one leaf of ``c``.
 
   Args:

@@ -36,10 +36,11 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _collectives
+from dlion_jax import _mesh
 from dlion_jax import packing
 from dlion_jax import quantize
-from dlion_jax import shards
-from dlion_jax import workers
+from dlion_jax import _blocks
 
 Comm = Literal["alltoall", "allgather", "psum", "psum_int8"]
 COMMS = get_args(Comm)
@@ -246,11 +247,11 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
 
   def stacked(messages):
     # [worker, shard, words]: each device takes its shard of every worker's.
-    mine = workers.place(messages.reshape(n, n, -1),
+    mine = _mesh.place(messages.reshape(n, n, -1),
                          P(None, axis_name, None))
-    return workers.place(jax.vmap(vote, in_axes=1)(mine), P())
+    return _mesh.place(jax.vmap(vote, in_axes=1)(mine), P())
 
-  words = workers.exchanged(manual, stacked, axis_name)(message)
+  words = _collectives.exchanged(manual, stacked, axis_name)(message)
   if decode_with is not None:
     return decode_with(words, message.shape[-1] // n), (
         lambda outcome: outcome), None
@@ -271,8 +272,8 @@ def _lane_rows(words: jax.Array) -> jax.Array:
   """``words`` with its last axis in rows of 128 lanes on TPU, where it is
   a whole number of them: exchanged in that shape, the words land in the
   tiles their reader takes (a flat buffer is relaid out on the way)."""
-  if shards.on_tpu() and words.shape[-1] % shards.LANES == 0:
-    return words.reshape(words.shape[:-1] + (-1, shards.LANES))
+  if _mesh.on_tpu() and words.shape[-1] % _blocks.LANES == 0:
+    return words.reshape(words.shape[:-1] + (-1, _blocks.LANES))
   return words
 
 
@@ -308,29 +309,29 @@ def _gather_words(words, axis_name, n):
   across TPU slices XLA:TPU gathers a small buffer that is not whole rows
   of 128 lanes by an all-reduce of a zero-padded one, twice the DCN bytes.
   """
-  if not shards.on_tpu():
+  if not _mesh.on_tpu():
     # Flat: jax gathers an empty [m, 0] stacked in the wrong shape (seen
     # under vmap with lax.scan, and under shard_map).
     return _all_gather(words.reshape(-1), axis_name, tiled=True).reshape(
         (n,) + words.shape)
   width = words.shape[-1]
-  pad = -width % shards.LANES
+  pad = -width % _blocks.LANES
   if words.ndim > 1 and 0 < width and pad <= _ROW_PADDING * width:
     if pad:
       lanes = [(0, 0)] * (words.ndim - 1) + [(0, pad)]
       return _all_gather(jnp.pad(words, lanes), axis_name)[..., :width]
     return _all_gather(_lane_rows(words), axis_name).reshape(
         (n,) + words.shape)
-  rows = _all_gather(shards.lane_rows(words.reshape(-1), 4), axis_name)
+  rows = _all_gather(_blocks.lane_rows(words.reshape(-1), 4), axis_name)
   return rows.reshape(n, -1)[:, :words.size].reshape((n,) + words.shape)
 
 
 def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
-  everyone = workers.exchanged(
+  everyone = _collectives.exchanged(
       lambda m: _all_gather(_lane_rows(m), axis_name).reshape(num_workers, -1),
-      lambda messages: workers.place(messages, P()), axis_name)(message)
+      lambda messages: _mesh.place(messages, P()), axis_name)(message)
   words = lambda first, size: lax.slice_in_dim(everyone, first, first + size,
                                                axis=1)
   planes = lambda first, size: packing.sum_planes(words(first, size),
@@ -367,7 +368,7 @@ def _summed(message, axis_name):
   """``words(first, size)``, ``[1, size]``, of the workers' messages summed
   by one ``psum``: a flat message, or one given in pieces by their first
   word (``{first: words}``), each summed in its own shape."""
-  total = workers.psum(message, axis_name)
+  total = _collectives.psum(message, axis_name)
   if not isinstance(total, dict):
     total = {0: total}
 

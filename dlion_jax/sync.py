@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlion_jax import _collectives
 from dlion_jax import _drift
-from dlion_jax import shards
-from dlion_jax import workers
+from dlion_jax import _blocks
 from dlion_jax._checks import positive_int
 from dlion_jax._checks import static_int
 
@@ -165,7 +165,7 @@ def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
   hand it to every worker for good; this way the sync repairs it.
   """
   finite = [jnp.where(jnp.isfinite(x), x, 0) for x in xs]
-  means = workers.pmean(finite, axis_name)
+  means = _collectives.pmean(finite, axis_name)
   return _typed_like(means, xs)
 
 
@@ -190,18 +190,18 @@ def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
   One ``pmean`` of all flagged leaves, inside :func:`jax.lax.cond`, so steps
   without a sync send nothing. Where the mesh has axes the compiler owns,
   each device averages its own part of each leaf with its peers
-  (:func:`dlion_jax.shards.on_own_shards`).
+  (``dlion_jax._blocks.on_own_shards``).
   """
   leaves, treedef = jax.tree.flatten(mu)
   chosen = [x for x, f in zip(leaves, flags) if f]
   if not chosen:
     return mu
-  axes = shards.compiler_axes(axis_name)
+  axes = _blocks.compiler_axes(axis_name)
   mean = lambda xs: _mean_over(xs, axis_name)
   if axes:
     # The region is check_vma=False inside, so its means come out typed
     # alike on every worker: typed back as the momenta are.
-    mean = lambda xs: _typed_like(shards.on_own_shards(
+    mean = lambda xs: _typed_like(_blocks.on_own_shards(
         lambda ys, **_: _mean_over(ys, axis_name), (xs,), axes), xs)
   synced = iter(jax.lax.cond(do_sync, mean, lambda xs: xs, chosen))
   return jax.tree.unflatten(

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dlion_jax import shards
-from dlion_jax import workers
+from dlion_jax import _collectives
+from dlion_jax import _blocks
 
 
 def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
@@ -24,7 +24,7 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
   data-parallel Lion that all-reduces fp32 gradients, the baseline that
   :func:`dlion_jax.distributed_lion` replaces. Where the mesh has axes the
   compiler owns beside ``axis_name``, each device averages only its own
-  part of every leaf with its peers (:func:`dlion_jax.shards.on_own_shards`),
+  part of every leaf with its peers (``dlion_jax._blocks.on_own_shards``),
   as the vote does.
 
   Example:
@@ -43,11 +43,11 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
     _check_bound(axis_name, "dl.transforms.pmean_gradients",
                  "dl.transforms.pmean_gradients('batch') on a mesh whose "
                  "workers' axis is named 'batch'")
-    axes = shards.compiler_axes(axis_name, jax.tree.leaves(updates))
+    axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(updates))
     if not axes:
-      return workers.pmean(updates, axis_name), state
-    return shards.on_own_shards(
-        lambda g, **_: workers.pmean(g, axis_name), (updates,),
+      return _collectives.pmean(updates, axis_name), state
+    return _blocks.on_own_shards(
+        lambda g, **_: _collectives.pmean(g, axis_name), (updates,),
         axes), state
 
   return optax.GradientTransformation(optax.init_empty_state, update_fn)
@@ -113,10 +113,10 @@ def apply_if_finite(inner: optax.GradientTransformation,
     _check_bound(axis_name, "dl.apply_if_finite",
                  "dl.apply_if_finite(tx, 5, axis_name='batch') for "
                  "dl.distributed_lion(lr, axis_name='batch')")
-    bad_workers = workers.psum((~local_ok).astype(jnp.int32), axis_name)
+    bad_workers = _collectives.psum((~local_ok).astype(jnp.int32), axis_name)
     isfinite = bad_workers == 0
     # Equal on every worker, but typed per worker under check_vma.
-    count = workers.alike(state.notfinite_count, axis_name)
+    count = _collectives.alike(state.notfinite_count, axis_name)
     notfinite_count = jnp.where(isfinite, jnp.zeros([], jnp.int32),
                                 optax.safe_increment(count))
     # A select, not a lax.cond: in a branch the vote would read as sent only

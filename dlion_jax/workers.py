@@ -13,257 +13,36 @@ rows of the batch::
 
 with no ``shard_map``, no ``pcast`` and no gradient all-reduce.
 
-Some collectives do not survive ``vmap`` as they are: batched, an
-``all_to_all`` or an ``all_gather`` of the packed votes becomes one
-all-reduce of every worker's whole message (14 bits a parameter at 8
-workers, against 2.275 and 7). :func:`exchanged` gives such an exchange a
-batching rule of its own, which states it as placement instead: the
-``[N, W]`` words are resharded so that each device holds its column of
-every worker's words (one all-to-all), and the tally resharded whole (one
-all-gather). The result is the same on every worker, bit for bit the
-``shard_map`` step's; so is what a device sends.
+The vote's exchanges carry batching rules of their own
+(``dlion_jax._collectives``): batched as they are, an ``all_to_all`` or
+``all_gather`` of the packed votes would become one all-reduce of every
+worker's whole message. The result is the same on every worker, bit for
+bit the ``shard_map`` step's; so is what a device sends.
 
 On a mesh with more axes (``("data", "fsdp", "model")``) the params and
 momenta stay sharded over the others as the user placed them (FSDP,
 tensor parallel), and each device votes on its own block of every leaf
-(:func:`blockwise`, :class:`dlion_jax.shards.BlockCut`): it packs and
+(``dlion_jax._blocks``): it packs and
 sends across ``"data"`` only that block's votes, and the update is
 gathered back over the fast axes where a leaf is replicated on them.
 """
 
 from __future__ import annotations
 
-import contextvars
-import math
-from typing import Any, Callable, Hashable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import _drift
-
-
-def mapped_over_mesh(axis_name: Hashable | tuple) -> bool:
-  """Whether ``axis_name`` is a ``jax.vmap`` axis named after axes of the
-  enclosing mesh (``spmd_axis_name``), rather than a ``shard_map``'s
-  manual axis, a ``vmap`` on its own or no axis bound at all."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or not all(a in mesh.axis_names and a not in mesh.manual_axes
-                           for a in _names(axis_name)):
-    return False
-  try:
-    lax.axis_size(axis_name)
-  except NameError:
-    return False
-  return True
-
-
-def mapped_mesh_axes() -> tuple[str, ...]:
-  """The axes of the enclosing mesh bound as ``jax.vmap`` axes here (the
-  workers of :func:`update` or :func:`stacked`), none manual."""
-  mesh = jax.sharding.get_abstract_mesh()
-  return () if mesh.empty else tuple(
-      a for a in mesh.axis_names
-      if a not in mesh.manual_axes and mapped_over_mesh(a))
-
-
-def _names(axis_name) -> tuple:
-  return axis_name if isinstance(axis_name, tuple) else (axis_name,)
-
-
-def place(x: jax.Array, spec: P) -> jax.Array:
-  """``x`` laid out as ``spec`` on the enclosing mesh: a reshard where its
-  axes are Explicit, a sharding constraint where they are Auto."""
-  if _explicit(spec):
-    return jax.sharding.reshard(x, spec)
-  return lax.with_sharding_constraint(x, spec)
-
-
-def _explicit(spec: P) -> bool:
-  mesh = jax.sharding.get_abstract_mesh()
-  named = {a for entry in spec if entry is not None
-           for a in (entry if isinstance(entry, tuple) else (entry,))}
-  return all(mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Explicit
-             for a in named)
-
-
-def exchanged(manual: Callable[[Any], Any], stacked: Callable[[Any], Any],
-              axis_name) -> Callable[[Any], Any]:
-  """``manual``, one worker's exchange of ``x`` (an array or a pytree of
-  them) over ``axis_name``, whose result is the same on every worker;
-  under ``jax.vmap`` over a mesh axis (:func:`mapped_over_mesh`)
-  ``stacked`` instead, given every worker's ``x`` as arrays with a leading
-  axis of workers and returning the result once. ``stacked`` says with
-  :func:`place` where its arrays lie, so that the compiler moves them
-  between the workers' devices.
-
-  Inside :func:`blockwise` (each device of the fast axes voting on its own
-  block of the leaves) ``stacked`` runs block by block: every worker's
-  words of a block lie on the devices of that block, and move across the
-  workers' axis only."""
-  if not mapped_over_mesh(axis_name):
-    return manual
-  n = _mesh_size(axis_name)
-  blocks = _BLOCK_AXES.get()
-
-  def run(rows, blocked):
-    lead = (axis_name, blocks) if blocked else (axis_name,)
-    fn = jax.vmap(stacked, in_axes=1,
-                  spmd_axis_name=blocks) if blocked else stacked
-    if _explicit(P(*lead)):
-      return fn(rows)
-    # On Auto axes a sharding constraint leaves the compiler free to gather
-    # more than the placement asks: the axes are made Explicit for the
-    # exchange.
-    specs = jax.tree.map(
-        lambda r: P(*lead, *(None,) * (r.ndim - len(lead))), rows)
-    return jax.sharding.explicit_axes(
-        fn, axes=tuple(a for entry in lead for a in _names(entry)),
-        in_sharding=(specs,))(rows)
-
-  def broadcast(x, batched, size):
-    return jax.tree.map(
-        lambda leaf, b: leaf if b else jnp.broadcast_to(
-            leaf, (size,) + leaf.shape), x, batched)
-
-  def over_workers(blocked):
-    # Not batched (the same on every worker already), x is every row.
-    f = jax.custom_batching.custom_vmap(lambda x: run(
-        broadcast(x, jax.tree.map(lambda _: False, x), n), blocked))
-
-    @f.def_vmap
-    def _(axis_size, in_batched, x):
-      del axis_size
-      out = run(broadcast(x, in_batched[0], n), blocked)
-      return out, jax.tree.map(lambda _: False, out)
-    return f
-  if blocks is None:
-    return over_workers(False)
-
-  # The block's index, batched over the blocks, makes the innermost batching
-  # rule the blocks' even where x is the same for every block: this rule
-  # hands every block's x to the workers' rule at once.
-  over_blocks = jax.custom_batching.custom_vmap(
-      lambda x, index: over_workers(False)(x))
-
-  @over_blocks.def_vmap
-  def _(axis_size, in_batched, x, index):
-    del index
-    out = over_workers(True)(broadcast(x, in_batched[0], axis_size))
-    return out, jax.tree.map(lambda _: True, out)
-  return lambda x: over_blocks(x, lax.axis_index(BLOCKS))
-
-
-# The jax.vmap axis of the blocks in blockwise, and the mesh axes they lie
-# on while it is traced.
-BLOCKS = "dlion_jax.blocks"
-_BLOCK_AXES = contextvars.ContextVar("block_axes", default=None)
-
-
-def blockwise(fn: Callable, axes: tuple[str, ...]) -> Callable:
-  """``fn`` mapped over a leading axis of blocks, one block on each device
-  of the mesh axes ``axes`` (``jax.vmap`` named :data:`BLOCKS`), where
-  the workers are a ``jax.vmap`` axis too: its exchanges
-  (:func:`exchanged`) move each block between the workers' devices of
-  that block only (see :func:`dlion_jax.shards.on_own_shards`)."""
-  mapped = jax.vmap(fn, axis_name=BLOCKS, spmd_axis_name=axes)
-
-  def run(*args):
-    token = _BLOCK_AXES.set(tuple(axes))
-    try:
-      return mapped(*args)
-    finally:
-      _BLOCK_AXES.reset(token)
-  return run
-
-
-def sum_over_blocks(x: jax.Array) -> jax.Array:
-  """``x`` summed over the blocks of :func:`blockwise` (inside it), one
-  value for every block: the rows of the blocks added in order."""
-  add = jax.custom_batching.custom_vmap(lambda x, index: x)
-
-  @add.def_vmap
-  def _(axis_size, in_batched, x, index):
-    del index
-    return x.sum(0) if in_batched[0] else x * axis_size, False
-  # The block's index, always batched, brings the blocks' rule first.
-  return add(x, lax.axis_index(BLOCKS))
-
-
-def psum(x: Any, axis_name) -> Any:
-  """:func:`jax.lax.psum` of ``x`` (an array or a pytree) over the workers,
-  in either form: batched, the sum of every worker's row in its dtype (an
-  integer sum wraps as the ``psum`` does), which the compiler all-reduces.
-  (JAX's own batching of a ``psum`` over a mesh axis shards its result
-  over the axis, and fails where the axis does not divide it.)"""
-  return exchanged(
-      lambda x: lax.psum(x, axis_name),
-      lambda rows: jax.tree.map(
-          lambda r: place(r.sum(0, dtype=r.dtype), P()), rows), axis_name)(x)
-
-
-def pmean(x: Any, axis_name) -> Any:
-  """:func:`jax.lax.pmean` of ``x`` over the workers, in either form (the
-  sum, then divided by their number, as ``pmean`` does)."""
-  return exchanged(
-      lambda x: lax.pmean(x, axis_name),
-      lambda rows: jax.tree.map(
-          lambda r: place(r.sum(0, dtype=r.dtype) / r.shape[0], P()), rows),
-      axis_name)(x)
-
-
-def alike(x: jax.Array, axis_name=None) -> jax.Array:
-  """``x``, a value every worker holds alike (a step count in per-worker
-  state), as one value.
-
-  Inside ``shard_map(check_vma=True)`` JAX types it per worker, and so
-  anything computed from it after the vote (a learning rate, the new
-  params); there it takes its ``pmax`` over the axes it is typed varying
-  over, one small all-reduce. In the batched form over ``axis_name``
-  (:func:`mapped_over_mesh`) it is a row per worker, and the same
-  maximum makes it one. Elsewhere it is returned as it is.
-  """
-  if axis_name is not None and mapped_over_mesh(axis_name):
-    return exchanged(lambda x: lax.pmax(x, axis_name),
-                     lambda rows: rows.max(0), axis_name)(x)
-  axes = tuple(sorted(_drift.typed_varying_axes(x), key=str))
-  return lax.pmax(x, axes) if axes else x
-
-
-def alike_state(state: Any, axis_name=None) -> Any:
-  """``state`` with what every worker's optimizer state holds alike made
-  one value by :func:`alike`: its integer scalars (step counts: an optax
-  schedule's, :class:`optax.MultiSteps`') and the hyperparameters of
-  :func:`optax.inject_hyperparams`. A state whose class says
-  ``counts_read_alike`` (Distributed Lion's, whose transform does it where
-  it reads its count) is left as it is: that would cost an all-reduce for
-  nothing."""
-  def walk(x):
-    if getattr(x, "counts_read_alike", False):
-      return x
-    if isinstance(x, optax.ApplyIfFiniteState):
-      return x._replace(inner_state=alike_state(x.inner_state, axis_name))
-    if isinstance(x, _INJECTED):
-      return type(x)(*[
-          jax.tree.map(lambda h: alike(h, axis_name), value)
-          if field == "hyperparams" else alike_state(value, axis_name)
-          for field, value in zip(x._fields, x)])
-    if (isinstance(x, jax.Array) and not x.ndim
-        and jnp.issubdtype(x.dtype, jnp.integer)):
-      return alike(x, axis_name)
-    return x
-  return jax.tree.map(walk, state, is_leaf=lambda x: isinstance(
-      x, _INJECTED + (optax.ApplyIfFiniteState,)) or getattr(
-          x, "counts_read_alike", False))
-
-
-_INJECTED = (optax.InjectHyperparamsState,
-             optax.InjectStatefulHyperparamsState)
+from dlion_jax import _collectives
+from dlion_jax import _mesh
+from dlion_jax import _blocks
+from dlion_jax import _core
+from dlion_jax import rounds
 
 
 def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
@@ -293,7 +72,7 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       say) every other axis of more than one device. Where the devices of
       an axis share their rows (tensor parallelism over ``"model"``), leave
       it out: ``rows_over=("fsdp",)``. On Explicit axes a batch placed
-      over ``"data"`` alone is not split further: with FSDP params, place
+      over ``"data"`` alone is not split further: with FSDP params, _mesh.place
       it over both (``jax.P(("data", "fsdp"))``) or pass ``rows_over``,
       or the model meets params sharded over an axis its rows are not.
     has_aux: as in :func:`jax.value_and_grad` (``aux`` averaged over
@@ -338,16 +117,16 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
   grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
 
   def each_worker(params, batch):
-    n = _mesh_size(axis_name)
-    params = jax.tree.map(_on_mesh, params)
+    n = _mesh.mesh_size(axis_name)
+    params = jax.tree.map(_mesh.on_mesh, params)
     named = _row_groups(batch, axis_name, rows_over)
     mesh = jax.sharding.get_abstract_mesh()
     groups = tuple(a for a in named if mesh.shape[a] > 1)
     if named != groups:    # an axis of one device: whole params, no split
-      params = jax.tree.map(lambda x: _gathered(x, named), params)
+      params = jax.tree.map(lambda x: _mesh.gathered(x, named), params)
     rows = jax.tree_util.tree_map_with_path(
         lambda path, x: _own_keys(x, n, axis_name, groups) if _key(x)
-        else worker_rows(x, n, axis_name, path, groups), batch)
+        else _core.worker_rows(x, n, axis_name, path, groups), batch)
     if params_per_worker and groups:
       raise ValueError(
           "params_per_worker=True takes a mesh of axis_name="
@@ -359,18 +138,17 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
     if not groups:
       return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None, 0),
                       spmd_axis_name=axis_name)(params, rows)
-    k = _mesh_size(groups)
-    from dlion_jax import shards  # import this module
-    placed = shards.specs_by_path(params, placement)
+    k = _mesh.mesh_size(groups)
+    placed = _blocks.specs_by_path(params, placement)
 
     def spec(path, x):      # its type's on Explicit axes, else placement's
-      typed = _spec_of(x)
-      return typed if _named(typed) else placed.get(
+      typed = _mesh.spec_of(x)
+      return typed if _mesh.named(typed) else placed.get(
           jax.tree_util.keystr(path))
     specs = jax.tree_util.tree_map_with_path(spec, params)
 
     def one_worker(params, rows):
-      whole = jax.tree.map(lambda x: _gathered(x, groups), params)
+      whole = jax.tree.map(lambda x: _mesh.gathered(x, groups), params)
       return jax.vmap(grad_fn, in_axes=(None, 0),
                       spmd_axis_name=groups)(whole, rows)
     values, grads = jax.vmap(one_worker, in_axes=(None, 0),
@@ -401,23 +179,10 @@ def _own_keys(key: jax.Array, n: int, axis_name, groups) -> jax.Array:
   fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
   keys = fold(key, jnp.arange(n))
   if not groups:
-    return place(keys, P(axis_name))
-  keys = jax.vmap(fold, in_axes=(0, None))(keys, jnp.arange(_mesh_size(
+    return _mesh.place(keys, P(axis_name))
+  keys = jax.vmap(fold, in_axes=(0, None))(keys, jnp.arange(_mesh.mesh_size(
       groups)))
-  return place(keys, P(axis_name, _entry(groups)))
-
-
-def _on_mesh(x: jax.Array) -> jax.Array:
-  """``x`` replicated on the enclosing Explicit mesh where its type has no
-  mesh (params fresh from init, on one device): vmapped with
-  ``spmd_axis_name``, JAX's batching of such a value beside a per-worker
-  one fails ("Resource axis: data ... is not found in mesh: ()")."""
-  mesh = jax.sharding.get_abstract_mesh()
-  sharding = jax.typeof(x).sharding
-  if (mesh.empty or not mesh.are_all_axes_explicit
-      or not getattr(sharding, "mesh", mesh).empty):
-    return x
-  return jax.sharding.reshard(x, P())
+  return _mesh.place(keys, P(axis_name, _mesh.entry(groups)))
 
 
 def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
@@ -425,29 +190,16 @@ def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
   :func:`value_and_grad`)."""
   mesh = jax.sharding.get_abstract_mesh()
   if rows_over is not None:
-    groups = tuple(_names(rows_over))
+    groups = tuple(_mesh.names(rows_over))
   elif mesh.empty or mesh.are_all_axes_explicit:
     specs = [tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
              for x in jax.tree.leaves(batch)]
-    groups = next((tuple(a for a in _names(s[0]) if a not in _names(
+    groups = next((tuple(a for a in _mesh.names(s[0]) if a not in _mesh.names(
         axis_name)) for s in specs if s and s[0] is not None), ())
   else:
-    groups = tuple(a for a in mesh.axis_names if a not in _names(
+    groups = tuple(a for a in mesh.axis_names if a not in _mesh.names(
         axis_name) and mesh.shape[a] > 1)
   return groups
-
-
-def _gathered(x: jax.Array, axes: tuple[str, ...]) -> jax.Array:
-  """``x`` whole over ``axes`` (FSDP's gather of a param sharded over
-  them), where its type says it is sharded over them (Explicit axes; on
-  Auto axes the compiler gathers what it needs)."""
-  spec = getattr(jax.typeof(x).sharding, "spec", None)
-  if spec is None or not any(a in axes for entry in spec
-                             for a in _names(entry or ())):
-    return x
-  keep = [tuple(a for a in _names(entry or ()) if a not in axes)
-          for entry in spec]
-  return jax.sharding.reshard(x, P(*map(_entry, keep)))
 
 
 def _scatters(g: jax.Array, spec: P, axis_name,
@@ -458,8 +210,8 @@ def _scatters(g: jax.Array, spec: P, axis_name,
   mesh = jax.sharding.get_abstract_mesh()
   dims = [e for e in spec if e is not None]
   return (jnp.issubdtype(g.dtype, jnp.floating) and len(dims) == 1
-          and tuple(_names(dims[0])) == groups
-          and set(mesh.axis_names) == {*_names(axis_name), *groups})
+          and tuple(_mesh.names(dims[0])) == groups
+          and set(mesh.axis_names) == {*_mesh.names(axis_name), *groups})
 
 
 def _node_mean(g: jax.Array, spec: P, axis_name,
@@ -468,7 +220,7 @@ def _node_mean(g: jax.Array, spec: P, axis_name,
   devices of ``groups``, in one reduce-scatter onto the dimension
   ``spec`` (its param's) shards over ``groups``: each term scaled by
   ``1/k``, then summed, as the ``shard_axis`` step's
-  :func:`dlion_jax.shards.node_mean_grads` does. Stated as a sum into
+  ``dlion_jax._grads_first.node_mean_grads`` does. Stated as a sum into
   that sharding, the compiler all-reduces it (XLA:CPU, jax 0.10), so it
   is a region manual over the mesh."""
   d = next(i for i, e in enumerate(spec) if e is not None)
@@ -478,7 +230,7 @@ def _node_mean(g: jax.Array, spec: P, axis_name,
     return lax.psum_scatter(g[0, 0] * scale, groups, scatter_dimension=d,
                             tiled=True)[None]
   return jax.shard_map(
-      local, in_specs=P(axis_name, _entry(groups)),
+      local, in_specs=P(axis_name, _mesh.entry(groups)),
       out_specs=P(axis_name, *spec), check_vma=False)(g)
 
 
@@ -494,7 +246,7 @@ def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
   mean = lambda v: (v * np.dtype(v.dtype).type(1 / k)).sum(0, dtype=v.dtype)
   spec = None if like is None else getattr(jax.typeof(like).sharding,
                                            "spec", None)
-  axes = tuple(a for entry in spec or () for a in _names(entry or ()))
+  axes = tuple(a for entry in spec or () for a in _mesh.names(entry or ()))
   if not axes:
     return mean(v)
   return jax.sharding.auto_axes(mean, axes=axes, out_sharding=spec)(v)
@@ -535,8 +287,8 @@ def update(tx, *, axis_name: str = "data",
     :func:`value_and_grad` and :func:`dlion_jax.parallel.init_worker_states`),
     ``params`` and ``updates`` the same for every worker. The state's
     step counts and injected hyperparameters are made one value first
-    (:func:`alike_state`), so that a schedule read after the vote gives
-    one update.
+    (``dlion_jax._collectives.alike_state``), so that a schedule read after
+    the vote gives one update.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
@@ -554,17 +306,16 @@ def update(tx, *, axis_name: str = "data",
     Array([-0.1, -0. , -0. ], dtype=float32)
   """
   def each_worker(grads, state, params):
-    return tx.update(grads, alike_state(state, axis_name), params)
+    return tx.update(grads, _collectives.alike_state(state, axis_name), params)
   mine = 0 if params_per_worker else None
   mapped = jax.vmap(each_worker, in_axes=(0, 0, mine), out_axes=(mine, 0),
                     axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
-    from dlion_jax import _per_worker, rounds, shards  # import this module
     if not params_per_worker:
       rounds.refuse(state, "dl.workers.update's step without "
                     "params_per_worker")
-    n = _mesh_size(axis_name)
+    n = _mesh.mesh_size(axis_name)
     fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
            "not jax.grad of the whole batch.")
     for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads),
@@ -574,20 +325,21 @@ def update(tx, *, axis_name: str = "data",
             f"grads leaf {jax.tree_util.keystr(path)} has shape "
             f"{np.shape(g)} and its param {np.shape(p)}; the step wants "
             f"each of the {n} workers' gradients on a leading axis. {fix}")
-    _per_worker.check_leading_axis(
+    _core.check_leading_axis(
         grads, n, "grads", f"each of the {n} workers' gradients", fix)
-    _per_worker.check_leading_axis(
+    _core.check_leading_axis(
         state, n, "state", f"each of the {n} workers' optimizer state",
         "Build it with dl.parallel.init_worker_states(tx, params, mesh) "
         "(for an nnx.Optimizer or a Linen TrainState, with "
         "dl.workers.stacked(tx)), not tx.init(params).")
     try:
-      with shards.placed(shards.specs_by_path(grads, placement)):
+      with _blocks.placed(_blocks.specs_by_path(grads, placement)):
         updates, state = mapped(grads, state, params)
       # A count made one value (alike_state) would come back replicated,
       # and the next step compile again for a state so placed.
       return updates, jax.tree.map(
-          lambda x: place(x, P(axis_name)) if np.ndim(x) == 1 else x, state)
+          lambda x: _mesh.place(x, P(axis_name)) if np.ndim(x) == 1 else x,
+          state)
     except ValueError as e:
       if "mapped output" not in str(e):
         raise
@@ -648,14 +400,14 @@ def stacked(tx: optax.GradientTransformation, *,
   placement = []
 
   def init_fn(params):
-    n = _mesh_size(axis_name)
+    n = _mesh.mesh_size(axis_name)
     # Flax NNX's Variables read as their values: nnx.Optimizer would lay
     # out the stacked rows by a Variable's sharding metadata, the param's.
     variable = lambda v: hasattr(v, "get_value")
     params = jax.tree.map(lambda v: v.get_value() if variable(v) else v,
                           params, is_leaf=variable)
     leaves, treedef = jax.tree.flatten(params)
-    placement[:] = [_spec_of(x) for x in leaves]
+    placement[:] = [_mesh.spec_of(x) for x in leaves]
     # Each momentum placed like its param (an eager zeros_like is not).
     return optax.tree_utils.tree_map_params(
         tx, lambda x, i: _stacked_rows(x, n, axis_name, placement[i]),
@@ -668,75 +420,13 @@ def stacked(tx: optax.GradientTransformation, *,
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _entry(axes: tuple) -> Any:
-  """The ``PartitionSpec`` entry of mesh axes: None, one name, or the
-  tuple of several."""
-  return None if not axes else axes[0] if len(axes) == 1 else tuple(axes)
-
-
-def _named(spec: P | None) -> bool:
-  """Whether ``spec`` shards over any mesh axis."""
-  return spec is not None and any(entry is not None for entry in spec)
-
-
-def _spec_of(x) -> P | None:
-  """Where ``x`` lies: its type's spec, or a concrete array's."""
-  spec = getattr(jax.typeof(x).sharding, "spec", None)
-  if not _named(spec) and isinstance(x, jax.Array) and not isinstance(
-      x, jax.core.Tracer):      # on Auto axes only a concrete array says
-    spec = getattr(x.sharding, "spec", None)
-  return spec
-
-
 def _stacked_rows(x, n: int, axis_name, spec: P | None = None
                   ) -> jax.Array:
   """``n`` copies of ``x`` on a leading axis over ``axis_name``, sharded
   over the other axes as ``spec`` says (by default, as ``x`` is)."""
-  spec = tuple((_spec_of(x) if spec is None else spec) or ())
+  spec = tuple((_mesh.spec_of(x) if spec is None else spec) or ())
   spec += (None,) * (jnp.ndim(x) - len(spec))
-  return place(jnp.broadcast_to(x, (n,) + jnp.shape(x)),
+  return _mesh.place(jnp.broadcast_to(x, (n,) + jnp.shape(x)),
                P(axis_name, *spec))
 
 
-def _mesh_size(axis_name) -> int:
-  """The number of workers: the size of the mesh axes ``axis_name``."""
-  mesh = jax.sharding.get_abstract_mesh()
-  missing = [a for a in _names(axis_name)
-             if mesh.empty or a not in mesh.axis_names]
-  if missing:
-    raise ValueError(
-        f"axis_name={axis_name!r} is not an axis of the enclosing mesh "
-        f"({'none' if mesh.empty else dict(mesh.shape)}): the workers lie "
-        "on a mesh axis. Trace the step under jax.set_mesh(mesh) with that "
-        "axis, e.g. jax.make_mesh((8,), ('data',)).")
-  return math.prod(mesh.shape[a] for a in _names(axis_name))
-
-
-def worker_rows(x: jax.Array, n: int, axis_name, path=(),
-                groups: tuple[str, ...] = ()) -> jax.Array:
-  """Batch leaf ``x`` (at ``path``) as ``[n, rows of a worker, ...]``, the
-  workers on ``axis_name`` and each worker's rows placed as they were;
-  with ``groups`` (mesh axes), ``[n, k, rows of a device, ...]``, a
-  worker's rows split over the ``k`` devices of ``groups``."""
-  k = _mesh_size(groups) if groups else 1
-  if not x.ndim or x.shape[0] % (n * k):
-    split = (f"the {n} workers of axis {axis_name!r}" if k == 1 else
-             f"{n} workers x {k} devices (axis {axis_name!r} and "
-             f"rows_over={groups!r}; pass rows_over=() to differentiate a "
-             "worker's rows whole)")
-    raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(tuple(path))} has shape "
-        f"{x.shape}; its leading (global batch) axis must be divisible by "
-        f"{split}.")
-  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
-  if groups:
-    out = P(axis_name, _entry(groups), None, *spec[1:])
-    shape = (n, k, x.shape[0] // (n * k)) + x.shape[1:]
-  else:
-    first = spec[0] if spec and spec[0] is not None else ()
-    rest = tuple(a for a in _names(first) if a not in _names(axis_name))
-    out = P(axis_name, _entry(rest), *spec[1:])
-    shape = (n, x.shape[0] // n) + x.shape[1:]
-  if _explicit(out):
-    return x.reshape(shape, out_sharding=out)
-  return place(x.reshape(shape), out)

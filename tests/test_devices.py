@@ -7,6 +7,7 @@ import pytest
 from flax import nnx
 
 import dlion_jax as dl
+from dlion_jax import _mesh
 from dlion_jax import devices
 from dlion_jax import parallel
 from messages import assert_names
@@ -125,5 +126,5 @@ def test_shard_batch_over_both_axes_of_a_hybrid_mesh():
 def test_axis_size_names_the_axis_at_fault(axes, named):
   mesh = devices.hybrid_mesh(2)
   with pytest.raises(ValueError) as e:
-    devices.axis_size(mesh, axes)
+    _mesh.axis_size(mesh, axes)
   assert_names(e, named, "('data', 'fsdp')" if "twice" not in named else "")

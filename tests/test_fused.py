@@ -13,6 +13,7 @@ import optax
 import pytest
 
 import dlion_jax as dl
+from dlion_jax import _collectives
 from dlion_jax import fused
 from dlion_jax import packing
 from dlion_jax import quantize
@@ -604,11 +605,11 @@ def test_summed_strategies_sum_a_kernel_leaf_in_its_own_shape(monkeypatch,
   n = 3
   monkeypatch.setattr(dl.exchange, "_uses_kernels",
                       lambda kernels, constants, axis_name: kernels != "xla")
-  summed, psum = [], dl.workers.psum
+  summed, psum = [], _collectives.psum
   def recorded(x, *args, **kwargs):
     summed.append(jax.tree.map(lambda a: a.shape, x))
     return psum(x, *args, **kwargs)
-  monkeypatch.setattr(dl.workers, "psum", recorded)
+  monkeypatch.setattr(_collectives, "psum", recorded)
   rows = stacked_normal(n, {"w": (128, 256), "flat": (8192,), "b": (37,)}, 0)
   run = lambda kernels: update_step(n, comm=comm, kernels=kernels)(*rows)
   xla = run("xla")

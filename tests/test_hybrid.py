@@ -26,7 +26,7 @@ from dlion_jax import devices
 from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import quantize
-from dlion_jax import shards
+from dlion_jax import _blocks
 from messages import assert_names
 from tests.reference import DistributedLionReference
 
@@ -316,7 +316,7 @@ def test_l1_scale_of_blocks_within_an_ulp_of_the_whole_leaf():
   def chunk_scale(c):
     chunks = jnp.pad(c, (0, -size % k)).reshape(k, -1)
     return quantize.l1_scale(chunks[jax.lax.axis_index("fsdp")],
-                             shards.LeafShard("fsdp", size))
+                             _blocks.LeafShard("fsdp", size))
   fn = jax.jit(parallel.per_worker(chunk_scale, mesh, axis_name="fsdp",
                                    ins=("replicated",), outs="replicated"))
   rng = np.random.default_rng(0)

@@ -11,6 +11,7 @@ import optax
 import pytest
 
 import dlion_jax as dl
+from dlion_jax import _mesh
 from harness import AXIS
 from harness import random_tree
 from harness import run_on_mesh
@@ -145,12 +146,12 @@ def test_big_leaves_match_reference(num_workers, configs):
 @pytest.mark.parametrize("num_workers,configs", BIG_CONFIGS[:2])
 def test_big_leaves_match_reference_on_the_tpu_path(monkeypatch, num_workers,
                                                     configs, dtype):
-  """The step as it is traced over a TPU mesh (shards.on_tpu): big leaves
+  """The step as it is traced over a TPU mesh (_mesh.on_tpu): big leaves
   encoded plane by plane in their own shape, the outcome narrowed, reshaped
   and only then made float, the results gathered in rows of 128 lanes.
   The same updates, bit for bit, as the numpy reference. (The XLA path:
   on TPU ``kernels='auto'`` takes the fused kernels, tested below.)"""
-  monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
+  monkeypatch.setattr(_mesh, "on_tpu", lambda: True)
   check_big_leaves(num_workers, configs, dtype, kernels="xla")
 
 
@@ -199,7 +200,7 @@ def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
   gathers them as rows, each place's 256 words in rows of 128 lanes (``[m,
   2, 128]``, not one flat buffer to cut them out of), with the
   reference's updates bit for bit."""
-  monkeypatch.setattr(dl.shards, "on_tpu", lambda: True)
+  monkeypatch.setattr(_mesh, "on_tpu", lambda: True)
   gathered, all_gather = [], dl.strategies._all_gather
   def recorded(x, *args, **kwargs):
     gathered.append(x.shape)

@@ -74,9 +74,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import dlion_jax as dl
+from dlion_jax import _mesh
 from dlion_jax import accounting
 from dlion_jax import bench
-from dlion_jax import devices
 from dlion_jax import fused
 from dlion_jax import parallel
 from dlion_jax import transforms
@@ -366,7 +366,7 @@ def _fsdp(tree: Any, mesh: Mesh) -> Any:
   """``tree`` as :func:`dlion_jax.devices.shard_params` places it."""
   k = mesh.shape["fsdp"]
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, sharding=NamedSharding(mesh, devices.fsdp_spec(
+      x.shape, x.dtype, sharding=NamedSharding(mesh, _mesh.fsdp_spec(
           x.shape, k))), tree)
 
 

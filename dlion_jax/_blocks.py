@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
-from typing import Any, Callable, Hashable, NamedTuple
+from typing import Any, Hashable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -44,8 +44,8 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import devices
-from dlion_jax import workers
+from dlion_jax import _collectives
+from dlion_jax import _mesh
 
 
 class LeafShard(NamedTuple):
@@ -60,15 +60,9 @@ class LeafShard(NamedTuple):
     ``psum`` over the mesh axes, or over the blocks of
     :func:`dlion_jax.workers.blockwise` (whose ``psum`` JAX cannot batch
     on Explicit axes)."""
-    if self.axis_name == workers.BLOCKS:
-      return workers.sum_over_blocks(x)
+    if self.axis_name == _collectives.BLOCKS:
+      return _collectives.sum_over_blocks(x)
     return lax.psum(x, self.axis_name)
-
-
-def on_tpu() -> bool:
-  """Whether the devices of the step being traced are TPUs."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return getattr(device, "platform", None) == "tpu"
 
 
 # The minor dimension of XLA:TPU's tiles.
@@ -80,112 +74,6 @@ def lane_rows(x: jax.Array, rows: int) -> jax.Array:
   shaped ``[-1, 128]``: what XLA:TPU gathers across devices as whole
   tiles (the caller cuts the padding off each gathered row)."""
   return jnp.pad(x, (0, -x.size % (rows * LANES))).reshape(-1, LANES)
-
-
-def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:
-  """The dimension ``spec`` shards over ``axis`` alone, or None.
-
-  Raises:
-    ValueError: ``spec`` shards one dimension over ``axis`` together with
-      other axes (a block :func:`node_mean_grads` cannot gather or cut).
-  """
-  for d, entry in enumerate(spec):
-    names = entry if isinstance(entry, tuple) else (entry,)
-    if axis in names and len(names) > 1:
-      raise ValueError(
-          f"{what} is sharded {spec}: its dimension {d} over {entry!r}, "
-          f"shard_axis={axis!r} with other axes. With shard_axis each leaf "
-          f"is cut over {axis!r} alone: place it on its own dimension "
-          f"(dl.devices.shard_params(params, mesh, {axis!r})), or drop "
-          "shard_axis and let the compiler own that axis.")
-    if axis in names:
-      return d
-  return None
-
-
-def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
-                    shard_axis: str, param_dims: list, grad_dims: list,
-                    ) -> Callable:
-  """``grad_fn`` data parallel over ``shard_axis``, reduced inside a node.
-
-  A region manual over ``axis_name`` and ``shard_axis`` (the mesh's other
-  axes stay the compiler's): each device gathers whole params over
-  ``shard_axis`` (those sharded over it at rest), runs
-  ``grad_fn(params, its batch rows)`` and takes its block of the node's
-  mean gradient in one reduce-scatter per leaf: the sum over
-  ``shard_axis`` of each device's gradient times ``1/k``. (Scaled after
-  the sum, XLA folds ``1/k`` into the constants of the update that
-  follows, e.g. Lion's ``1 - b2``, and the momentum rounds otherwise than
-  the mean's definition says.) JAX's FSDP recipe with ``shard_map``,
-  written out so that the fast links carry one all-gather and one
-  reduce-scatter whatever the model: left to the compiler, an unannotated
-  model may run the node's whole batch on every device or gather each
-  weight once per use.
-
-  Args:
-    grad_fn: ``(params, batch) -> (value, grads)`` on one device's rows,
-      ``grads`` a list of floating-point arrays; it may reduce ``value``
-      over ``shard_axis`` (bound inside).
-    mesh: the mesh.
-    axis_name: the nodes' axis (the vote's).
-    shard_axis: the fast axis whose devices split a node's batch.
-    param_dims: for each params leaf (``jax.tree.leaves`` order), the
-      dimension it is sharded on over ``shard_axis`` at rest, or None.
-    grad_dims: for each gradient, the dimension its mean is cut on over
-      ``shard_axis``, or None (each device gets the whole mean: an
-      all-reduce, for leaves no dimension of which ``k`` divides).
-
-  Returns:
-    ``f(params, batch) -> (value, grads)``, both with a leading axis of the
-    nodes (sharded over ``axis_name``), the grads' blocks over
-    ``shard_axis`` as ``grad_dims`` says. ``batch`` leaves are split over
-    both axes on their first dimension.
-  """
-  k = mesh.shape[shard_axis]
-  spec = lambda d: P() if d is None else P(*[None] * d, shard_axis)
-  # XLA:CPU (jaxlib 0.10) aborts compiling a bfloat16 all-reduce or
-  # reduce-scatter in a region manual over some of the mesh's axes only
-  # ("Invalid binary instruction opcode copy"): there narrower floats are
-  # reduced in float32.
-  widen = (len(mesh.axis_names) > 2
-           and getattr(mesh.devices.flat[0], "platform", None) == "cpu")
-
-  def mean(g, d):
-    narrow = g.dtype
-    g = g * np.dtype(narrow).type(1 / k)
-    if widen:
-      g = g.astype(jnp.promote_types(narrow, jnp.float32))
-    if d is None:
-      return lax.psum(g, shard_axis).astype(narrow)
-    scatter = lambda g: lax.psum_scatter(g, shard_axis, scatter_dimension=d,
-                                         tiled=True)
-    typed = getattr(jax.typeof(g).sharding, "spec", None)
-    if typed is not None and spec_axes(typed):
-      # JAX 0.10 cannot lower a reduce-scatter of an array typed on
-      # Explicit axes in a partly manual region; under auto_axes it is
-      # untyped.
-      scatter = jax.sharding.auto_axes(scatter, axes=tuple(spec_axes(typed)),
-                                       out_sharding=typed)
-    return scatter(g).astype(narrow)
-
-  def local(params, batch):
-    leaves, treedef = jax.tree.flatten(params)
-    whole = treedef.unflatten([
-        x if d is None else lax.all_gather(x, shard_axis, axis=d, tiled=True)
-        for x, d in zip(leaves, param_dims)])
-    value, grads = grad_fn(whole, batch)
-    grads = [mean(g, d) for g, d in zip(grads, grad_dims)]
-    return jax.tree.map(lambda x: x[None], (value, grads))
-
-  def run(params, batch):
-    treedef = jax.tree.structure(params)
-    return jax.shard_map(
-        local, mesh=mesh,
-        in_specs=(treedef.unflatten([spec(d) for d in param_dims]),
-                  P((axis_name, shard_axis))),
-        out_specs=(P(axis_name), [P(axis_name, *spec(d)) for d in grad_dims]),
-        axis_names={axis_name, shard_axis}, check_vma=False)(params, batch)
-  return run
 
 
 # Sharded leaves the JAX way: the step is manual over the vote's axis only
@@ -216,10 +104,10 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
     return ()
   auto = tuple(a for a in mesh.axis_names if a not in mesh.manual_axes)
   names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-  if workers.mapped_over_mesh(axis_name):
+  if _collectives.mapped_over_mesh(axis_name):
     return _beside_workers(axis_name, mesh, auto)
   partitioned = any(mesh.shape[a] > 1 for a in auto)
-  mapped = workers.mapped_mesh_axes()
+  mapped = _collectives.mapped_mesh_axes()
   if mapped:
     mapped = mapped[0] if len(mapped) == 1 else mapped
     raise ValueError(
@@ -331,19 +219,13 @@ def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
   mesh = jax.sharding.get_abstract_mesh()
   auto = tuple(a for a in axes
                if mesh.axis_types[mesh.axis_names.index(a)] == AxisType.Auto)
-  if spec_axes(spec) or not auto:
+  if _mesh.spec_axes(spec) or not auto:
     return spec
   known = (_PLACED.get() or {}).get(path)
   if known is not None and len(known) <= x.ndim:
     return P(*map(keep, known))
-  return devices.fsdp_spec(x.shape, math.prod(mesh.shape[a] for a in auto),
+  return _mesh.fsdp_spec(x.shape, math.prod(mesh.shape[a] for a in auto),
                            auto if len(auto) > 1 else auto[0])
-
-
-def spec_axes(spec) -> set:
-  """The mesh axes a ``PartitionSpec`` names."""
-  return {a for entry in spec if entry is not None
-          for a in (entry if isinstance(entry, tuple) else (entry,))}
 
 
 def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
@@ -378,7 +260,7 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
   # The most sharded of a leaf's arrays (a ZeRO-2 momentum beside a whole
   # gradient) sets its blocks: the others are cut to it, not gathered.
   specs = [max((leaf_spec(x, axes, path) for x in column),
-               key=lambda spec: len(spec_axes(spec)))
+               key=lambda spec: len(_mesh.spec_axes(spec)))
            for path, column in zip(paths, columns)]
   sizes = dict(jax.sharding.get_abstract_mesh().shape)
   shards_ = [LeafShard(axes, int(x.size)) for x in leaves]
@@ -388,7 +270,7 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
     columns = [treedef.flatten_up_to(t) for t in trees]
     chunks, gathers = [[] for _ in columns], []
     for k, spec in enumerate(specs):
-      free = tuple(a for a in axes if a not in spec_axes(spec))
+      free = tuple(a for a in axes if a not in _mesh.spec_axes(spec))
       parts = math.prod(sizes[a] for a in free)
       block = columns[0][k]
       width = -(-block.size // parts)
@@ -418,17 +300,18 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
             for x, spec in zip(leaves, specs)]
     blocks = [treedef.unflatten([cut.blocks(x) for cut, x in zip(
         cuts, treedef.flatten_up_to(t))]) for t in trees]
-    shards_ = [LeafShard(workers.BLOCKS, int(x.size)) for x in leaves]
-    out = workers.blockwise(lambda *trees: fn(
+    shards_ = [LeafShard(_collectives.BLOCKS, int(x.size)) for x in leaves]
+    out = _collectives.blockwise(lambda *trees: fn(
         *trees, leaf_shards=shards_, constants=constants), axes)(*blocks)
-    return treedef.unflatten([typed_like(cut.whole(d), x) for cut, d, x in zip(
-        cuts, treedef.flatten_up_to(out), leaves)])
+    return treedef.unflatten([
+        _mesh.typed_like(cut.whole(d), x)
+        for cut, d, x in zip(cuts, treedef.flatten_up_to(out), leaves)])
   in_specs = (P(),) + tuple(treedef.unflatten(specs) for _ in trees)
   out = jax.shard_map(local, in_specs=in_specs,
                       out_specs=treedef.unflatten(specs),
                       axis_names=set(axes), check_vma=False)(constants,
                                                              *trees)
-  return treedef.unflatten([typed_like(d, x) for d, x in zip(
+  return treedef.unflatten([_mesh.typed_like(d, x) for d, x in zip(
       treedef.flatten_up_to(out), leaves)])
 
 
@@ -454,7 +337,7 @@ class BlockCut:
     # Each sharded dimension split into a dimension per axis and the rest.
     self.split, self.labels = [], []
     for d, n in enumerate(shape):
-      names = _entry_names(spec[d]) if d < len(spec) else ()
+      names = _mesh.names(spec[d]) if d < len(spec) else ()
       self.split += [sizes[a] for a in names] + [
           n // math.prod(sizes[a] for a in names)]
       self.labels += list(names) + [None]
@@ -514,16 +397,3 @@ class BlockCut:
         len(self.shape) - len(self.spec)))
 
 
-def _entry_names(entry) -> tuple:
-  return () if entry is None else entry if isinstance(entry, tuple) else (
-      entry,)
-
-
-def typed_like(d: jax.Array, x: jax.Array) -> jax.Array:
-  """``d`` resharded as ``x``'s type says, where that is an Explicit
-  sharding other than ``d``'s (on Auto axes the type says nothing and the
-  compiler places it)."""
-  typed = getattr(jax.typeof(x).sharding, "spec", None)
-  if typed is None or getattr(jax.typeof(d).sharding, "spec", None) == typed:
-    return d
-  return jax.sharding.reshard(d, typed)

@@ -1,0 +1,429 @@
+"""One worker's part of a step: its loss and gradients (averaged over
+micro-batches, taken over the float leaves of the params only), its
+optimizer update, and the mean of the losses over the workers. Each step of
+:mod:`dlion_jax.parallel` is built of these.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+from jax.sharding import PartitionSpec as P
+import numpy as np
+from jax.sharding import Mesh
+
+from dlion_jax import _collectives
+from dlion_jax import _mesh
+from dlion_jax import rounds
+from dlion_jax import _blocks
+from dlion_jax import _placement
+from dlion_jax import devices
+from dlion_jax._mesh import axis_size
+
+
+def _differentiable(leaf) -> bool:
+  try:
+    return jnp.issubdtype(jnp.result_type(leaf), jnp.inexact)
+  except TypeError:               # not an array: left to jax.grad to name
+    return True
+
+
+def _value_and_grad(loss_fn, has_aux):
+  """``jax.value_and_grad`` over the floating-point leaves of the params
+  only: the others (an integer step counter, a flag) get zero gradients of
+  their own dtype, so that an optimizer can leave them out with
+  ``optax.masked`` and they stay unchanged."""
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  def value_and_grad(params, batch):
+    leaves, treedef = jax.tree.flatten(params)
+    floats = [_differentiable(x) for x in leaves]
+    if all(floats):
+      return grad_fn(params, batch)
+    def on_floats(float_leaves, batch):
+      it = iter(float_leaves)
+      return loss_fn(treedef.unflatten(
+          [next(it) if f else x for x, f in zip(leaves, floats)]), batch)
+    value, grads = jax.value_and_grad(on_floats, has_aux=has_aux)(
+        [x for x, f in zip(leaves, floats) if f], batch)
+    it = iter(grads)
+    # Constants, not zeros_like: those of per-worker typed (check_vma)
+    # params would be typed per worker, and so would the unchanged leaves.
+    return value, treedef.unflatten(
+        [next(it) if f else jnp.zeros(jnp.shape(x), jnp.result_type(x))
+         for x, f in zip(leaves, floats)])
+  return value_and_grad
+
+
+def loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
+  """``value_and_grad``, averaged over ``micro_batches`` slices of batch."""
+  grad_fn = _value_and_grad(loss_fn, has_aux)
+  if micro_batches == 1:
+    return grad_fn(params, batch)
+  def split(x):
+    rows = x.shape[0]
+    if rows % micro_batches:
+      raise ValueError(
+          f"micro_batches={micro_batches} must divide the batch each call "
+          f"of loss_fn sees, which has {rows} rows.")
+    spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+    mesh = jax.sharding.get_abstract_mesh()
+    if not spec or spec[0] is None:
+      if not _mesh.auto_axes(mesh):
+        return x.reshape((micro_batches, rows // micro_batches) + x.shape[1:])
+      # Rows the compiler may have sharded over Auto axes, unseen here: the
+      # strided split keeps each device's share of each micro-batch on it.
+      x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:])
+      return jnp.moveaxis(x, 1, 0)
+    k = math.prod(mesh.shape[a] for a in _mesh.names(spec[0]))
+    if (rows // micro_batches) % k:
+      raise ValueError(
+          f"micro_batches={micro_batches} leaves {rows // micro_batches} "
+          f"rows of each worker's batch of {rows} a micro-batch, which the "
+          f"{k} devices its rows are sharded over ({spec[0]!r}) cannot "
+          f"share: each micro-batch must hold a multiple of {k} rows. Use "
+          f"a micro_batches that divides {rows // k}, or a larger batch.")
+    # Rows sharded over the compiler's axes: micro-batch m takes rows m,
+    # m + micro_batches, ..., so that each device keeps its share of each.
+    x = x.reshape((rows // micro_batches, micro_batches) + x.shape[1:],
+                  out_sharding=P(spec[0], None, *spec[1:]))
+    return jnp.moveaxis(x, 1, 0)
+  def body(total, micro):
+    return jax.tree.map(jnp.add, total, grad_fn(params, micro)), None
+  micro = jax.tree.map(split, batch)
+  first = grad_fn(params, jax.tree.map(lambda x: x[0], micro))
+  (value, grads), _ = lax.scan(body, first,
+                               jax.tree.map(lambda x: x[1:], micro))
+  mean = lambda x: x / micro_batches
+  return jax.tree.map(mean, value), jax.tree.map(
+      lambda g: mean(g) if _differentiable(g) else g, grads)
+
+
+def float_leaves(params: Any) -> list[int]:
+  """The indices of the params leaves that get gradients: the others (an
+  integer counter) get constant zeros, which would read as differing by
+  worker when they come from a per-worker computation."""
+  return [i for i, x in enumerate(jax.tree.leaves(params))
+          if _differentiable(x)]
+
+
+def worker_update(tx, placement=None):
+  """One worker's optimizer step, ``(grads, state, params) -> (new params,
+  state)``, the new params typed like the old. With a ``placement`` (Auto
+  axes beside the workers', :func:`dlion_jax._placement.placement`) the
+  update knows how each leaf is placed (``dlion_jax._blocks.placed``)."""
+  def update(grads, state, params):
+    state = _collectives.alike_state(state)  # check_vma: parallel.typed_alike
+    with (contextlib.nullcontext() if placement is None
+          else _blocks.placed(placement)):
+      updates, state = tx.update(grads, state, params)
+    # Local steps: a round's end puts every worker exactly on the anchor.
+    new = rounds.restart_at_anchor(optax.apply_updates(params, updates),
+                                   state)
+    return jax.tree.map(_mesh.typed_like, new, params), state
+  return update
+
+
+def learn(loss_fn, tx, has_aux, micro_batches, placement=None):
+  """One worker's loss, gradients and update: what must hold an exchange."""
+  update = worker_update(tx, placement)
+  def learn(params, local_params, state, batch):
+    loss, grads = loss_and_grads(loss_fn, local_params, batch, has_aux,
+                                 micro_batches)
+    return *update(grads, state, params), loss
+  return learn
+
+
+def mean_of_workers(tree: Any, axis_name) -> Any:
+  """``pmean`` of the losses (and aux) over the workers, floats narrower
+  than float32 averaged in float32: a closer mean, and XLA:CPU aborts
+  compiling a bfloat16 all-reduce in a ``shard_map`` manual over some of
+  the mesh's axes only (jaxlib 0.10: "Invalid binary instruction opcode
+  copy")."""
+  def mean(x):
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+      return lax.pmean(x, axis_name)
+    wide = jnp.promote_types(x.dtype, jnp.float32)
+    return lax.pmean(x.astype(wide), axis_name).astype(x.dtype)
+  return jax.tree.map(mean, tree)
+
+
+def worker_rows(x: jax.Array, n: int, axis_name, path=(),
+                groups: tuple[str, ...] = ()) -> jax.Array:
+  """Batch leaf ``x`` (at ``path``) as ``[n, rows of a worker, ...]``, the
+  workers on ``axis_name`` and each worker's rows placed as they were;
+  with ``groups`` (mesh axes), ``[n, k, rows of a device, ...]``, a
+  worker's rows split over the ``k`` devices of ``groups``."""
+  k = _mesh.mesh_size(groups) if groups else 1
+  if not x.ndim or x.shape[0] % (n * k):
+    split = (f"the {n} workers of axis {axis_name!r}" if k == 1 else
+             f"{n} workers x {k} devices (axis {axis_name!r} and "
+             f"rows_over={groups!r}; pass rows_over=() to differentiate a "
+             "worker's rows whole)")
+    raise ValueError(
+        f"batch leaf {jax.tree_util.keystr(tuple(path))} has shape "
+        f"{x.shape}; its leading (global batch) axis must be divisible by "
+        f"{split}.")
+  spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
+  if groups:
+    out = P(axis_name, _mesh.entry(groups), None, *spec[1:])
+    shape = (n, k, x.shape[0] // (n * k)) + x.shape[1:]
+  else:
+    first = spec[0] if spec and spec[0] is not None else ()
+    rest = tuple(a for a in _mesh.names(first)
+                 if a not in _mesh.names(axis_name))
+    out = P(axis_name, _mesh.entry(rest), *spec[1:])
+    shape = (n, x.shape[0] // n) + x.shape[1:]
+  if _mesh.explicit(out):
+    return x.reshape(shape, out_sharding=out)
+  return _mesh.place(x.reshape(shape), out)
+
+
+def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:
+  """The dimension ``spec`` shards over ``axis`` alone, or None.
+
+  Raises:
+    ValueError: ``spec`` shards one dimension over ``axis`` together with
+      other axes (a block :func:`node_mean_grads` cannot gather or cut).
+  """
+  for d, entry in enumerate(spec):
+    names = entry if isinstance(entry, tuple) else (entry,)
+    if axis in names and len(names) > 1:
+      raise ValueError(
+          f"{what} is sharded {spec}: its dimension {d} over {entry!r}, "
+          f"shard_axis={axis!r} with other axes. With shard_axis each leaf "
+          f"is cut over {axis!r} alone: place it on its own dimension "
+          f"(dl.devices.shard_params(params, mesh, {axis!r})), or drop "
+          "shard_axis and let the compiler own that axis.")
+    if axis in names:
+      return d
+  return None
+
+
+def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
+                    shard_axis: str, param_dims: list, grad_dims: list,
+                    ) -> Callable:
+  """``grad_fn`` data parallel over ``shard_axis``, reduced inside a node.
+
+  A region manual over ``axis_name`` and ``shard_axis`` (the mesh's other
+  axes stay the compiler's): each device gathers whole params over
+  ``shard_axis`` (those sharded over it at rest), runs
+  ``grad_fn(params, its batch rows)`` and takes its block of the node's
+  mean gradient in one reduce-scatter per leaf: the sum over
+  ``shard_axis`` of each device's gradient times ``1/k``. (Scaled after
+  the sum, XLA folds ``1/k`` into the constants of the update that
+  follows, e.g. Lion's ``1 - b2``, and the momentum rounds otherwise than
+  the mean's definition says.) JAX's FSDP recipe with ``shard_map``,
+  written out so that the fast links carry one all-gather and one
+  reduce-scatter whatever the model: left to the compiler, an unannotated
+  model may run the node's whole batch on every device or gather each
+  weight once per use.
+
+  Args:
+    grad_fn: ``(params, batch) -> (value, grads)`` on one device's rows,
+      ``grads`` a list of floating-point arrays; it may reduce ``value``
+      over ``shard_axis`` (bound inside).
+    mesh: the mesh.
+    axis_name: the nodes' axis (the vote's).
+    shard_axis: the fast axis whose devices split a node's batch.
+    param_dims: for each params leaf (``jax.tree.leaves`` order), the
+      dimension it is sharded on over ``shard_axis`` at rest, or None.
+    grad_dims: for each gradient, the dimension its mean is cut on over
+      ``shard_axis``, or None (each device gets the whole mean: an
+      all-reduce, for leaves no dimension of which ``k`` divides).
+
+  Returns:
+    ``f(params, batch) -> (value, grads)``, both with a leading axis of the
+    nodes (sharded over ``axis_name``), the grads' blocks over
+    ``shard_axis`` as ``grad_dims`` says. ``batch`` leaves are split over
+    both axes on their first dimension.
+  """
+  k = mesh.shape[shard_axis]
+  spec = lambda d: P() if d is None else P(*[None] * d, shard_axis)
+  # XLA:CPU (jaxlib 0.10) aborts compiling a bfloat16 all-reduce or
+  # reduce-scatter in a region manual over some of the mesh's axes only
+  # ("Invalid binary instruction opcode copy"): there narrower floats are
+  # reduced in float32.
+  widen = (len(mesh.axis_names) > 2
+           and getattr(mesh.devices.flat[0], "platform", None) == "cpu")
+
+  def mean(g, d):
+    narrow = g.dtype
+    g = g * np.dtype(narrow).type(1 / k)
+    if widen:
+      g = g.astype(jnp.promote_types(narrow, jnp.float32))
+    if d is None:
+      return lax.psum(g, shard_axis).astype(narrow)
+    scatter = lambda g: lax.psum_scatter(g, shard_axis, scatter_dimension=d,
+                                         tiled=True)
+    typed = getattr(jax.typeof(g).sharding, "spec", None)
+    if typed is not None and _mesh.spec_axes(typed):
+      # JAX 0.10 cannot lower a reduce-scatter of an array typed on
+      # Explicit axes in a partly manual region; under auto_axes it is
+      # untyped.
+      scatter = jax.sharding.auto_axes(
+          scatter, axes=tuple(_mesh.spec_axes(typed)), out_sharding=typed)
+    return scatter(g).astype(narrow)
+
+  def local(params, batch):
+    leaves, treedef = jax.tree.flatten(params)
+    whole = treedef.unflatten([
+        x if d is None else lax.all_gather(x, shard_axis, axis=d, tiled=True)
+        for x, d in zip(leaves, param_dims)])
+    value, grads = grad_fn(whole, batch)
+    grads = [mean(g, d) for g, d in zip(grads, grad_dims)]
+    return jax.tree.map(lambda x: x[None], (value, grads))
+
+  def run(params, batch):
+    treedef = jax.tree.structure(params)
+    return jax.shard_map(
+        local, mesh=mesh,
+        in_specs=(treedef.unflatten([spec(d) for d in param_dims]),
+                  P((axis_name, shard_axis))),
+        out_specs=(P(axis_name), [P(axis_name, *spec(d)) for d in grad_dims]),
+        axis_names={axis_name, shard_axis}, check_vma=False)(params, batch)
+  return run
+
+
+def check_leading_axis(tree: Any, n: int, what: str, wants: str,
+                       fix: str, pmap: bool = False) -> None:
+  """Raises a ValueError naming the first leaf without a leading axis n
+  (and, for an injected hyperparameter, how to set one)."""
+  for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+    shape = np.shape(leaf)
+    if not shape or shape[0] != n:
+      name = _hyperparameter(path)
+      raise ValueError(
+          f"{what} leaf {jax.tree_util.keystr(path) or '<root>'} has shape "
+          f"{shape}; the step wants {wants} on a leading axis of size {n}. "
+          + (fix if name is None else _set_hyperparameter(name, n, pmap)))
+
+
+def _hyperparameter(path) -> str | None:
+  """The name of the :func:`optax.inject_hyperparams` hyperparameter at
+  ``path`` in a state, or None."""
+  keys = [getattr(k, "name", getattr(k, "key", None)) for k in path]
+  for field, key in zip(keys, keys[1:]):
+    if field == "hyperparams":
+      return key
+  return None
+
+
+def _set_hyperparameter(name: str, n: int, pmap: bool) -> str:
+  value = f"state.hyperparams[{name!r}]"
+  how = (f"{value} = jnp.full_like({value}, new_value)" if pmap else
+         f"value = {value}; {value} = jax.device_put(jnp.full_like(value, "
+         "new_value), value.sharding)")
+  return (
+      f"It is the hyperparameter {name!r} of optax.inject_hyperparams, "
+      f"which every worker's state holds, one row per worker ({n}): set "
+      + ("every row: " if pmap else
+         "every row, keeping the leaf's sharding: ") + how + ".")
+
+
+def check_worker_states(state: Any, n: int, devices: int) -> None:
+  """Raises a ValueError naming the first state leaf not stacked for the
+  ``n`` workers of the step, and the call that builds the state (a state
+  with a row per device of the mesh was built for a step whose workers
+  are every device)."""
+  rows = {np.shape(x)[0] for x in jax.tree.leaves(state) if np.ndim(x)}
+  fix = ("Build it with parallel.init_worker_states(tx, params, mesh), "
+         "not tx.init(params).")
+  if devices != n and rows == {devices}:
+    fix = (f"It has a row per device of the mesh ({devices}); this step's "
+           f"workers are the {n} rows of the data axis, each voting for "
+           "its node. " + fix)
+  check_leading_axis(state, n, "optimizer state",
+                     "every worker's state stacked", fix)
+
+
+def check_shard_axis(axis_name, shard_axis, mesh: Mesh) -> None:
+  """Raises a ValueError naming ``axis_name`` or ``shard_axis`` where it
+  is not an axis of ``mesh``, or where they are the same axis."""
+  axis_size(mesh, axis_name)
+  if shard_axis is None:
+    return
+  if isinstance(axis_name, tuple):
+    raise ValueError(
+        f"shard_axis={shard_axis!r} with axis_name={axis_name!r}, a tuple of "
+        "axes: the step with shard_axis votes over one mesh axis of nodes. "
+        "Make the nodes one axis of the mesh (reshape the device array), or "
+        "drop shard_axis.")
+  if shard_axis == axis_name:
+    raise ValueError(
+        f"shard_axis={shard_axis!r} is also axis_name={axis_name!r}: the "
+        "votes cross axis_name and each node's batch is split over "
+        "shard_axis, two different axes of the mesh. Pass the mesh's other "
+        "axis (dl.devices.hybrid_mesh names them 'data' and 'fsdp'), or drop "
+        "shard_axis.")
+  axis_size(mesh, shard_axis, name="shard_axis")
+
+
+def init_worker_states(tx: optax.GradientTransformation, params: Any,
+                       mesh: Mesh, *, axis_name: str = "data",
+                       shard_axis: str | None = None) -> Any:
+  """``tx.init(params)`` for every worker, stacked and sharded over the axis.
+
+  Args:
+    tx: the optimizer.
+    params: the params, replicated or sharded over the mesh's other axes
+      (:func:`~dlion_jax.devices.shard_params`): each momentum is sharded
+      like its param.
+    mesh: the device mesh.
+    axis_name: the data-parallel axis the optimizer votes over.
+    shard_axis: a fast axis to shard the state over as well (ZeRO-2 for
+      :func:`make_train_step`'s ``shard_axis``): each momentum not sharded
+      over it already is cut over it as
+      :func:`~dlion_jax.devices.shard_params` would cut its param.
+
+  Returns:
+    The state pytree with a leading axis of size ``N`` on every leaf,
+    placed so that worker ``i`` holds row ``i``.
+  """
+  check_shard_axis(axis_name, shard_axis, mesh)
+  _placement.check_not_over(params, axis_name)
+  init = jax.shard_map(
+      lambda p: jax.tree.map(lambda x: x[None], tx.init(p)), mesh=mesh,
+      in_specs=P(), out_specs=P(axis_name),
+      axis_names=set(_mesh.names(axis_name)), check_vma=False)
+  try:
+    shardings = state_shardings(tx, jax.eval_shape(init, params), params,
+                                mesh, axis_name, shard_axis=shard_axis)
+  except (ValueError, TypeError):
+    # A state optax cannot map param-shaped leaves of: the compiler places
+    # it (Explicit axes still shard each momentum like its param).
+    shardings = None
+  return jax.jit(init, out_shardings=shardings)(params)
+
+
+def state_shardings(tx: optax.GradientTransformation, state: Any,
+                    params: Any, mesh: Mesh, axis_name: str = "data", *,
+                    shard_axis: str | None = None) -> Any:
+  """Where :func:`init_worker_states` places the stacked ``state`` (its
+  shapes suffice): each worker's row on its ``axis_name`` devices, and a
+  leaf shaped like a param (a momentum) sharded over the mesh's other axes
+  as that param is (``params``' ``NamedSharding``s), and with a
+  ``shard_axis`` over that axis too.
+
+  Raises:
+    ValueError: a param sharded over ``axis_name`` itself (the workers
+      each hold every param; a momentum cannot be split over them twice).
+  """
+  if shard_axis is not None:
+    params = _placement.cut_over(params, mesh, shard_axis)
+  _placement.check_not_over(params, axis_name)
+
+  def like(leaf, param=None):
+    if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
+      return leaf
+    same = param is not None and leaf.shape[1:] == param.shape
+    return devices.stacked_sharding(param if same else None, mesh,
+                                    axis_name)
+  return optax.tree_utils.tree_map_params(
+      tx, like, state, params, transform_non_params=like,
+      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
