@@ -66,8 +66,8 @@ import numpy as np
 
 from dlion_jax import accounting
 from dlion_jax import bench
-from dlion_jax import message
-from dlion_jax import quantize
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 from dlion_jax.bench import reporting
 
 # What benchmarks/network.py measured, in this checkout.

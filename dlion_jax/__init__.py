@@ -8,23 +8,17 @@ all-reducing fp32 gradients (Liu et al., NeurIPS 2024; Ishikawa et al., ICML
 from dlion_jax import accounting
 from dlion_jax import devices
 from dlion_jax import elastic
-from dlion_jax import exchange
-from dlion_jax import fused
 from dlion_jax import hlo
-from dlion_jax import message
-from dlion_jax import packing
 from dlion_jax import parallel
-from dlion_jax import quantize
 from dlion_jax import rounds
-from dlion_jax import strategies
 from dlion_jax import sync
 from dlion_jax import transforms
 from dlion_jax import workers
 from dlion_jax.accounting import allreduce_bits
+from dlion_jax.accounting import wire_bits
 from dlion_jax.hlo import collective_bytes
 from dlion_jax.hlo import collective_bytes_by_axis
 from dlion_jax.hlo import collective_bytes_by_link
-from dlion_jax.accounting import wire_bits
 from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
@@ -48,19 +42,25 @@ __all__ = (
     "devices",
     "distributed_lion",
     "elastic",
-    "exchange",
-    "fused",
     "hlo",
     "local_steps",
-    "message",
-    "packing",
     "parallel",
-    "quantize",
     "rounds",
     "scale_by_distributed_lion",
-    "strategies",
     "sync",
     "transforms",
     "wire_bits",
     "workers",
 )
+
+# The codec's old public modules (dl.packing, dl.message, ...), each a
+# file that warns on every name (dlion_jax._deprecations.MOVED).
+_OLD_MODULES = ("packing", "strategies", "message", "exchange", "quantize",
+                "fused", "shards")
+
+
+def __getattr__(name: str):
+  if name in _OLD_MODULES:
+    import importlib  # pylint: disable=g-import-not-at-top
+    return importlib.import_module(f"dlion_jax.{name}")
+  raise AttributeError(f"module 'dlion_jax' has no attribute {name!r}")

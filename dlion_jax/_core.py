@@ -18,12 +18,11 @@ from jax.sharding import PartitionSpec as P
 import numpy as np
 from jax.sharding import Mesh
 
+from dlion_jax import _blocks
 from dlion_jax import _collectives
 from dlion_jax import _mesh
-from dlion_jax import rounds
-from dlion_jax import _blocks
 from dlion_jax import _placement
-from dlion_jax import devices
+from dlion_jax import rounds
 from dlion_jax._mesh import axis_size
 
 
@@ -422,8 +421,33 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
     if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
       return leaf
     same = param is not None and leaf.shape[1:] == param.shape
-    return devices.stacked_sharding(param if same else None, mesh,
+    return _mesh.stacked_sharding(param if same else None, mesh,
                                     axis_name)
   return optax.tree_utils.tree_map_params(
       tx, like, state, params, transform_non_params=like,
       is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+
+
+def refuse_local_steps(state: Any, where: str) -> None:
+  """Raises a ValueError naming the step that runs local steps where
+  ``where`` (a step holding one copy of the params) cannot."""
+  if rounds.has_local_steps(state):
+    raise ValueError(
+        f"{where} holds one copy of the params for every worker, but the "
+        "optimizer runs local steps (dl.local_steps), whose workers each "
+        "train their own: build the step with dl.parallel.make_train_step("
+        "loss_fn, tx, mesh, params_per_worker=True) (in a plain jitted "
+        "step: dl.workers.value_and_grad and dl.workers.update with "
+        "params_per_worker=True) and params from "
+        "dl.devices.stack_for_workers(params, mesh).")
+
+def anchor_flags(state: Any) -> Any:
+  """``state`` with True at the leaves of a :class:`LocalStepsState`'s
+  anchor and False elsewhere (what must be the same on every worker)."""
+  def flags(x):
+    if isinstance(x, rounds.LocalStepsState):
+      return jax.tree.map(lambda _: False, x)._replace(
+          anchor=jax.tree.map(lambda _: True, x.anchor))
+    return jax.tree.map(lambda _: False, x)
+  return jax.tree.map(flags, state,
+                      is_leaf=lambda x: isinstance(x, rounds.LocalStepsState))

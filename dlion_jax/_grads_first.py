@@ -21,10 +21,10 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _core
 from dlion_jax import _mesh
 from dlion_jax import _per_worker
 from dlion_jax import _placement
-from dlion_jax import _core
 from dlion_jax._mesh import axis_size
 
 

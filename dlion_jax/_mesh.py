@@ -146,6 +146,13 @@ def spec_on(like: Any, mesh: Mesh) -> P:
           and sharding.mesh.shape == mesh.shape else P())
 
 
+def stacked_sharding(like: Any, mesh: Mesh, axis_name: str) -> NamedSharding:
+  """Rows split over ``axis_name`` (a leading worker axis), each row
+  sharded over the mesh's other axes as ``like`` is (an array placed on
+  ``mesh``; otherwise, or for None, whole)."""
+  return NamedSharding(mesh, P(axis_name, *spec_on(like, mesh)))
+
+
 def fsdp_spec(shape: tuple[int, ...], num_shards: int,
               axis_name: str | tuple[str, ...] = "fsdp", *,
               placed: P = P()) -> P:

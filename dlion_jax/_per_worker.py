@@ -15,11 +15,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _core
 from dlion_jax import _mesh
 from dlion_jax import _placement
 from dlion_jax import _replication
 from dlion_jax._mesh import axis_size
-from dlion_jax import _core
 
 
 _LAYOUTS = ("replicated", "stacked", "split")
@@ -64,8 +64,8 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   place of a ``"stacked"`` output of the same structure (an optimizer
   state), is taken as differing by worker only where its new value does:
   every worker's rows start alike (:func:`init_worker_states`,
-  :func:`stack_for_workers`), so the moments of a global optimizer after
-  :func:`pmean_gradients` or an injected hyperparameter stay alike, while
+  :func:`~dlion_jax.devices.stack_for_workers`), so the moments of a global optimizer after
+  :func:`~dlion_jax.transforms.pmean_gradients` or an injected hyperparameter stay alike, while
   Distributed Lion's momenta differ. Integer scalars (step counts) are
   alike; PRNG keys, typed or raw, differ.
 

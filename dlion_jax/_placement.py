@@ -23,8 +23,8 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import _mesh
 from dlion_jax import _blocks
+from dlion_jax import _mesh
 
 
 def cut_over(params: Any, mesh: Mesh, shard_axis: str) -> Any:

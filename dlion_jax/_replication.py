@@ -20,10 +20,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from dlion_jax import _mesh
-from dlion_jax import _drift
 from dlion_jax import _core
-from dlion_jax import rounds
+from dlion_jax import _drift
+from dlion_jax import _mesh
 
 
 def _drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
@@ -191,7 +190,7 @@ def _check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:
       jaxpr, [frozenset()] * consts + [axes] * n_params
       + [frozenset()] * n_state + [axes] * n_batch)
   new_state = varying[n_params:n_params + n_state]
-  flags = jax.tree.leaves(rounds.anchor_flags(state))
+  flags = jax.tree.leaves(_core.anchor_flags(state))
   drifting = [jax.tree_util.keystr(path) for (path, _), flag, axes_ in zip(
       jax.tree_util.tree_leaves_with_path(state), flags, new_state)
               if flag and axes_ & axes]

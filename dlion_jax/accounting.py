@@ -10,37 +10,38 @@ bytes of one model's message are :class:`dlion_jax.message.MessageLayout`'s.
 from __future__ import annotations
 
 import numbers
+from typing import Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from dlion_jax import message
-from dlion_jax import quantize
+from dlion_jax import _checks
+from dlion_jax import _message
+from dlion_jax import _quantize
 from dlion_jax import sync
-from dlion_jax._checks import check_choice
-from dlion_jax._checks import positive_int
-from dlion_jax._deprecations import moved
 
-# The vote codes, the message layout, the strategies' arithmetic and the
-# HLO reader live in their own modules; their old names here warn.
-__getattr__ = moved(__name__, {
-    **dict.fromkeys(("Collective", "collective_bytes", "collectives"),
-                    "dlion_jax.hlo"),
-    **dict.fromkeys(("AGGREGATIONS", "COMMS", "message_bytes",
-                     "message_radix", "message_word_multiple", "vote_bits"),
-                    "dlion_jax.message"),
-    **dict.fromkeys(("PBIT_RANGE", "QUANTIZERS", "VOTES", "VoteSpec",
-                     "vote_spec"), "dlion_jax.quantize"),
-    **dict.fromkeys(("alltoall_down_radix", "int_container",
-                     "mavo_has_ties", "psum_radix"), "dlion_jax.strategies"),
-})
+def cheapest_comm(num_workers: int, *, aggregation: str = "mavo",
+                  vote: str = "binary", quantizer: str = "sign",
+                  bits: int | None = None,
+                  leaf_sizes: Sequence[int] | None = None) -> str:
+  """The strategy ``comm='auto'`` takes: the one a worker sends the fewest
+  bytes with, ties to the one with fewer collectives.
 
+  Without ``leaf_sizes`` by the bits a parameter of :func:`wire_bits` (a
+  large model); with a model's leaf sizes by its exact message, padding
+  included (on a small model padding can outweigh the asymptotic figure).
 
-def cheapest_comm(num_workers: int, *, aggregation: str,
-                  spec: quantize.VoteSpec = quantize.BINARY) -> str:
-  """The strategy with the fewest bits per parameter (what ``auto`` picks
-  on a large model; :func:`dlion_jax.message.choose_comm`)."""
-  return message.choose_comm(num_workers, aggregation=aggregation, spec=spec)
+  Example:
+    >>> from dlion_jax import accounting
+    >>> accounting.cheapest_comm(8), accounting.cheapest_comm(
+    ...     8, aggregation="avg")
+    ('alltoall', 'alltoall')
+  """
+  spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
+  _checks.check_choice("aggregation", aggregation, _message.AGGREGATIONS)
+  n = _check_workers(num_workers, spec)
+  return _message.choose_comm(n, aggregation=aggregation, spec=spec,
+                              leaf_sizes=leaf_sizes)
 
 
 def _fraction(name: str, value, what: str) -> float:
@@ -52,7 +53,7 @@ def _fraction(name: str, value, what: str) -> float:
   return float(value)
 
 
-def max_workers(spec: quantize.VoteSpec = quantize.BINARY) -> int:
+def max_workers(*, quantizer: str = "sign", bits: int | None = None) -> int:
   """Largest N the vote exchange supports: ``(2**31 - 1) // (2 L)``.
 
   ``L`` is the largest level of a vote (1 for sign votes). Every strategy
@@ -64,21 +65,24 @@ def max_workers(spec: quantize.VoteSpec = quantize.BINARY) -> int:
 
   Example:
     >>> from dlion_jax import accounting
-    >>> from dlion_jax import quantize
-    >>> pbit8 = quantize.vote_spec("pbit_l1", bits=8)      # 255 levels
-    >>> accounting.max_workers(), accounting.max_workers(pbit8)
+    >>> accounting.max_workers(), accounting.max_workers(
+    ...     quantizer="pbit_l1", bits=8)                  # 255 levels
     (1073741823, 8454660)
   """
+  return _max_workers(_quantize.vote_spec(quantizer, bits=bits))
+
+
+def _max_workers(spec: _quantize.VoteSpec) -> int:
   return (2**31 - 1) // (2 * spec.max_level)
 
 
-def _check_workers(num_workers, spec: quantize.VoteSpec) -> int:
-  n = positive_int("num_workers", num_workers,
+def _check_workers(num_workers, spec: _quantize.VoteSpec) -> int:
+  n = _checks.positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
-  if n > max_workers(spec):
+  if n > _max_workers(spec):
     raise ValueError(
         f"num_workers={n} is more than the vote exchange supports: at most "
-        f"{max_workers(spec)} workers for {spec.radix}-level votes "
+        f"{_max_workers(spec)} workers for {spec.radix}-level votes "
         "(2 N L, twice the largest sum of levels, must fit an int32; see "
         "dlion_jax.accounting.max_workers). Use fewer workers or fewer "
         "levels.")
@@ -95,11 +99,11 @@ def momentum_sync_bits(num_workers: int, momentum_sync, *,
   selects. A period ``k`` costs ``1/k`` of that per step; other schedules
   are averaged over the first ``steps`` updates (a positive int).
   """
-  n = positive_int("num_workers", num_workers,
+  n = _checks.positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   schedule = sync.as_schedule(momentum_sync)
   if steps is not None:
-    steps = positive_int(
+    steps = _checks.positive_int(
         "steps", steps, "the number of updates to average the sync cost "
         "over, e.g. the length of the run")
   synced_fraction = _fraction("synced_fraction", synced_fraction,
@@ -118,24 +122,31 @@ def momentum_sync_bits(num_workers: int, momentum_sync, *,
 
 
 def wire_bits(num_workers: int, *,
-              aggregation: message.Aggregation = "mavo",
-              vote: quantize.Vote = "binary",
-              comm: message.CommChoice = "auto",
-              quantizer: quantize.Quantizer = "sign",
+              aggregation: _message.Aggregation = "mavo",
+              vote: _quantize.Vote = "binary",
+              comm: _message.CommChoice = "auto",
+              quantizer: _quantize.Quantizer = "sign",
               bits: int | None = None,
               momentum_sync=None, steps: int | None = None,
-              mu_dtype=jnp.float32, synced_fraction: float = 1.0) -> float:
-  """Bits each worker sends per parameter per step (ignoring padding).
+              mu_dtype=jnp.float32, synced_fraction: float = 1.0,
+              leaf_sizes: Sequence[int] | None = None) -> float:
+  """Bits each worker sends per parameter per step.
+
+  Without ``leaf_sizes`` the figure of a large model (padding to whole
+  words and equal shards ignored); with a model's leaf sizes its exact
+  message, padding included, what :func:`dlion_jax.collective_bytes`
+  reads off its compiled step's vote.
 
   Args:
     num_workers: size of the data-parallel axis, N: an int from 1 to
       :func:`max_workers` (about 1.07e9 for sign votes).
     aggregation: ``'mavo'`` or ``'avg'``.
     vote: ``'binary'`` or ``'ternary'`` (for ``quantizer='sign'``).
-    comm: a strategy of :mod:`dlion_jax.exchange`, or ``'auto'`` for the
-      cheapest.
+    comm: a strategy (``'alltoall'``, ``'allgather'``, ``'psum'``,
+      ``'psum_int8'``), or ``'auto'`` for the cheapest
+      (:func:`cheapest_comm`).
     quantizer: ``'sign'``, ``'ternary_l1'`` or ``'pbit_l1'`` (see
-      :mod:`dlion_jax.quantize`).
+      :func:`dlion_jax.scale_by_distributed_lion`).
     bits: bits per vote for ``quantizer='pbit_l1'``.
     momentum_sync: ``None``, a period ``k`` or a
       :class:`dlion_jax.sync.SyncSchedule`; adds the amortized cost of
@@ -145,6 +156,9 @@ def wire_bits(num_workers: int, *,
     mu_dtype: dtype of the synced momenta.
     synced_fraction: share of the parameters the sync mask selects, in
       [0, 1].
+    leaf_sizes: the number of entries of each leaf of the model, for its
+      exact figure (``comm='auto'`` then takes the strategy that sends the
+      fewest bytes for these sizes, as the transform does).
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -160,10 +174,12 @@ def wire_bits(num_workers: int, *,
     4.9
     >>> dl.wire_bits(8, momentum_sync=56)       # + fp32 momentum every 56
     3.275
+    >>> round(dl.wire_bits(8, leaf_sizes=[64]), 3)   # one 64-entry leaf
+    6.125
   """
-  check_choice("aggregation", aggregation, message.AGGREGATIONS)
-  check_choice("comm", comm, message.COMMS + ("auto",))
-  spec = quantize.vote_spec(quantizer, vote=vote, bits=bits)
+  _checks.check_choice("aggregation", aggregation, _message.AGGREGATIONS)
+  _checks.check_choice("comm", comm, _message.COMMS + ("auto",))
+  spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   n = _check_workers(num_workers, spec)
   sync_bits = momentum_sync_bits(n, momentum_sync, steps=steps,
                                  mu_dtype=mu_dtype,
@@ -171,13 +187,19 @@ def wire_bits(num_workers: int, *,
   if n == 1:
     return 0.0
   if comm == "auto":
-    comm = cheapest_comm(n, aggregation=aggregation, spec=spec)
-  return (message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
+    comm = _message.choose_comm(n, aggregation=aggregation, spec=spec,
+                                leaf_sizes=leaf_sizes)
+  if leaf_sizes is not None:
+    size = sum(leaf_sizes)
+    sent = _message.message_bytes(leaf_sizes, n, aggregation=aggregation,
+                                  spec=spec, comm=comm)
+    return (8 * sent / size if size else 0.0) + sync_bits
+  return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
           + sync_bits)
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:
   """Bits per parameter a ring all-reduce of ``dtype`` gradients sends."""
-  n = positive_int("num_workers", num_workers,
+  n = _checks.positive_int("num_workers", num_workers,
                     "the size of the data-parallel axis")
   return 2 * (n - 1) / n * jnp.dtype(dtype).itemsize * 8

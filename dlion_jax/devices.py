@@ -23,17 +23,11 @@ from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _mesh
 from dlion_jax._mesh import fsdp_spec  # noqa: F401  (public here)
-from dlion_jax._checks import positive_int
-from dlion_jax._deprecations import moved
+from dlion_jax import _checks
+from dlion_jax import _deprecations
 
-# Process start-up moved to dlion_jax.processes (it imports socket and
-# threading, which the rest of the library does not need).
-__getattr__ = moved(__name__, {
-    "check_processes": "dlion_jax.processes",
-    "coordinator_problem": "dlion_jax.processes",
-    "start_processes": "dlion_jax.processes",
-})
-
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 def use_cpu_devices(num_devices: int) -> None:
   """Asks for ``num_devices`` simulated CPU devices on this process.
@@ -63,7 +57,7 @@ def data_mesh(num_workers: int | None = None, *, axis_name: str = "data",
               devices=None) -> Mesh:
   """A 1-D mesh of the first ``num_workers`` devices (all by default)."""
   devices = list(jax.devices() if devices is None else devices)
-  num_workers = len(devices) if num_workers is None else positive_int(
+  num_workers = len(devices) if num_workers is None else _checks.positive_int(
       "num_workers", num_workers, "devices on the mesh")
   if num_workers > len(devices):
     raise ValueError(
@@ -99,7 +93,7 @@ def hybrid_mesh(nodes: int | None = None, *, axis_name: str = "data",
   """
   devices = sorted(jax.devices() if devices is None else devices,
                    key=lambda d: (d.process_index, d.id))
-  nodes = jax.process_count() if nodes is None else positive_int(
+  nodes = jax.process_count() if nodes is None else _checks.positive_int(
       "nodes", nodes, "rows of the mesh")
   if len(devices) % nodes:
     raise ValueError(
@@ -185,14 +179,7 @@ def stack_for_workers(tree: Any, mesh: Mesh, *,
   stack = lambda t: jax.tree.map(
       lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), t)
   return jax.jit(stack, out_shardings=jax.tree.map(
-      lambda x: stacked_sharding(x, mesh, axis_name), tree))(tree)
-
-
-def stacked_sharding(like: Any, mesh: Mesh, axis_name: str) -> NamedSharding:
-  """Rows split over ``axis_name`` (a leading worker axis), each row
-  sharded over the mesh's other axes as ``like`` is (an array placed on
-  ``mesh``; otherwise, or for None, whole)."""
-  return NamedSharding(mesh, P(axis_name, *_mesh.spec_on(like, mesh)))
+      lambda x: _mesh.stacked_sharding(x, mesh, axis_name), tree))(tree)
 
 
 def shard_batch(batch: Any, mesh: Mesh, *,
@@ -224,7 +211,7 @@ def shard_batch(batch: Any, mesh: Mesh, *,
   return jax.device_put(batch, NamedSharding(mesh, P(axis_name)))
 
 
-def stack(tree: Any, n: int) -> Any:
+def _stack(tree: Any, n: int) -> Any:
   """``tree`` with a leading axis of ``n`` copies on every leaf."""
   return jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)),
                       tree)
@@ -245,4 +232,4 @@ def global_array(value: Any, sharding: NamedSharding) -> Any:
 def replicate_for_pmap(tree: Any, num_devices: int | None = None) -> Any:
   """Stacks ``tree`` ``num_devices`` times (default: all local devices)."""
   n = jax.local_device_count() if num_devices is None else num_devices
-  return stack(tree, n)
+  return _stack(tree, n)

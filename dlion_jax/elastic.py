@@ -41,11 +41,10 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _checks
+from dlion_jax import _core
 from dlion_jax import _mesh
 from dlion_jax import lion
-from dlion_jax import rounds
-from dlion_jax._checks import check_choice
-from dlion_jax import _core
 
 RESIZE_POLICIES = ("mean", "all", "keep")
 ERROR_POLICIES = ("map", "clear")
@@ -65,7 +64,7 @@ def old_rows(num_old: int, num_new: int, policy: str = "mean"
     >>> elastic.old_rows(3, 2, "keep")
     [[0], [1]]
   """
-  check_choice("policy", policy, RESIZE_POLICIES)
+  _checks.check_choice("policy", policy, RESIZE_POLICIES)
   for name, n in (("num_old", num_old), ("num_new", num_new)):
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or n < 1:
       raise ValueError(f"{name} must be a positive int (workers), got "
@@ -149,7 +148,7 @@ def _kinds(tx, state: Any, params: Any, error: str) -> Any:
       return "clear"
     return "map" if mapped and not is_anchor else "first"
   # Local steps' anchor is the same on every worker: kept as it is.
-  return jax.tree.map(kind, param_like, residual, rounds.anchor_flags(state))
+  return jax.tree.map(kind, param_like, residual, _core.anchor_flags(state))
 
 
 def _target_shardings(tx, params, mesh, axis_name, shard_axis) -> Any:
@@ -355,8 +354,8 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
     >>> state[0].mu["w"].shape
     (1, 3)
   """
-  check_choice("policy", policy, RESIZE_POLICIES)
-  check_choice("error", error, ERROR_POLICIES)
+  _checks.check_choice("policy", policy, RESIZE_POLICIES)
+  _checks.check_choice("error", error, ERROR_POLICIES)
   num_new = _mesh.axis_size(mesh, axis_name)
   shape, shardings = _target_shardings(tx, params, mesh, axis_name,
                                        shard_axis)
@@ -553,7 +552,7 @@ def resize_worker_params(params: Any, mesh: Mesh, *,
     >>> elastic.resize_worker_params(params, mesh)["w"]
     Array([[2., 4.]], dtype=float32)
   """
-  check_choice("policy", policy, RESIZE_POLICIES)
+  _checks.check_choice("policy", policy, RESIZE_POLICIES)
   num_new = _mesh.axis_size(mesh, axis_name)
   leaves = jax.tree.leaves(params)
   rows = {np.shape(x)[0] if np.ndim(x) else None for x in leaves}

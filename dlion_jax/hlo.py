@@ -49,6 +49,10 @@ import re
 
 import jax
 import numpy as np
+from dlion_jax import _deprecations
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 _OPS = {
     "all-reduce": "all-reduce",
@@ -76,7 +80,7 @@ _SCATTER_FUSION = re.compile(r'"emitter"\s*:\s*"\w*ReduceScatterFusion"')
 _HOST_TRANSFER = re.compile(r"\bis_host_transfer=true\b")
 _HANDLER = re.compile(r'_xla_host_transfer_handler_name="(?P<name>[^"]*)"')
 # Megascale numbers a device ``slice * 100000 + position`` (slices 1-based).
-MEGASCALE_SLICE = 100000
+_MEGASCALE_SLICE = 100000
 # Async starts (GPU) whose result is the tuple (operands, results, ...): only
 # the second element is what the collective produces.
 _OPERAND_RESULT_PAIRS = ("all-gather-start", "collective-permute-start")
@@ -136,9 +140,9 @@ _UNPARTITIONED = re.compile(
 
 _DTYPE_BITS = {"pred": 8, "bf16": 16, "c64": 64, "c128": 128}
 
-Groups = tuple[tuple[int, ...], ...]
-AxisKey = str | tuple[str, ...]
-Pick = Callable[..., list] | None   # max or min over a conditional's branches
+_Groups = tuple[tuple[int, ...], ...]
+_AxisKey = str | tuple[str, ...]
+_Pick = Callable[..., list] | None   # max or min over a conditional's branches
 
 
 def _shape_bytes(shape: str) -> int:
@@ -205,7 +209,7 @@ class Collective:
   sent_bytes: float  # bytes each worker sends per run, by the conventions above
   conditional: bool = False  # in a branch of a conditional (cond, switch)
   count: int = 1     # runs per call: trip counts of the enclosing loops
-  replica_groups: Groups | None = None  # None: every device, one group
+  replica_groups: _Groups | None = None  # None: every device, one group
   instruction: str = ""  # the HLO instruction's name
   link: str = "ici"  # "dcn": a megascale transfer between TPU slices
 
@@ -253,7 +257,7 @@ def _iota(dims: Sequence[int], perm: Sequence[int] = ()) -> np.ndarray:
   return ids.transpose(perm) if perm else ids
 
 
-def _rows(ids: np.ndarray, grouped: Sequence[int]) -> Groups:
+def _rows(ids: np.ndarray, grouped: Sequence[int]) -> _Groups:
   """The groups of ``ids`` varying along dims ``grouped`` (major first),
   the other dims fixed: one per value of the others, in order.
 
@@ -292,7 +296,7 @@ def _device_order(text: str | None, size: int) -> np.ndarray:
   return np.array(_ints(text)) if text else np.arange(size)
 
 
-def _mesh_groups(m: re.Match) -> Groups:
+def _mesh_groups(m: re.Match) -> _Groups:
   """The groups of ``replica_groups=mesh[...] {axes}``: the devices that
   differ only along the listed (sub-)axes, listed major first."""
   axes = [(a["name"], int(a["size"])) for a in _MESH_AXIS.finditer(m["axes"])]
@@ -309,7 +313,7 @@ def _mesh_groups(m: re.Match) -> Groups:
   return _rows(ids.reshape(dims), [where[r] for r in refs])
 
 
-def _replica_groups(line: str) -> Groups | None:
+def _replica_groups(line: str) -> _Groups | None:
   """A collective's device groups in any printed form; None: every device."""
   m = _GROUPS_LIST.search(line) or _PAIRS.search(line)
   if m:
@@ -358,7 +362,7 @@ def _megascale(m: re.Match, line: str) -> Collective:
                     instruction=m["name"], link="dcn")
 
 
-def _megascale_groups(target: re.Match) -> Groups:
+def _megascale_groups(target: re.Match) -> _Groups:
   """Device groups of a megascale target, as ``slice * 100000 +
   position``: a list ``{{100000,100001},...}``, or a product ``"{1,2}x{0:3}"``
   (slices by positions, ``a:b`` inclusive): one group per position, across
@@ -373,7 +377,7 @@ def _megascale_groups(target: re.Match) -> Groups:
       out += range(int(lo), int(hi or lo) + 1)
     return out
   slices, positions = target["product"].split("x")
-  return tuple(tuple(s * MEGASCALE_SLICE + p for s in members(slices))
+  return tuple(tuple(s * _MEGASCALE_SLICE + p for s in members(slices))
                for p in members(positions))
 
 
@@ -493,7 +497,7 @@ def _branch_bytes(found: list[Collective]) -> float:
 
 
 def _walk(computations: dict, sending: set, name, count: int,
-          conditional: bool, seen: frozenset, pick: Pick):
+          conditional: bool, seen: frozenset, pick: _Pick):
   """Yields the collectives ``name`` runs, each with its runs per call.
 
   ``pick`` (``max`` or ``min``) keeps, of a conditional's branches, the one
@@ -565,7 +569,7 @@ def _uncompiled(text: str, where: tuple[str, str], sending: set) -> None:
 
 
 def _collectives(value, where: tuple[str, str],
-                 pick: Pick = None) -> list[Collective]:
+                 pick: _Pick = None) -> list[Collective]:
   text = _module_text(value, where)
   computations, roots = _parse(text)
   sending = _sending(computations)
@@ -665,7 +669,7 @@ def _no_axis(c: Collective, shape: dict, why: str) -> ValueError:
       "hlo.collectives(text), each Collective's replica_groups.")
 
 
-def _axis_key(c: Collective, shape: dict, part: bool = False) -> AxisKey:
+def _axis_key(c: Collective, shape: dict, part: bool = False) -> _AxisKey:
   """The mesh axis (or axes, in mesh order) whose groups are ``c``'s; with
   ``part``, along which its groups' devices differ (a TPU multislice
   program runs a collective over an axis as pieces inside and across
@@ -686,7 +690,7 @@ def _axis_key(c: Collective, shape: dict, part: bool = False) -> AxisKey:
 
 
 def collective_bytes_by_axis(compiled_or_text, mesh, *,
-                             conditional: bool = True) -> dict[AxisKey, float]:
+                             conditional: bool = True) -> dict[_AxisKey, float]:
   """:func:`collective_bytes` split by the mesh axes each collective crosses.
 
   A collective crosses the axes along which the devices of its replica
@@ -779,7 +783,7 @@ def _slice_positions(mesh, found: list[Collective]) -> Callable:
   slices = sorted(seen)
   def place(c: Collective) -> Collective:
     if c.link == "dcn":
-      groups = tuple(tuple(at[divmod(d, MEGASCALE_SLICE)] for d in g)
+      groups = tuple(tuple(at[divmod(d, _MEGASCALE_SLICE)] for d in g)
                      for g in c.replica_groups)
     else:
       inside = c.replica_groups or (tuple(range(seen[slices[0]])),)
@@ -832,6 +836,6 @@ def _dcn_share(c: Collective) -> float:
   if c.link != "dcn" or c.group_size <= 1:
     return 0.0
   group = c.replica_groups[0]
-  mine = sum(d // MEGASCALE_SLICE == group[0] // MEGASCALE_SLICE
+  mine = sum(d // _MEGASCALE_SLICE == group[0] // _MEGASCALE_SLICE
              for d in group)
   return (len(group) - mine) / (len(group) - 1)

@@ -45,22 +45,26 @@ import sys
 import threading
 import time
 from typing import IO, Sequence
+from dlion_jax import _deprecations
 
-HOST = "127.0.0.1"
-GRACE_S = 5.0       # after SIGTERM / SIGINT, before SIGKILL
-POLL_S = 0.05
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
+
+_HOST = "127.0.0.1"
+_GRACE_S = 5.0       # after SIGTERM / SIGINT, before SIGKILL
+_POLL_S = 0.05
 
 
-def free_port(host: str = HOST) -> int:
+def _free_port(host: str = _HOST) -> int:
   """A TCP port nothing listens on right now."""
   with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
     s.bind((host, 0))
     return s.getsockname()[1]
 
 
-PROG = "python -m dlion_jax.launch"
+_PROG = "python -m dlion_jax.launch"
 # --help's text: the module docstring's, without its reStructuredText.
-DESCRIPTION = """\
+_DESCRIPTION = """\
 Starts N local processes of a multi-process JAX command (everything after
 --, run as is, without a shell). Each gets the environment that
 jax.distributed.initialize and python -m dlion_jax.train read:
@@ -69,34 +73,34 @@ jax.distributed.initialize and python -m dlion_jax.train read:
   JAX_PROCESS_ID=i                         (0 .. N-1)
 Each line a process prints is prefixed with [i]. If one process fails, the
 others are stopped at once."""
-EPILOG = f"""\
+_EPILOG = f"""\
 exit status: 0 when every process exits 0; the first failing process's code
 (128 + the signal's number if a signal killed it); 124 after --timeout; 130
 on Ctrl-C and 143 on SIGTERM, both forwarded to every process (SIGKILL
-{GRACE_S:g} s later); 2 for a usage error.
+{_GRACE_S:g} s later); 2 for a usage error.
 
 examples:
-  {PROG} -n 2 -- python -m dlion_jax.train \\
+  {_PROG} -n 2 -- python -m dlion_jax.train \\
       --set workers=2 --set run_dir=runs/quickstart-2proc
-  {PROG} -n 4 --port 12345 --timeout 600 -- python my.py"""
+  {_PROG} -n 4 --port 12345 --timeout 600 -- python my.py"""
 
 
 def _parser() -> argparse.ArgumentParser:
   parser = argparse.ArgumentParser(
-      prog=PROG,
+      prog=_PROG,
       usage="%(prog)s -n N [--port PORT] [--timeout S] -- COMMAND [ARG ...]",
-      description=DESCRIPTION,
-      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EPILOG)
+      description=_DESCRIPTION,
+      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
   parser.add_argument("-n", "--num-processes", type=int, required=True,
                       metavar="N", help="how many processes to start")
   parser.add_argument("--port", type=int,
-                      help=f"coordinator port on {HOST} (default: a free one)")
+                      help=f"coordinator port on {_HOST} (default: a free one)")
   parser.add_argument("--timeout", type=float, metavar="S",
                       help="stop everything and exit 124 after S seconds")
   return parser
 
 
-def parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+def _parse_args(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
   """Splits ``argv`` at the first ``--``: launcher options, then command."""
   parser = _parser()
   argv = list(argv)
@@ -168,7 +172,7 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
 
 
 def _stop(procs: list[subprocess.Popen], sig: int = signal.SIGTERM,
-          grace: float = GRACE_S) -> None:
+          grace: float = _GRACE_S) -> None:
   """Sends ``sig`` to every running process group, SIGKILL after ``grace``."""
   running = [p for p in procs if p.poll() is None]
   for p in running:
@@ -207,8 +211,8 @@ def launch(num_processes: int, command: Sequence[str], *,
   """
   stdout = sys.stdout if stdout is None else stdout
   stderr = sys.stderr if stderr is None else stderr
-  port = free_port() if port is None else port
-  address = f"{HOST}:{port}"
+  port = _free_port() if port is None else port
+  address = f"{_HOST}:{port}"
 
   def note(text: str) -> None:
     print(f"launch: {text}", file=stderr, flush=True)
@@ -275,7 +279,7 @@ def launch(num_processes: int, command: Sequence[str], *,
         _stop(procs)
         status = 124
       else:
-        time.sleep(POLL_S)
+        time.sleep(_POLL_S)
     for t in pumps:
       t.join(timeout=2.0)
     return status
@@ -287,7 +291,9 @@ def launch(num_processes: int, command: Sequence[str], *,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-  args, command = parse_args(sys.argv[1:] if argv is None else argv)
+  """``python -m dlion_jax.launch``: :func:`launch` with the command line's
+  options (``argv``, default ``sys.argv[1:]``); returns its exit code."""
+  args, command = _parse_args(sys.argv[1:] if argv is None else argv)
   return launch(args.num_processes, command, port=args.port,
                 timeout=args.timeout)
 

@@ -9,19 +9,15 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from dlion_jax import _checks
 from dlion_jax import _collectives
-from dlion_jax import _mesh
 from dlion_jax import _drift
-from dlion_jax import exchange
-from dlion_jax import fused
-from dlion_jax import message
-from dlion_jax import quantize
+from dlion_jax import _exchange
+from dlion_jax import _fused
+from dlion_jax import _mesh
+from dlion_jax import _message
+from dlion_jax import _quantize
 from dlion_jax import sync
-from dlion_jax._checks import check_choice
-from dlion_jax._checks import check_float_leaves
-from dlion_jax._checks import check_same_structure
-from dlion_jax._checks import positive_int
-from dlion_jax._checks import static_int
 
 # Leaves smaller than this skip the vote (min_compress_size=None).
 DEFAULT_MIN_COMPRESS_SIZE = 0
@@ -81,7 +77,7 @@ def _check_state(state, state_type):
 def _min_compress_size(value) -> int:
   if value is None:
     return DEFAULT_MIN_COMPRESS_SIZE
-  value = static_int("min_compress_size", value)
+  value = _checks.static_int("min_compress_size", value)
   if (not isinstance(value, int) or isinstance(value, bool) or value < 0):
     raise ValueError(
         "min_compress_size must be an int >= 0 (leaves with fewer elements "
@@ -95,8 +91,8 @@ def _residual(p, d, dtype):
   A non-finite ``p`` leaves a residual of 0 rather than one that would
   feed the NaN back on every later step.
   """
-  wide = quantize.scale_dtype(p.dtype)
-  scale = quantize.l1_scale(p)
+  wide = _quantize.scale_dtype(p.dtype)
+  scale = _quantize.l1_scale(p)
   residual = p.astype(wide) - scale * d.astype(wide)
   return jnp.where(jnp.isfinite(residual), residual, 0).astype(dtype)
 
@@ -106,18 +102,18 @@ def scale_by_distributed_lion(
     b2: jax.typing.ArrayLike = 0.99,
     mu_dtype: Optional[jax.typing.DTypeLike] = None,
     *,
-    axis_name: exchange.AxisName | None = None,
-    aggregation: message.Aggregation = "mavo",
-    vote: quantize.Vote = "binary",
-    comm: message.CommChoice = "auto",
-    quantizer: quantize.Quantizer = "sign",
+    axis_name: _exchange.AxisName | None = None,
+    aggregation: _message.Aggregation = "mavo",
+    vote: _quantize.Vote = "binary",
+    comm: _message.CommChoice = "auto",
+    quantizer: _quantize.Quantizer = "sign",
     bits: int | None = None,
     momentum_sync: int | sync.SyncSchedule | None = None,
     momentum_sync_mask: Any = None,
     min_compress_size: int | None = None,
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
-    kernels: fused.Kernels = "auto",
+    kernels: _fused.Kernels = "auto",
 ) -> optax.GradientTransformation:
   r"""Lion's sign update, voted across the workers of a data-parallel axis.
 
@@ -164,7 +160,7 @@ def scale_by_distributed_lion(
   * ``quantizer='ternary_l1'`` / ``'pbit_l1'`` with ``bits=p``: each worker
     sends :math:`q_i = \mathrm{clip}(\mathrm{round}(L c_i / a_i), -L, L)`,
     :math:`L = 2^{p-1} - 1`, :math:`a_i` the mean :math:`|c_i|` of the leaf
-    (:mod:`dlion_jax.quantize`); :math:`D = \mathrm{sign}(\sum_i q_i)` or
+    (per leaf and per worker, not sent); :math:`D = \mathrm{sign}(\sum_i q_i)` or
     :math:`\sum_i q_i / (N L)`.
   * ``momentum_sync=k`` (or a :class:`dlion_jax.sync.SyncSchedule`): after
     the updates the schedule names, every worker's momentum (the leaves
@@ -195,7 +191,7 @@ def scale_by_distributed_lion(
     vote: ``'binary'`` (1 bit) or ``'ternary'`` (exact sign, 0 abstains).
     comm: how votes travel: ``'alltoall'``, ``'allgather'``, ``'psum'``,
       ``'psum_int8'`` or ``'auto'`` (fewest wire bytes for the model). All
-      give the same result; see :mod:`dlion_jax.exchange`.
+      give the same result, bit for bit (docs/design-notes.md).
     quantizer: ``'sign'`` (Distributed Lion), ``'ternary_l1'`` or
       ``'pbit_l1'`` (Lion Cub's L1-scaled levels).
     bits: bits per vote for ``quantizer='pbit_l1'``, 2 to 8.
@@ -216,7 +212,7 @@ def scale_by_distributed_lion(
       the same bit for bit; each bucket pads its own message. Off TPU the
       momenta are written once every bucket's vote is in.
     kernels: how big leaves are encoded and tallied: ``'auto'`` (the fused
-      Pallas kernels of :mod:`dlion_jax.fused` on TPU, XLA elsewhere and
+      Pallas kernels on TPU, XLA elsewhere and
       in the plain jitted step of :mod:`dlion_jax.workers`),
       ``'pallas'`` (the kernels wherever a leaf fits their blocks; on GPU
       through Triton, not yet timed on one; on CPU in Pallas'
@@ -258,21 +254,21 @@ def scale_by_distributed_lion(
     Ishikawa et al., `Lion Cub: Minimizing Communication Overhead in
     Distributed Lion <https://arxiv.org/abs/2411.16462>`_, ICML 2025.
   """
-  check_choice("aggregation", aggregation, exchange.AGGREGATIONS)
-  check_choice("comm", comm, exchange.COMM_CHOICES)
-  check_choice("kernels", kernels, fused.KERNELS)
-  spec = quantize.vote_spec(quantizer, vote=vote, bits=bits)
+  _checks.check_choice("aggregation", aggregation, _exchange.AGGREGATIONS)
+  _checks.check_choice("comm", comm, _exchange.COMM_CHOICES)
+  _checks.check_choice("kernels", kernels, _fused.KERNELS)
+  spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   schedule = sync.as_schedule(momentum_sync)
   min_compress_size = _min_compress_size(min_compress_size)
   if bucket_bytes is not None:
-    bucket_bytes = positive_int("bucket_bytes", bucket_bytes,
+    bucket_bytes = _checks.positive_int("bucket_bytes", bucket_bytes,
                                 "a budget of gradient bytes, or None")
   state_type = ErrorFeedbackState if error_feedback else DistributedLionState
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)
 
   def init_fn(params):
-    check_float_leaves(params, "params")
+    _checks.check_float_leaves(params, "params")
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     count = jnp.zeros([], jnp.int32)
     if error_feedback:   # a buffer of its own, so the state can be donated
@@ -297,7 +293,7 @@ def scale_by_distributed_lion(
     differed between the plain, Explicit and ``shard_map`` steps.
     """
     rate = traced_b1[0] if traced_b1 else b1
-    wide = quantize.scale_dtype(jnp.promote_types(g.dtype, m.dtype))
+    wide = _quantize.scale_dtype(jnp.promote_types(g.dtype, m.dtype))
     new = jnp.asarray(1.0 - rate, g.dtype).astype(wide)
     old = jnp.asarray(rate, m.dtype).astype(wide)
     return new * g.astype(wide) + old * m.astype(wide)
@@ -324,7 +320,7 @@ def scale_by_distributed_lion(
   fused_moment = moment if isinstance(b2, (int, float)) else None
 
   def voted_update(combine, num_workers, *trees, constants=(), also=None):
-    return exchange.aggregate(
+    return _exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
@@ -334,9 +330,9 @@ def scale_by_distributed_lion(
   def update_fn(updates, state, params=None):
     del params
     _check_state(state, state_type)
-    num_workers = exchange.workers_along(axis_name)
-    check_same_structure(updates, state.mu, num_workers)
-    check_float_leaves(updates, "gradient")
+    num_workers = _exchange.workers_along(axis_name)
+    _checks.check_same_structure(updates, state.mu, num_workers)
+    _checks.check_float_leaves(updates, "gradient")
     if num_workers > 1:
       _drift.check_local_gradients(updates, axis_name)
     extra, done, fused_mu = {}, None, {}
@@ -432,18 +428,18 @@ def distributed_lion(
     weight_decay: optax.ScalarOrSchedule = 1e-3,
     mask: Any = None,
     *,
-    axis_name: exchange.AxisName | None = None,
-    aggregation: message.Aggregation = "mavo",
-    vote: quantize.Vote = "binary",
-    comm: message.CommChoice = "auto",
-    quantizer: quantize.Quantizer = "sign",
+    axis_name: _exchange.AxisName | None = None,
+    aggregation: _message.Aggregation = "mavo",
+    vote: _quantize.Vote = "binary",
+    comm: _message.CommChoice = "auto",
+    quantizer: _quantize.Quantizer = "sign",
     bits: int | None = None,
     momentum_sync: int | sync.SyncSchedule | None = None,
     momentum_sync_mask: Any = None,
     min_compress_size: int | None = None,
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
-    kernels: fused.Kernels = "auto",
+    kernels: _fused.Kernels = "auto",
 ) -> optax.GradientTransformationExtraArgs:
   r"""Distributed Lion: a drop-in for :func:`optax.lion` in data parallel.
 

@@ -52,34 +52,20 @@ from jax import lax
 from jax.sharding import Mesh
 
 from dlion_jax import _collectives
-from dlion_jax import _mesh
+from dlion_jax import _core
 from dlion_jax import _grads_first
+from dlion_jax import _mesh
 from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax import _replication
-from dlion_jax import _core
 from dlion_jax import devices
-from dlion_jax import rounds
-from dlion_jax._checks import positive_int
-from dlion_jax._deprecations import moved
 # Public here: the per-worker state and per_worker's map.
 from dlion_jax._core import init_worker_states  # noqa: F401
 from dlion_jax._core import state_shardings  # noqa: F401
 from dlion_jax._per_worker import per_worker  # noqa: F401
+from dlion_jax import _checks
 
 LossFn = Callable[[Any, Any], jax.Array]
-
-# Placement moved to dlion_jax.devices, the optimizer wrappers to
-# dlion_jax.transforms and process start-up to dlion_jax.processes.
-__getattr__ = moved(__name__, {
-    **dict.fromkeys(("data_mesh", "global_array", "hybrid_mesh", "replicate",
-                     "replicate_for_pmap", "shard_batch", "shard_params",
-                     "stack_for_workers", "use_cpu_devices"),
-                    "dlion_jax.devices"),
-    "apply_if_finite": "dlion_jax.transforms",
-    "pmean_gradients": "dlion_jax.transforms",
-    "start_processes": "dlion_jax.processes",
-})
 
 # Steps the CPU backend may have queued (see limit_in_flight); XLA:CPU
 # itself admits 32 executions per device.
@@ -177,7 +163,7 @@ def limit_in_flight(fn: Callable, max_in_flight: int = MAX_IN_FLIGHT, *,
     >>> x
     Array([100., 100., 100.], dtype=float32)
   """
-  max_in_flight = positive_int("max_in_flight", max_in_flight)
+  max_in_flight = _checks.positive_int("max_in_flight", max_in_flight)
   devices = list(jax.devices() if devices is None else devices)
   if devices[0].platform != "cpu":
     return fn
@@ -335,7 +321,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   n = _mesh.axis_size(mesh, axis_name)
   if params_per_worker:
     _check_params_per_worker_mesh(mesh, axis_name, shard_axis)
-  micro_batches = positive_int("micro_batches", micro_batches)
+  micro_batches = _checks.positive_int("micro_batches", micro_batches)
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
@@ -411,7 +397,8 @@ def _check_params_layout(params, state, n: int, params_per_worker: bool):
   """Per-worker params where the step wants them, and where local steps
   need them (:func:`dlion_jax.local_steps`)."""
   if not params_per_worker:
-    rounds.refuse(state, "make_train_step's step without params_per_worker")
+    _core.refuse_local_steps(
+        state, "make_train_step's step without params_per_worker")
     return
   for path, leaf in jax.tree_util.tree_leaves_with_path(params):
     if not leaf.shape or leaf.shape[0] != n:
@@ -489,7 +476,7 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
 
   @functools.wraps(step)          # keeps pmap's lower, trace, ...
   def checked_step(params, state, batch):
-    rounds.refuse(state, "make_pmap_train_step's step")
+    _core.refuse_local_steps(state, "make_pmap_train_step's step")
     stacked = "a copy for each of its devices stacked"
     _core.check_leading_axis(
         params, n, "params", stacked,

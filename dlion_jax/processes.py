@@ -21,8 +21,8 @@ import threading
 
 import jax
 
+from dlion_jax import _checks
 from dlion_jax import devices
-from dlion_jax._checks import positive_int
 
 
 def coordinator_problem(address: str, process_id: int = 0) -> str | None:
@@ -147,7 +147,7 @@ def start_processes(local_devices: int, *, num_processes: int | None = None,
       timeout too small.
     RuntimeError: the backend is already up with fewer devices.
   """
-  local_devices = positive_int("local_devices", local_devices)
+  local_devices = _checks.positive_int("local_devices", local_devices)
   env = os.environ.get
   n = int(env("JAX_NUM_PROCESSES", "1")) if num_processes is None else (
       num_processes)

@@ -35,9 +35,12 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
+from dlion_jax import _checks
+from dlion_jax import _deprecations
 from dlion_jax import transforms
-from dlion_jax._checks import decay_rate
-from dlion_jax._checks import positive_int
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 
 class LocalStepsState(NamedTuple):
@@ -117,7 +120,7 @@ def local_steps(inner: optax.GradientTransformation,
            [-0.5],
            [-0.5]], dtype=float32)
   """
-  every = positive_int("every", every)
+  every = _checks.positive_int("every", every)
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -178,7 +181,7 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
   Raises:
     ValueError: ``momentum`` outside ``[0, 1)``.
   """
-  decay_rate("momentum", momentum, "the outer step's Nesterov momentum")
+  _checks.decay_rate("momentum", momentum, "the outer step's Nesterov momentum")
   return optax.chain(transforms.pmean_gradients(axis_name),
                      optax.sgd(learning_rate, momentum=momentum,
                                nesterov=True))
@@ -215,32 +218,6 @@ def restart_at_anchor(params: Any, state: Any) -> Any:
     params = jax.tree.map(lambda a, p, r=local.restart: at(r, a, p),
                           local.anchor, params, is_leaf=masked)
   return params
-
-
-def refuse(state: Any, where: str) -> None:
-  """Raises a ValueError naming the step that runs local steps where
-  ``where`` (a step holding one copy of the params) cannot."""
-  if has_local_steps(state):
-    raise ValueError(
-        f"{where} holds one copy of the params for every worker, but the "
-        "optimizer runs local steps (dl.local_steps), whose workers each "
-        "train their own: build the step with dl.parallel.make_train_step("
-        "loss_fn, tx, mesh, params_per_worker=True) (in a plain jitted "
-        "step: dl.workers.value_and_grad and dl.workers.update with "
-        "params_per_worker=True) and params from "
-        "dl.devices.stack_for_workers(params, mesh).")
-
-
-def anchor_flags(state: Any) -> Any:
-  """``state`` with True at the leaves of a :class:`LocalStepsState`'s
-  anchor and False elsewhere (what must be the same on every worker)."""
-  def flags(x):
-    if isinstance(x, LocalStepsState):
-      return jax.tree.map(lambda _: False, x)._replace(
-          anchor=jax.tree.map(lambda _: True, x.anchor))
-    return jax.tree.map(lambda _: False, x)
-  return jax.tree.map(flags, state,
-                      is_leaf=lambda x: isinstance(x, LocalStepsState))
 
 
 def anchor(state: Any) -> Any:

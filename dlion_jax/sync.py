@@ -30,11 +30,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dlion_jax import _blocks
+from dlion_jax import _checks
 from dlion_jax import _collectives
 from dlion_jax import _drift
-from dlion_jax import _blocks
-from dlion_jax._checks import positive_int
-from dlion_jax._checks import static_int
 
 _INT32_MAX = 2**31 - 1
 
@@ -73,7 +72,7 @@ def every_k_steps(k: int) -> SyncSchedule:
     >>> sync.every_k_steps(4).count(10)     # after updates 4 and 8
     2
   """
-  k = positive_int("k", k)
+  k = _checks.positive_int("k", k)
   return SyncSchedule(name=f"every {k} steps", period=k)
 
 
@@ -85,8 +84,8 @@ def growing_intervals(k: int, first: int = 1) -> SyncSchedule:
     >>> sync.growing_intervals(2).steps[:8]
     (1, 2, 3, 5, 7, 11, 16, 24)
   """
-  k = positive_int("k", k)
-  step = positive_int("first", first)
+  k = _checks.positive_int("k", k)
+  step = _checks.positive_int("first", first)
   steps, j = [], 0
   while step <= _INT32_MAX:
     steps.append(step)
@@ -100,7 +99,7 @@ def as_schedule(momentum_sync: Any) -> SyncSchedule | None:
   -> itself; anything else raises a ValueError saying what is accepted."""
   if momentum_sync is None or isinstance(momentum_sync, SyncSchedule):
     return momentum_sync
-  momentum_sync = static_int("momentum_sync", momentum_sync)
+  momentum_sync = _checks.static_int("momentum_sync", momentum_sync)
   if isinstance(momentum_sync, (int, np.integer)) and not isinstance(
       momentum_sync, bool) and momentum_sync >= 1:
     return every_k_steps(momentum_sync)

@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from dlion_jax import _collectives
 from dlion_jax import _blocks
+from dlion_jax import _collectives
 
 
 def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:

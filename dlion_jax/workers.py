@@ -38,11 +38,14 @@ import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import _collectives
-from dlion_jax import _mesh
 from dlion_jax import _blocks
+from dlion_jax import _collectives
 from dlion_jax import _core
-from dlion_jax import rounds
+from dlion_jax import _deprecations
+from dlion_jax import _mesh
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 
 def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
@@ -313,7 +316,7 @@ def update(tx, *, axis_name: str = "data",
 
   def run(grads, state, params):
     if not params_per_worker:
-      rounds.refuse(state, "dl.workers.update's step without "
+      _core.refuse_local_steps(state, "dl.workers.update's step without "
                     "params_per_worker")
     n = _mesh.mesh_size(axis_name)
     fix = ("Take them from dl.workers.value_and_grad (a row per worker), "

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import parallel
+import dlion_jax as dl
 
 AXIS = "data"
 # Odd leaf sizes, about 1e5 parameters: no strategy's packing unit divides d.

@@ -10,12 +10,12 @@ import pytest
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 from dlion_jax import devices
-from dlion_jax import exchange
 from dlion_jax import hlo
-from dlion_jax import message
-from dlion_jax import quantize
+import dlion_jax as dl
 from compiled import AXIS
 from compiled import SIZES
 from compiled import compile_on_mesh
@@ -37,7 +37,7 @@ def test_hlo_bits_match_wire_bits(n, comm):
     compiled = compile_update(n, **kw)
     sent = hlo.collective_bytes(compiled)
     # Exact, padding included.
-    spec = dl.quantize.vote_spec(vote=vote)
+    spec = quantize.vote_spec(vote=vote)
     picked = exchange.resolve_comm(comm, n, aggregation=aggregation,
                                    spec=spec, leaf_sizes=SIZES)
     expected = message.message_bytes(SIZES, n, aggregation=aggregation,
@@ -51,7 +51,7 @@ def test_hlo_bits_match_wire_bits(n, comm):
 
 def test_auto_counts_padding_on_small_models():
   """64 parameters at N=8: alltoall's shard padding costs more than it saves."""
-  kw = dict(aggregation="mavo", spec=dl.quantize.BINARY)
+  kw = dict(aggregation="mavo", spec=quantize.BINARY)
   small = {c: message.message_bytes([64], 8, comm=c, **kw) for c in COMMS}
   picked = exchange.resolve_comm("auto", 8, leaf_sizes=[64], **kw)
   assert small[picked] == min(small.values())
@@ -73,8 +73,8 @@ def test_hlo_ops_per_strategy(comm):
   found = hlo.collectives(compiled.as_text())
   assert [c.op for c in found] == ops
   assert all(c.group_size == 5 for c in found)
-  record = dl.message.collective_bits(5, aggregation="mavo",
-                                      spec=dl.quantize.BINARY, comm=comm)
+  record = message.collective_bits(5, aggregation="mavo",
+                                      spec=quantize.BINARY, comm=comm)
   assert [op for op, _ in record] == ops
   for c, (_, bits) in zip(found, record):
     assert bits - 1e-9 <= c.sent_bytes * 8 / D <= bits * (1 + 320 / D), (
@@ -120,7 +120,7 @@ def test_auto_is_min_over_strategies(aggregation, vote):
     auto = dl.wire_bits(n, aggregation=aggregation, vote=vote)
     assert auto == min(each.values()), n
     picked = exchange.resolve_comm("auto", n, aggregation=aggregation,
-                                   spec=dl.quantize.vote_spec(vote=vote))
+                                   spec=quantize.vote_spec(vote=vote))
     assert each[picked] == pytest.approx(auto, abs=1e-9), (n, picked)
 
 

@@ -11,8 +11,8 @@ import sys
 import numpy as np
 import pytest
 
-import dlion_jax as dl
 
+from dlion_jax import _message as message
 from dlion_jax import bench
 
 pytestmark = pytest.mark.integration      # the benchmarks' commands
@@ -73,7 +73,7 @@ def test_bench_kernels_stages_chain_to_the_vote_of_every_comm(
     aggregation, num_workers):
   from dlion_jax.bench import kernels    # pylint: disable=import-outside-toplevel
   size = 1001                            # not a multiple of 8 N
-  for comm in dl.message.COMMS:
+  for comm in message.COMMS:
     stages = kernels.stage_functions(num_workers, size, aggregation, comm)
     assert list(stages) == list(kernels.STAGES)
     g, m = map(np.asarray, stages["encode"][1])
@@ -89,5 +89,5 @@ def test_bench_kernels_prints_both_tables_for_every_variant(capsys):
   kernels.main(["--workers", "3", "--sizes", "1001", "--repeats", "1"])
   out = capsys.readouterr().out
   for aggregation in ("mavo", "avg"):
-    for comm in dl.message.COMMS:
+    for comm in message.COMMS:
       assert out.count(f"| dlion {aggregation} {comm} |") == 2, comm

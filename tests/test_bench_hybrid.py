@@ -8,8 +8,8 @@ import sys
 import jax
 import pytest
 
-import dlion_jax as dl
 from dlion_jax import devices
+import dlion_jax as dl
 
 pytestmark = pytest.mark.integration
 hybrid = pytest.importorskip("dlion_jax.bench.hybrid")

@@ -8,10 +8,10 @@ import subprocess
 import pytest
 
 from benchmarks import network
-import dlion_jax as dl
-from dlion_jax import message
-from dlion_jax import quantize
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 from dlion_jax.bench import wire
+import dlion_jax as dl
 
 pytestmark = pytest.mark.integration
 

@@ -11,12 +11,12 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
 from dlion_jax import devices
-from dlion_jax import exchange
 from dlion_jax import hlo
-from dlion_jax import message
 from dlion_jax import parallel
+import dlion_jax as dl
 
 # Leaves a word's digits do not divide, one under OWN_PACKING (packed with
 # the other small ones), a bf16 one; 4 bytes a parameter but "e".

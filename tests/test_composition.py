@@ -12,6 +12,7 @@ from harness import AXIS
 from harness import random_tree
 from harness import run_on_mesh
 from reference import DistributedLionReference
+from dlion_jax import _exchange as exchange
 
 SHAPES = {"w": (13, 3), "b": (3,)}
 N = 3
@@ -244,7 +245,7 @@ def test_tuple_axis_under_nested_vmap(comm):
   want = np.sign(np.where(g > 0, 1, -1).sum((0, 1)))
   np.testing.assert_array_equal(np.asarray(u).reshape(6, -1),
                                 np.broadcast_to(want, (6, 4096)))
-  assert dl.exchange.resolve_comm("auto", 6, aggregation="mavo",
+  assert exchange.resolve_comm("auto", 6, aggregation="mavo",
                                   leaf_sizes=[4096]) == (
                                       "alltoall")
 

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import dlion_jax as dl
 from dlion_jax import _mesh
 from dlion_jax import devices
 from dlion_jax import parallel
+import dlion_jax as dl
 from messages import assert_names
 
 N = 4

@@ -5,16 +5,16 @@ import doctest
 
 import pytest
 
+from dlion_jax import _message as message
+from dlion_jax import _packing as packing
 from dlion_jax import _per_worker
+from dlion_jax import _quantize as quantize
 from dlion_jax import accounting
 from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import hlo
 from dlion_jax import lion
-from dlion_jax import message
-from dlion_jax import packing
 from dlion_jax import parallel
-from dlion_jax import quantize
 from dlion_jax import rounds
 from dlion_jax import sync
 from dlion_jax import transforms

@@ -8,10 +8,10 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax import transforms
+import dlion_jax as dl
 from messages import assert_names
 
 N = 4

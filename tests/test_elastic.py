@@ -8,11 +8,11 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import parallel
 from dlion_jax import transforms
+import dlion_jax as dl
 from jax.sharding import PartitionSpec as P
 from messages import assert_names
 

@@ -7,9 +7,11 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
+from dlion_jax import _packing as packing
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
 from dlion_jax import devices
-from dlion_jax import strategies
+import dlion_jax as dl
 from messages import assert_names
 
 PARAMS = {"w": jnp.zeros(5)}
@@ -98,8 +100,8 @@ def test_field_widths_widen_with_the_worker_count():
                                                               * 16)
   # psum counters: radix levels*N+1 always fits, words widen to uint32.
   for n in (2, 7, 64, 1000):
-    radix = strategies.psum_radix(n, dl.quantize.TERNARY)
-    assert radix ** dl.packing.digits_per_word(radix) <= 2**32
+    radix = strategies.psum_radix(n, quantize.TERNARY)
+    assert radix ** packing.digits_per_word(radix) <= 2**32
 
 
 def test_wire_bits_rejects_bad_worker_counts():

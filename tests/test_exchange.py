@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from dlion_jax import exchange
-from dlion_jax import message
-from dlion_jax import quantize
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 
 SIZES = (37, 1, 130)
 

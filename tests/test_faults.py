@@ -44,7 +44,7 @@ class Run:
   def __init__(self, run_dir: pathlib.Path, *extra: str):
     self.run_dir = run_dir
     run_dir.mkdir(parents=True, exist_ok=True)
-    port = launch.free_port()
+    port = launch._free_port()
     sets = [a for s in CONFIG + [f"run_dir={run_dir}"] for a in ("--set", s)]
     self.logs = [run_dir / f"process{i}.log" for i in range(2)]
     self.procs = []

@@ -12,11 +12,14 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
 from dlion_jax import _collectives
-from dlion_jax import fused
-from dlion_jax import packing
-from dlion_jax import quantize
+from dlion_jax import _exchange
+from dlion_jax import _fused as fused
+from dlion_jax import _message as message
+from dlion_jax import _packing as packing
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
+import dlion_jax as dl
 from messages import assert_names
 
 BF16 = ml_dtypes.bfloat16
@@ -139,7 +142,7 @@ def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
   """alltoall's gathered results, each worker's shard place by place in
   blocks, to the outcome of every digit of the message in order."""
   spec = quantize.VoteSpec(vote_radix)
-  radix = dl.strategies.alltoall_down_radix(
+  radix = strategies.alltoall_down_radix(
       num_workers, aggregation=aggregation, spec=spec)
   per_word, places = packing.digits_per_word(radix), 3
   shard = 2 * fused.DECODE_BLOCK
@@ -204,7 +207,7 @@ def test_vote_shard_packs_what_the_xla_tally_packs(num_workers, vote_radix,
   blocks, results of 5, 8 or 10 a word)."""
   n, spec = num_workers, quantize.VoteSpec(vote_radix)
   m = packing.digits_per_word(vote_radix)
-  down = dl.strategies.alltoall_down_radix(n, aggregation=aggregation,
+  down = strategies.alltoall_down_radix(n, aggregation=aggregation,
                                            spec=spec)
   per_word, shard = packing.digits_per_word(down), 3 * fused.DECODE_BLOCK
   q = -(-shard // per_word // fused.DECODE_BLOCK) * fused.DECODE_BLOCK
@@ -358,7 +361,7 @@ def test_kernels_compile_for_tpu_and_declare_their_bytes(topology, radices):
   # 10 counters a uint32 (Avg, N = 8).
   decodes = [(8, "mavo"), (3, "mavo"), (8, "avg")][:len(radices)]
   for n, aggregation in decodes:
-    radix = dl.strategies.alltoall_down_radix(
+    radix = strategies.alltoall_down_radix(
         n, aggregation=aggregation, spec=quantize.BINARY)
     # A shard of 10 blocks: results in 2 blocks a place (1 for Avg's
     # uint32 words), each read once for all its digits.
@@ -503,9 +506,9 @@ def test_blocked_results_send_what_the_layout_counts(comm, aggregation):
          for k, s in shapes.items()}
   sent = dl.hlo.collective_bytes(step.lower(arg, arg).compile())
   sizes = tuple(math.prod(s) for s in shapes.values())
-  layout = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
+  layout = message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
                                     comm)
-  blocked = dl.message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
+  blocked = message.MessageLayout(sizes, n, quantize.BINARY, aggregation,
                                      comm, result_blocks=fused.DECODE_BLOCK)
   assert sent == blocked.sent_bytes() > layout.sent_bytes()
   assert blocked.words % (n * fused.DECODE_BLOCK) == 0
@@ -603,7 +606,7 @@ def test_summed_strategies_sum_a_kernel_leaf_in_its_own_shape(monkeypatch,
   path's bit for bit. The kernels are taken as ``'auto'`` takes them on
   TPU (``'pallas'`` would tally ``psum``'s message in blocks, whole)."""
   n = 3
-  monkeypatch.setattr(dl.exchange, "_uses_kernels",
+  monkeypatch.setattr(_exchange, "_uses_kernels",
                       lambda kernels, constants, axis_name: kernels != "xla")
   summed, psum = [], _collectives.psum
   def recorded(x, *args, **kwargs):

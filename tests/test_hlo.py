@@ -14,11 +14,11 @@ from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _message as message
 from dlion_jax import devices
 from dlion_jax import hlo
-from dlion_jax import message
 from dlion_jax import parallel
+import dlion_jax as dl
 from compiled import AXIS
 from compiled import SHAPES
 from compiled import SIZES

@@ -12,11 +12,11 @@ from jax.sharding import AbstractMesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _message as message
 from dlion_jax import devices
 from dlion_jax import hlo
-from dlion_jax import message
 from dlion_jax import parallel
+import dlion_jax as dl
 
 # Leaf sizes 3, 37, 35: none a multiple of 8, 4 or 2.
 SHAPES = {"b": (3,), "big": (37,), "w": (5, 7)}

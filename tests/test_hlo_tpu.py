@@ -13,8 +13,8 @@ import jax
 import numpy as np
 import pytest
 
-import dlion_jax as dl
 from dlion_jax import hlo
+import dlion_jax as dl
 from messages import assert_names
 
 DATA = pathlib.Path(__file__).parent / "data" / "tpu"

@@ -21,12 +21,12 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
-from dlion_jax import devices
-from dlion_jax import message
-from dlion_jax import parallel
-from dlion_jax import quantize
 from dlion_jax import _blocks
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
+from dlion_jax import devices
+from dlion_jax import parallel
+import dlion_jax as dl
 from messages import assert_names
 from tests.reference import DistributedLionReference
 

@@ -10,8 +10,11 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
+from dlion_jax import _exchange
+from dlion_jax import _fused
 from dlion_jax import _mesh
+from dlion_jax import _strategies as strategies
+import dlion_jax as dl
 from harness import AXIS
 from harness import random_tree
 from harness import run_on_mesh
@@ -182,10 +185,10 @@ def test_fused_kernels_match_reference(monkeypatch, num_workers, configs,
   padded for them; ``psum_int8``'s levels encoded)."""
   ran = []
   for name in ("encode", "tally", "decode", "vote_shard"):
-    def counted(*args, _kernel=getattr(dl.fused, name), _name=name, **kw):
+    def counted(*args, _kernel=getattr(_fused, name), _name=name, **kw):
       ran.append(_name)
       return _kernel(*args, **kw)
-    monkeypatch.setattr(dl.fused, name, counted)
+    monkeypatch.setattr(_fused, name, counted)
   # Pallas' interpreter cannot run under check_vma (fused._call says why).
   check_big_leaves(num_workers, configs, dtype, FUSED_LEAVES,
                    check_vma=False, kernels="pallas")
@@ -201,11 +204,11 @@ def test_tallies_gathered_as_rows_on_the_tpu_path(monkeypatch, num_workers,
   2, 128]``, not one flat buffer to cut them out of), with the
   reference's updates bit for bit."""
   monkeypatch.setattr(_mesh, "on_tpu", lambda: True)
-  gathered, all_gather = [], dl.strategies._all_gather
+  gathered, all_gather = [], strategies._all_gather
   def recorded(x, *args, **kwargs):
     gathered.append(x.shape)
     return all_gather(x, *args, **kwargs)
-  monkeypatch.setattr(dl.strategies, "_all_gather", recorded)
+  monkeypatch.setattr(strategies, "_all_gather", recorded)
   rng = np.random.default_rng(3)
   params = random_tree(rng, {"w": shape})
   grads = [random_tree(rng, {"w": shape}, np.float32, num_workers)
@@ -430,7 +433,7 @@ def test_leaves_packed_alone_or_together_match_reference(own_packing,
   """Leaves of at least ``exchange.OWN_PACKING`` elements are packed one by
   one, smaller ones in one pass per dtype: any split, with two dtypes in
   the message, gives numpy's update bit for bit through every strategy."""
-  monkeypatch.setattr(dl.exchange, "OWN_PACKING", own_packing)
+  monkeypatch.setattr(_exchange, "OWN_PACKING", own_packing)
   n = 3
   params, grads = bf16_tree_with_fp32_leaf(9, n, steps=2, fp32="big")
   match_every_comm(params, grads, n, [("avg", "binary")])

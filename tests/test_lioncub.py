@@ -25,6 +25,9 @@ from test_lion import SHAPES
 from test_lion import make_grads
 from test_lion import run_reference
 from trajectory import trajectory_on_mesh
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
 
 COMMS = ("alltoall", "allgather", "psum", "psum_int8")
 LR, WD = 1e-2, 1e-3
@@ -54,19 +57,19 @@ def test_l1_levels_examples():
   """The levels of one leaf, worked by hand: a = mean |c| = 1."""
   c = jnp.array([-2.5, -1.0, -0.25, 0.0, 0.75, 1.5])
   def levels(spec, level):
-    return list(np.asarray(dl.quantize.encode(c, spec)).astype(int) - level)
-  assert levels(dl.quantize.TERNARY, 1) == [-1, -1, -1, 0, 1, 1]  # sign(c)
-  ternary_l1 = dl.quantize.vote_spec("ternary_l1")
+    return list(np.asarray(quantize.encode(c, spec)).astype(int) - level)
+  assert levels(quantize.TERNARY, 1) == [-1, -1, -1, 0, 1, 1]  # sign(c)
+  ternary_l1 = quantize.vote_spec("ternary_l1")
   assert levels(ternary_l1, 1) == [-1, -1, 0, 0, 1, 1]      # dead zone
-  assert levels(dl.quantize.vote_spec("pbit_l1", bits=3), 3) == [
+  assert levels(quantize.vote_spec("pbit_l1", bits=3), 3) == [
       -3, -3, -1, 0, 2, 3]                                # round(3c), clipped
   for bits in (2, 4, 8):
     level = 2 ** (bits - 1) - 1
-    got = levels(dl.quantize.vote_spec("pbit_l1", bits=bits), level)
+    got = levels(quantize.vote_spec("pbit_l1", bits=bits), level)
     assert got == list(l1_vote(np.asarray(c), level)), bits
-  assert levels(dl.quantize.vote_spec("pbit_l1", bits=3), 3) == list(
+  assert levels(quantize.vote_spec("pbit_l1", bits=3), 3) == list(
       l1_vote(np.asarray(c), 3))
-  zeros = dl.quantize.encode(jnp.zeros(4), ternary_l1)      # a = 0: abstain
+  zeros = quantize.encode(jnp.zeros(4), ternary_l1)      # a = 0: abstain
   assert list(np.asarray(zeros)) == [1, 1, 1, 1]
 
 
@@ -127,13 +130,13 @@ def test_eight_bit_levels_widen_the_int_container():
   ref = run_reference(params, grads, 8, b1=0.0, aggregation="avg",
                       quantizer="pbit_l1", bits=8)
   assert_params_match(out, ref, 8)
-  spec = dl.quantize.vote_spec("pbit_l1", bits=8)
-  assert dl.strategies.int_container(8, spec) == jnp.int16
+  spec = quantize.vote_spec("pbit_l1", bits=8)
+  assert strategies.int_container(8, spec) == jnp.int16
 
 
 def test_ternary_l1_is_pbit_2():
-  assert dl.quantize.vote_spec("ternary_l1") == dl.quantize.vote_spec(
-      "pbit_l1", bits=2) == dl.quantize.VoteSpec(3, scaled=True)
+  assert quantize.vote_spec("ternary_l1") == quantize.vote_spec(
+      "pbit_l1", bits=2) == quantize.VoteSpec(3, scaled=True)
 
 
 def _momenta_equal(state, names):
@@ -228,8 +231,8 @@ def test_small_leaves_are_exchanged_exactly():
 
 def test_min_compress_size_costs_an_exact_all_reduce():
   sizes = [1000, 37, 5]
-  packed = dl.message.message_bytes(sizes[:1], 4, comm="psum")
-  assert dl.message.message_bytes(sizes, 4, comm="psum",
+  packed = message.message_bytes(sizes[:1], 4, comm="psum")
+  assert message.message_bytes(sizes, 4, comm="psum",
                                   min_compress_size=40) == (
                                          packed + 2 * 3 / 4 * 4 * 42)
 
@@ -343,7 +346,7 @@ def check_message_bytes(num_workers, quantizer, bits, aggregation):
   message.message_bytes says."""
   mesh = dl.devices.data_mesh(num_workers)
   params = {"w": jnp.zeros(1001), "b": jnp.zeros(13)}
-  spec = dl.quantize.vote_spec(quantizer, bits=bits)
+  spec = quantize.vote_spec(quantizer, bits=bits)
   for comm in COMMS:
     tx = dl.scale_by_distributed_lion(axis_name="data", comm=comm,
                                       aggregation=aggregation,
@@ -354,7 +357,7 @@ def check_message_bytes(num_workers, quantizer, bits, aggregation):
     hlo = step.lower(params, state,
                      jnp.ones((num_workers, 1001))).compile().as_text()
     loss_bytes = 2 * (num_workers - 1) / num_workers * 4   # the loss pmean
-    expected = dl.message.message_bytes(
+    expected = message.message_bytes(
         [13, 1001], num_workers, aggregation=aggregation, spec=spec,
         comm=comm)
     assert dl.collective_bytes(hlo) - loss_bytes == pytest.approx(expected)

@@ -18,10 +18,11 @@ from hypothesis import strategies as st
 import dlion_jax as dl
 from drawn import drawn
 from reference import DistributedLionReference
+from dlion_jax import _exchange as exchange
 
 AXIS = "data"
 CONFIGS = list(itertools.product(("mavo", "avg"), ("binary", "ternary"),
-                                 dl.exchange.COMM_CHOICES))
+                                 exchange.COMM_CHOICES))
 DTYPES = (np.float32, ml_dtypes.bfloat16)
 STEPS = 3
 LR = 1e-2

@@ -16,9 +16,10 @@ from drawn import drawn
 from harness import AXIS
 from harness import run_on_mesh
 from reference import DistributedLionReference
+from dlion_jax import _exchange as exchange
 
 CONFIGS = list(itertools.product(("mavo", "avg"), ("binary", "ternary"),
-                                 dl.exchange.COMM_CHOICES))
+                                 exchange.COMM_CHOICES))
 STEPS = 3
 LR = 1e-2
 shapes = st.lists(st.integers(0, 6), min_size=0, max_size=3).map(tuple)

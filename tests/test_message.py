@@ -1,4 +1,4 @@
-"""The message's layout (dlion_jax.message.MessageLayout): each leaf on a
+"""The message's layout (message.MessageLayout): each leaf on a
 word of its run, read back leaf by leaf."""
 
 import jax.numpy as jnp
@@ -6,20 +6,22 @@ import numpy as np
 import pytest
 from jax import lax
 
-import dlion_jax as dl
-from dlion_jax import message
+from dlion_jax import _message as message
+from dlion_jax import _packing as packing
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
 from messages import assert_names
 
 
 @pytest.mark.parametrize("comm", message.COMMS)
 @pytest.mark.parametrize("n,spec", [
-    (2, dl.quantize.BINARY), (7, dl.quantize.TERNARY),
-    (8, dl.quantize.vote_spec("pbit_l1", bits=4))])
+    (2, quantize.BINARY), (7, quantize.TERNARY),
+    (8, quantize.vote_spec("pbit_l1", bits=4))])
 def test_message_layout_puts_each_leaf_on_a_word(comm, n, spec):
   """The layout's invariant, and that a message of packed runs reads back
   leaf by leaf from its digit planes."""
-  from dlion_jax import packing  # pylint: disable=g-import-not-at-top
-  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  from dlion_jax import _packing as packing  # pylint: disable=g-import-not-at-top
+  from dlion_jax._message import MessageLayout  # pylint: disable=g-import-not-at-top
   sizes = (1, 37, 0, 64, 5)
   layout = MessageLayout(sizes, n, spec, "mavo", comm, runs=(0, 1, 3))
   per_word = layout.digits_per_word
@@ -57,9 +59,9 @@ def test_message_layout_refuses_runs_that_are_not_leaf_starts(sizes, runs):
   """Was: some accepted (floats truncated, a string read digit by digit,
   a run past the last leaf failing later with an IndexError), others a
   raw TypeError."""
-  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  from dlion_jax._message import MessageLayout  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError, match=r"runs=.*increasing leaf indices"):
-    MessageLayout(sizes, 3, dl.quantize.BINARY, "mavo", "psum", runs)
+    MessageLayout(sizes, 3, quantize.BINARY, "mavo", "psum", runs)
 
 
 @pytest.mark.parametrize("n,aggregation,vote", [
@@ -69,18 +71,18 @@ def test_result_blocks_pad_the_shards_and_each_places_results(
     n, aggregation, vote):
   """numpy's count of alltoall's bytes with results in blocks: shards of
   whole blocks, each place's results rounded up to whole blocks."""
-  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
-  spec, block = dl.quantize.vote_spec(vote=vote), 4096
+  from dlion_jax._message import MessageLayout  # pylint: disable=g-import-not-at-top
+  spec, block = quantize.vote_spec(vote=vote), 4096
   layout = MessageLayout((100_000, 37), n, spec, aggregation, "alltoall",
                          result_blocks=block)
-  per_word = dl.packing.digits_per_word(spec.radix)
+  per_word = packing.digits_per_word(spec.radix)
   used = -(-100_000 // per_word) + -(-37 // per_word)
   words = -(-used // (n * block)) * n * block
-  down_radix = dl.strategies.alltoall_down_radix(n, aggregation=aggregation,
+  down_radix = strategies.alltoall_down_radix(n, aggregation=aggregation,
                                                  spec=spec)
-  results = -(-(words // n) // dl.packing.digits_per_word(down_radix))
+  results = -(-(words // n) // packing.digits_per_word(down_radix))
   results = -(-results // block) * block
-  down_bytes = np.dtype(dl.packing.word_dtype(down_radix)).itemsize
+  down_bytes = np.dtype(packing.word_dtype(down_radix)).itemsize
   up_bytes = np.dtype(layout.word_dtype).itemsize
   assert layout.words == words and layout.result_words == results
   assert layout.sent_bytes() == pytest.approx(
@@ -89,8 +91,8 @@ def test_result_blocks_pad_the_shards_and_each_places_results(
 
 @pytest.mark.parametrize("blocks", [0, -1, 2.5, True, "4096"])
 def test_result_blocks_must_be_a_positive_int(blocks):
-  from dlion_jax.message import MessageLayout  # pylint: disable=g-import-not-at-top
+  from dlion_jax._message import MessageLayout  # pylint: disable=g-import-not-at-top
   with pytest.raises(ValueError) as err:
-    MessageLayout((10,), 3, dl.quantize.BINARY, "mavo", "alltoall",
+    MessageLayout((10,), 3, quantize.BINARY, "mavo", "alltoall",
                   result_blocks=blocks)
   assert_names(err, f"result_blocks={blocks!r}", "positive int", "None")

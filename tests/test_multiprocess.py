@@ -244,7 +244,7 @@ def test_unreachable_coordinator_fails_fast_and_names_it():
   pytest.importorskip("yaml", reason="the train CLI needs the [examples] "
                       "extra")
   from dlion_jax import launch  # pylint: disable=g-import-not-at-top
-  address = f"127.0.0.1:{launch.free_port()}"
+  address = f"127.0.0.1:{launch._free_port()}"
   tic = time.monotonic()
   out = _run([PY, "-m", "dlion_jax.train", "--no-progress", "--coordinator",
               address, "--num-processes", "2", "--process-id", "1",

@@ -14,7 +14,7 @@ from hypothesis import given
 from hypothesis import settings
 from hypothesis import strategies as st
 
-from dlion_jax import packing
+from dlion_jax import _packing as packing
 
 RADIXES = [2, 3, 4, 5, 7, 9, 16, 17, 255, 256, 257, 1025]
 

@@ -13,10 +13,12 @@ import optax
 import pytest
 from jax import lax
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
 from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax import transforms
+import dlion_jax as dl
 from messages import assert_names
 
 N = 4
@@ -111,9 +113,9 @@ def test_step_sends_votes_not_gradients(tx, check_vma):
   text = step.lower(p, s, devices.shard_batch(batches[0], mesh)).compile(
   ).as_text()
   sent = dl.collective_bytes(text)
-  comm = dl.exchange.resolve_comm("auto", N, aggregation="mavo",
+  comm = exchange.resolve_comm("auto", N, aggregation="mavo",
                                   leaf_sizes=[DIM, 1])
-  votes = dl.message.message_bytes([DIM, 1], N, comm=comm)
+  votes = message.message_bytes([DIM, 1], N, comm=comm)
   loss_mean = 2 * (N - 1) / N * 4   # one f32 all-reduce
   assert sent == pytest.approx(votes + loss_mean)
   fp32_allreduce = dl.allreduce_bits(N) * (DIM + 1) / 8
@@ -225,9 +227,9 @@ def test_global_optimizer_after_pmean_gradients_passes_the_check():
 
 _UNBLOCKED_LOOP = """
 import jax, jax.numpy as jnp
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import parallel
+import dlion_jax as dl
 mesh = devices.data_mesh(8)
 tx = dl.distributed_lion(1e-3, axis_name="data")
 params = devices.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},
@@ -274,9 +276,9 @@ def _finishes(script: str) -> None:
 
 _DONATED_ONLY_LOOP = """
 import jax, jax.numpy as jnp
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import parallel
+import dlion_jax as dl
 mesh = devices.data_mesh(8)
 tx = dl.distributed_lion(1e-3, axis_name="data")
 params = devices.replicate({"w": jnp.ones((256, 64)), "b": jnp.zeros(64)},

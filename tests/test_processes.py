@@ -50,11 +50,9 @@ def test_import_dlion_jax_imports_no_socket_or_threading_code():
     (devices, "coordinator_problem"),
     (parallel, "start_processes"),
 ], ids=lambda x: getattr(x, "__name__", x))
-def test_the_old_names_warn_and_give_the_moved_functions(module, name):
-  with pytest.warns(DeprecationWarning,
-                    match=rf"use dlion_jax\.processes\.{name} "):
-    moved = getattr(module, name)
-  assert moved is getattr(processes, name)
+def test_the_paths_deprecated_in_0_2_0_are_gone(module, name):
+  """Deprecated for a release (0.2.0), removed in 0.3.0 (CHANGELOG)."""
+  assert not hasattr(module, name)
 
 
 def test_other_missing_names_are_still_attribute_errors():

@@ -8,7 +8,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from dlion_jax import quantize
+from dlion_jax import _quantize as quantize
 
 SIZES = [1, 37, 1000]
 DTYPES = [np.float32, ml_dtypes.bfloat16]

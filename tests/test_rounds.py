@@ -14,12 +14,12 @@ import numpy as np
 import optax
 import pytest
 
-import dlion_jax as dl
+from dlion_jax import _message as message
 from dlion_jax import devices
 from dlion_jax import hlo
-from dlion_jax import message
 from dlion_jax import parallel
 from dlion_jax import rounds
+import dlion_jax as dl
 from messages import assert_names
 from reference import DistributedLionReference
 

@@ -20,12 +20,12 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 from dlion_jax import devices
-from dlion_jax import message
 from dlion_jax import parallel
-from dlion_jax import quantize
 from dlion_jax import transforms
+import dlion_jax as dl
 from tests.reference import DistributedLionReference
 
 SHAPES = {"b": (3,), "big": (37,), "w": (8, 6), "v": (5, 12)}

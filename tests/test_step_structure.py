@@ -29,13 +29,13 @@ import pytest
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
+from dlion_jax import _packing as packing
+from dlion_jax import _quantize as quantize
 from dlion_jax import devices
-from dlion_jax import exchange
-from dlion_jax import message
-from dlion_jax import packing
 from dlion_jax import parallel
-from dlion_jax import quantize
+import dlion_jax as dl
 
 N = 8
 # Leaf sizes no word's digits divide (8 binary votes, 10 digits of the

@@ -12,9 +12,9 @@ from jax.sharding import AxisType
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import parallel
+import dlion_jax as dl
 
 SHAPES = {"w": (8, 3), "b": (3,)}
 

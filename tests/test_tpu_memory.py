@@ -17,8 +17,8 @@ from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import parallel
+import dlion_jax as dl
 
 pytestmark = pytest.mark.tpu_aot
 

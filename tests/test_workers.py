@@ -16,15 +16,17 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
 from dlion_jax import parallel
+import dlion_jax as dl
 from harness import AXIS
 from harness import run_on_mesh
 from messages import assert_names
 from reference import DistributedLionReference
 
 CONFIGS = list(itertools.product(("mavo", "avg"), ("binary", "ternary"),
-                                 dl.exchange.COMM_CHOICES))
+                                 exchange.COMM_CHOICES))
 LR = 1e-2
 BF16 = ml_dtypes.bfloat16
 # Empty, scalar and one-element leaves, bf16 beside fp32, sizes no 8 N
@@ -177,7 +179,7 @@ def test_each_strategy_sends_what_the_shard_map_step_sends(n, kind):
   params = {k: rng.normal(size=s).astype(np.float32)
             for k, s in shapes.items()}
   mesh = mesh_of(n, kind)
-  for comm in dl.exchange.COMM_CHOICES:
+  for comm in exchange.COMM_CHOICES:
     tx = dl.distributed_lion(LR, axis_name=AXIS, comm=comm)
     with jax.set_mesh(mesh):
       p = jax.device_put(params, P())
@@ -359,7 +361,7 @@ def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
   that)."""
   txs = {f"{aggregation} {comm}": dl.distributed_lion(
       LR, axis_name=AXIS, comm=comm, aggregation=aggregation)
-         for aggregation in ("mavo", "avg") for comm in dl.message.COMMS}
+         for aggregation in ("mavo", "avg") for comm in message.COMMS}
   # A whole leaf's L1 scale, summed over the blocks.
   txs["ternary_l1"] = dl.distributed_lion(LR, axis_name=AXIS,
                                           quantizer="ternary_l1")
@@ -675,7 +677,8 @@ def test_local_steps_in_a_plain_step_equal_the_shard_map_step():
   worker's params after each of 7 steps (rounds of 3) are the shard_map
   step's, bit for bit, for every comm; the vote sits in the round's
   conditional, so a step inside a round sends only the count's maximum."""
-  from dlion_jax import devices, hlo, message  # pylint: disable=g-import-not-at-top
+  from dlion_jax import devices, hlo  # pylint: disable=g-import-not-at-top
+  from dlion_jax import _message as message  # pylint: disable=g-import-not-at-top
   n, rng = 3, np.random.default_rng(0)
   params = {"w": (rng.integers(-8, 8, (5, 7)) / 4).astype(np.float32),
             "b": (rng.integers(-8, 8, (13,)) / 4).astype(np.float32)}

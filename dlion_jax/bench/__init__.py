@@ -33,10 +33,6 @@ from typing import Iterable
 
 import jax
 
-from dlion_jax._deprecations import moved
-
-__getattr__ = moved(__name__, {"use_cpu_devices": "dlion_jax.devices"})
-
 
 def require_examples(parser: argparse.ArgumentParser, module: str,
                      what: str) -> None:

@@ -46,7 +46,7 @@ Usage::
 Each row also gives the bytes the chip's step reads and writes
 (``cost_analysis()``'s ``bytes accessed``) a parameter; ``--xla-too``
 compiles each D-Lion variant also with ``kernels='xla'``, without the
-fused Pallas kernels that ``'auto'`` takes on TPU (:mod:`dlion_jax.fused`),
+fused Pallas kernels that ``'auto'`` takes on TPU,
 named ``<variant> (XLA)``.
 
 ``--plain`` also compiles each D-Lion variant whose ``fsdp`` axis the
@@ -73,15 +73,15 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _fused as fused
 from dlion_jax import _mesh
 from dlion_jax import accounting
 from dlion_jax import bench
-from dlion_jax import fused
 from dlion_jax import parallel
 from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
+import dlion_jax as dl
 
 LEARNING_RATE = 1e-4
 COMMS = ("alltoall", "allgather", "psum", "psum_int8", "auto")

@@ -53,7 +53,6 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax import parallel
@@ -61,6 +60,7 @@ from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
 from dlion_jax.bench import step as step_bench
+import dlion_jax as dl
 
 AXIS = step_bench.AXIS
 BASELINE = step_bench.BASELINE

@@ -43,13 +43,13 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax import parallel
 from dlion_jax import transforms
 from dlion_jax.bench import aot_models
 from dlion_jax.bench import reporting
+import dlion_jax as dl
 
 LEARNING_RATE = 1e-3
 # How long the default run (--workers 8) took, measured once.

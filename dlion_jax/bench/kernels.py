@@ -29,12 +29,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-import dlion_jax as dl
-from dlion_jax import exchange
-from dlion_jax import message
-from dlion_jax import quantize
-from dlion_jax import strategies
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
 from dlion_jax.bench import reporting
+import dlion_jax as dl
 
 AXIS = "data"
 
@@ -51,7 +51,7 @@ def _variants(num_workers):
   out = {"optax.lion (no exchange)": lion_floor(),
          "optax.lion + fp32 pmean": lion_pmean()}
   for agg in ("mavo", "avg"):
-    for comm in dl.message.COMMS:
+    for comm in message.COMMS:
       tx = dl.distributed_lion(1e-3, axis_name=AXIS, aggregation=agg,
                                comm=comm)
       out[f"dlion {agg} {comm}"] = (tx, lambda g: g)
@@ -145,7 +145,7 @@ def run_stages(num_workers: int, size: int, repeats: int) -> list[list]:
   whole step's (from :func:`run`'s variants), interleaved."""
   fns = {}
   for aggregation in ("mavo", "avg"):
-    for comm in dl.message.COMMS:
+    for comm in message.COMMS:
       for stage, (fn, args) in stage_functions(num_workers, size,
                                                aggregation, comm).items():
         jax.block_until_ready(fn(*args))     # compile, warm
@@ -159,7 +159,7 @@ def run_stages(num_workers: int, size: int, repeats: int) -> list[list]:
   med = {k: statistics.median(t) * 1e3 for k, t in times.items()}
   return [[f"dlion {a} {c}"] + [f"{med[(a, c, st)]:.3f}" for st in STAGES]
           + [f"{sum(med[(a, c, st)] for st in STAGES):.3f}"]
-          for a in ("mavo", "avg") for c in dl.message.COMMS]
+          for a in ("mavo", "avg") for c in message.COMMS]
 
 
 def main(argv=None):

@@ -59,7 +59,7 @@ Usage::
       [--out FILE.md]
 
 On TPU the D-Lion steps take the fused Pallas kernels of
-:mod:`dlion_jax.fused` where a leaf fits them (``kernels='auto'``);
+fused Pallas kernels where a leaf fits them (``kernels='auto'``);
 ``--kernels pallas`` takes them on a GPU too (Triton), and ``--xla-too``
 adds each variant without them: on a GPU, ``--vmap --kernels pallas
 --xla-too`` times both side by side.
@@ -88,17 +88,17 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _fused as fused
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
 from dlion_jax import bench
 from dlion_jax import devices
-from dlion_jax import exchange
-from dlion_jax import fused
-from dlion_jax import message
 from dlion_jax import parallel
-from dlion_jax import quantize
 from dlion_jax import workers
 from dlion_jax.bench import aot
 from dlion_jax.bench import reporting
+import dlion_jax as dl
 
 AXIS = "data"
 LEARNING_RATE = 1e-4
@@ -146,7 +146,7 @@ def variants(grid: bool = False, kernels: str = "auto"
 
   D-Lion: MaVo with every ``comm`` and Avg with ``auto``, binary votes; with
   ``grid``, every aggregation x comm x vote (ternary named as such); its
-  ``kernels`` option (:mod:`dlion_jax.fused`) as given."""
+  ``kernels`` option (the fused Pallas kernels) as given."""
   out = {}
   for vote in quantize.VOTES if grid else ("binary",):
     for aggregation in message.AGGREGATIONS:

@@ -40,16 +40,16 @@ import numpy as np
 import optax
 from jax import lax
 
-import dlion_jax as dl
+from dlion_jax import _exchange as exchange
+from dlion_jax import _message as message
+from dlion_jax import _quantize as quantize
+from dlion_jax import _strategies as strategies
 from dlion_jax import bench
 from dlion_jax import devices
-from dlion_jax import exchange
 from dlion_jax import hlo
-from dlion_jax import message
 from dlion_jax import parallel
-from dlion_jax import quantize
-from dlion_jax import strategies
 from dlion_jax.bench import reporting
+import dlion_jax as dl
 
 AXIS = "data"
 DEFAULT_SIZES = (2, 4, 8, 16, 32, 64)

@@ -24,9 +24,9 @@ from dlion_jax.train import missing_extra
 from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import ConfigError
+from dlion_jax.train.config import OPTIMIZER_NAMES
 from dlion_jax.train.config import load_config
 from dlion_jax.train.config import locate
-from dlion_jax.train.config import OPTIMIZER_NAMES
 
 CONFIG_DIR = pathlib.Path(__file__).parent / "configs"
 

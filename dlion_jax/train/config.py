@@ -28,7 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
-from dlion_jax import quantize
+from dlion_jax import _quantize as quantize
 
 
 

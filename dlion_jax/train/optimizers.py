@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import optax
 
-import dlion_jax as dl
-from dlion_jax.transforms import pmean_gradients
 from dlion_jax.train.config import OptimizerConfig
+from dlion_jax.transforms import pmean_gradients
+import dlion_jax as dl
 
 # Optimizers whose state is alike on every worker (fed all-reduced grads).
 GLOBAL_OPTIMIZERS = ("lion", "adamw", "sgd")

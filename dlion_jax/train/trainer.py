@@ -36,7 +36,6 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-import dlion_jax as dl
 from dlion_jax import devices
 from dlion_jax import elastic
 from dlion_jax import parallel
@@ -51,6 +50,7 @@ from dlion_jax.train.config import ConfigError
 from dlion_jax.train.config import local_steps_warning
 from dlion_jax.train.config import schedule_warning
 from dlion_jax.train.config import to_dict
+import dlion_jax as dl
 
 AXIS = "data"          # the optimizer's axis: workers, or nodes if hybrid
 SHARD_AXIS = "fsdp"    # a hybrid mesh's devices inside one node

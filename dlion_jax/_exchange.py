@@ -1,0 +1,729 @@
+"""Exchanging packed votes over a named axis (``shard_map`` / ``pmap``).
+
+Each worker's votes travel as codes, and every strategy gives the same
+outcome on every worker, bit for bit (:mod:`dlion_jax.strategies`):
+:func:`aggregate_updates` turns it into the update ``D`` of Distributed
+Lion (Liu et al., 2024, Alg. 1).
+
+The strategies (``comm``), what each sends and how it runs, are the
+records of :mod:`dlion_jax.strategies`; ``auto`` is the one that sends the
+fewest bytes for the model (:func:`dlion_jax.message.choose_comm`).
+
+The whole pytree goes through one message
+(:class:`dlion_jax.message.MessageLayout`): each leaf starts on a word, the
+leaves are packed in one pass, and a step issues a fixed number of
+collectives however many leaves the model has.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable, Hashable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dlion_jax import _blocks
+from dlion_jax import _collectives
+from dlion_jax import _fused
+from dlion_jax import _mesh
+from dlion_jax import _message as message_lib
+from dlion_jax import _packing
+from dlion_jax import _quantize
+from dlion_jax import _strategies
+from dlion_jax._checks import check_choice
+
+AGGREGATIONS = message_lib.AGGREGATIONS
+VOTES = _quantize.VOTES
+COMM_CHOICES = message_lib.COMM_CHOICES
+
+AxisName = Hashable | tuple[Hashable, ...]
+
+#: Leaves of sign votes with this many elements or more are packed on their
+#: own; smaller ones share one pass (see ``_packed_message``).
+OWN_PACKING = 2**14
+
+
+@dataclasses.dataclass(frozen=True)
+class VoteOptions:
+  """How a vote runs: the options :func:`aggregate` takes, passed inward as
+  one value. ``comm`` may be ``'auto'`` (resolved per message)."""
+  axis_name: AxisName
+  num_workers: int
+  spec: _quantize.VoteSpec
+  aggregation: str
+  comm: str
+  min_compress_size: int = 0
+  bucket_bytes: int | None = None
+  kernels: str = "auto"
+
+
+@dataclasses.dataclass
+class _Fusion:
+  """The fused kernels of a message (:mod:`dlion_jax.fused`): whether they
+  run in Pallas' interpreter, the ``also`` their encoding computes beside
+  the words, its value for each run they encoded, and the runs whose
+  outcome :func:`dlion_jax.fused.tally` wrote in the leaf's shape
+  (``decoded``)."""
+  interpret: bool
+  also: Callable | None
+  forced: bool = False
+  values: dict = dataclasses.field(default_factory=dict)
+  decoded: set = dataclasses.field(default_factory=set)
+
+  @staticmethod
+  def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
+    """Whether run ``first`` (a row of leaves alone) runs the kernels."""
+    return first < num_alone and _Fusion.fits_row(rows[first], layout.radix,
+                                                  spec)
+
+  @staticmethod
+  def radix_of(rows, options: VoteOptions) -> int | None:
+    """The radix of the message ``rows`` will be voted in (None:
+    ``psum_int8``'s levels)."""
+    comm = resolve_comm(options.comm, options.num_workers,
+                        aggregation=options.aggregation, spec=options.spec,
+                        leaf_sizes=[r[0].size for r in rows],
+                        gathers=can_gather(options.axis_name))
+    return message_lib.message_radix(comm, options.num_workers,
+                                     options.spec)
+
+  @staticmethod
+  def fits_row(row, radix: int | None, spec) -> bool:
+    """Whether ``row`` fits the kernels in ``radix``. The leaves that fit
+    go first in a message of digits: each then gets a decoding or tally
+    call of its own (:func:`_planes_in_blocks`), where a run before them
+    that is not whole blocks (a stack of biases) would send them through
+    the one call for the rest of the message, cut leaf by leaf (copies on
+    TPU: the 1B GPT's MaVo ``auto`` step, 44.6 -> 43.3 bytes a parameter
+    a chip on one v5e 2x4 slice). ``psum_int8``'s levels keep the tree's
+    order (nothing is decoded in blocks; the MLP's step moved 1.7 bytes
+    a parameter more reordered)."""
+    return not spec.scaled and _fused.fits(row[0].shape,
+                                          [x.dtype for x in row], radix)
+
+  @classmethod
+  def apart(cls, rows, first: int, num_alone: int, layout, spec) -> bool:
+    """Whether run ``first`` takes the kernels and its words are not rows
+    of 128 lanes (a flat message would relay them out)."""
+    shape = rows[first][0].shape
+    return (cls.takes(rows, first, num_alone, layout, spec)
+            and len(shape) > 1 and shape[-1] != _blocks.LANES)
+
+  def decoding(self, rows, num_alone: int, layout):
+    """``layout`` in blocks of :data:`dlion_jax.fused.DECODE_BLOCK` words,
+    where the whole message's outcome comes from one kernel: the results
+    ``alltoall`` sends back (:func:`dlion_jax.fused.decode`, where a run
+    takes the kernels) or every worker's words or their summed counters
+    (:func:`dlion_jax.fused.tally` of the message); forced
+    (``kernels='pallas'``), or where the blocks' padding adds at most 1%
+    to what a worker sends. Else None."""
+    back = _strategies.STRATEGIES[layout.comm].sends_back
+    if layout.radix is None or (back and not any(
+        self.takes(rows, r, num_alone, layout, layout.spec)
+        for r in layout.runs)):
+      return None
+    blocked = dataclasses.replace(layout, result_blocks=_fused.DECODE_BLOCK)
+    if self.forced or blocked.sent_bytes() <= 1.01 * layout.sent_bytes():
+      return blocked
+    return None
+
+
+def workers_along(axis_name: AxisName | None) -> int:
+  """Number of workers along ``axis_name`` (1 for ``None``).
+
+  Raises:
+    NameError: ``axis_name`` is not bound by an enclosing ``shard_map`` or
+      ``pmap``, with a message saying how to bind it.
+    ValueError: it names a mesh axis the compiler owns
+      (``dlion_jax._blocks.compiler_axes``).
+  """
+  if axis_name is None:
+    return 1
+  try:
+    return lax.axis_size(axis_name)
+  except NameError:
+    _blocks.compiler_axes(axis_name)    # names an axis the compiler owns
+    raise NameError(
+        f"axis_name={axis_name!r} is not bound. The distributed Lion update "
+        "exchanges votes over that axis, so call `update` inside "
+        f"jax.shard_map over a mesh with an axis named {axis_name!r} or inside "
+        f"jax.pmap(..., axis_name={axis_name!r}) (dlion_jax.parallel builds "
+        "such steps). For single-worker Lion pass axis_name=None.") from None
+
+
+def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
+                 spec: _quantize.VoteSpec = _quantize.BINARY,
+                 leaf_sizes: Sequence[int] | None = None,
+                 gathers: bool = True) -> str:
+  """``comm``, with ``'auto'`` mapped to the strategy that sends the fewest
+  bytes (:func:`dlion_jax.message.choose_comm`, whose arguments these are).
+  """
+  check_choice("comm", comm, COMM_CHOICES)
+  if comm != "auto":
+    return comm
+  return message_lib.choose_comm(num_workers, aggregation=aggregation,
+                                 spec=spec, leaf_sizes=leaf_sizes,
+                                 gathers=gathers)
+
+
+def can_gather(axis_name: AxisName) -> bool:
+  """Whether ``all_gather``/``all_to_all`` run over ``axis_name``: not over a
+  tuple of several axes of which some are bound by ``vmap`` (mesh axes
+  under ``shard_map`` and a single vmapped axis are fine)."""
+  if not isinstance(axis_name, tuple) or len(axis_name) < 2:
+    return True
+  manual = jax.sharding.get_abstract_mesh().manual_axes
+  return all(a in manual for a in axis_name)
+
+
+def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
+                   num_workers: int, spec: _quantize.VoteSpec,
+                   aggregation: str, comm: str) -> list[jax.Array]:
+  """Votes on a list of flat vectors through one strategy, in one message.
+
+  Each is encoded (:func:`dlion_jax.quantize.encode`), laid out by a
+  :class:`dlion_jax.message.MessageLayout` (each leaf on a word boundary)
+  and packed in one pass.
+
+  Args:
+    codes: one flat float vector per leaf of the values to vote on (Lion's
+      pre-sign update ``c``), not codes already encoded.
+    axis_name: the axis to vote over.
+    num_workers: its size, N.
+    spec: what each worker sends (:func:`dlion_jax.quantize.vote_spec`).
+    aggregation: ``'mavo'`` or ``'avg'``.
+    comm: a strategy or ``'auto'``.
+
+  Returns:
+    One int32 vector per input, the same on every worker and through every
+    strategy: the outcome of the vote on each parameter, ``sign(s)``
+    (``'mavo'``) or the sum of levels ``s`` in ``[-N L, N L]`` (``'avg'``).
+  """
+  options = VoteOptions(axis_name, num_workers, spec, aggregation, comm)
+  layout, result = _exchange([(c,) for c in codes], lambda c: c,
+                             [None] * len(codes), options)
+  return [x.astype(jnp.int32) for x in layout.split(result)]
+
+
+def _exchange(rows, combine, alone, options: VoteOptions,
+              fusion: _Fusion | None = None):
+  """The layout and the result of voting on ``combine(*row)`` for each row
+  of leaves (see :func:`aggregate`): one integer vector per packing run
+  (int32; over a TPU mesh the narrowest that holds it), the outcome for
+  each of its digits in order (:meth:`MessageLayout.split`).
+  ``alone`` holds a shard (or None) for each of the first rows, encoded one
+  by one; ``fusion`` (or None) runs the fused kernels where they fit."""
+  n, spec, aggregation = options.num_workers, options.spec, options.aggregation
+  comm, axis_name = options.comm, options.axis_name
+  gathers = can_gather(axis_name)
+  if not gathers and comm != "auto" and _strategies.STRATEGIES[comm].gathers:
+    raise ValueError(
+        f"comm={comm!r} cannot vote over axis_name={axis_name!r}, a tuple of "
+        "axes bound by nested jax.vmap: jax's all_gather and all_to_all take "
+        "one vmapped axis at a time (they fail with 'axis size doesn't "
+        "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
+        "or vote over mesh axes inside jax.shard_map.")
+  sizes = [row[0].size for row in rows]
+  comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
+                      leaf_sizes=sizes, gathers=gathers)
+  layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
+                         _run_starts(rows, len(alone)))
+  blocked = fusion and fusion.decoding(rows, len(alone), layout)
+  extra = {}
+  if blocked:
+    layout = blocked
+  if blocked and _strategies.STRATEGIES[comm].sends_back:
+    decode_blocks = functools.partial(
+        _fused.decode, radix=layout.down_radix, num_workers=n, spec=spec,
+        aggregation=aggregation, interpret=fusion.interpret)
+    extra = dict(result_words=layout.result_words,
+                 decode_with=lambda results, shard: _planes_in_blocks(
+                     lambda first, count: decode_blocks(
+                         results, shard, blocks=(first, count)), layout))
+    if fusion.interpret or _fused.platform() == "tpu":
+      # Not through Triton: N rows of words and m sums a block would not
+      # fit a GPU program's registers (unchecked; see gpu_warps).
+      extra["tally_with"] = functools.partial(
+          _fused.vote_shard, result_words=layout.result_words,
+          radix=layout.radix, down_radix=layout.down_radix, num_workers=n,
+          spec=spec, aggregation=aggregation, interpret=fusion.interpret)
+  strategy = _strategies.STRATEGIES[comm]
+  if fusion and strategy.sums and not blocked and any(
+      fusion.apart(rows, row, len(alone), layout, spec)
+      for row in layout.runs):
+    message = _message_by_run(rows, combine, alone, layout, spec, fusion)
+  else:
+    message = _packed_message(rows, combine, alone, layout, spec, fusion,
+                              batched=_collectives.mapped_over_mesh(axis_name))
+  planes, decode, words = strategy.exchange(message, axis_name=axis_name,
+                                            num_workers=n, spec=spec,
+                                            aggregation=aggregation, **extra)
+  if blocked and words is not None:
+    # The message tallied in blocks, its outcome in rows of 128 lanes.
+    m, everyone = layout.digits_per_word, words(0, layout.words)
+
+    def tally_blocks(first, count):
+      rows = count * _fused.BLOCK_ROWS
+      return _fused.tally(
+          everyone, (m * rows, _blocks.LANES), radix=layout.radix,
+          num_workers=n, spec=spec, aggregation=aggregation,
+          first_row=first * _fused.BLOCK_ROWS,
+          interpret=fusion.interpret).reshape(m, rows, _blocks.LANES)
+    planes = _planes_in_blocks(tally_blocks, layout)
+    decode, words = (lambda outcome: outcome), None
+  # Each run's digits from its own words: read off planes of the whole
+  # message, a leaf's update would index them through a division and a
+  # select of the place per element (design notes, "Planar digits").
+  results = []
+  for run, (first, size) in enumerate(layout.run_words):
+    row = layout.runs[run]
+    if words is not None and fusion and fusion.takes(rows, row, len(alone),
+                                                     layout, spec):
+      results.append(_fused.tally(
+          words(first, size), rows[row][0].shape, radix=layout.radix,
+          num_workers=n, spec=spec, aggregation=aggregation,
+          interpret=fusion.interpret).reshape(-1))
+      fusion.decoded.add(run)
+      continue
+    outcome = decode(planes(first, size).reshape(-1))
+    if aggregation == "mavo" and not (strategy.returns_sign or blocked):
+      outcome = jnp.sign(outcome)
+    if _mesh.on_tpu():
+      # XLA:TPU lays a leaf out in tiles, so the outcome's reshape to the
+      # leaf's shape is a copy: of 1 byte a parameter rather than 4.
+      outcome = outcome.astype(_strategies.int_container(
+          n if aggregation == "avg" else 1, spec))
+    results.append(outcome)
+  return layout, results
+
+
+def _planes_in_blocks(outcome_of, layout):
+  """``planes(first, size)`` of a message whose outcome comes from one of
+  the fused kernels block by block, ``outcome_of(first, count)`` giving
+  ``[m, 32 count, 128]`` for blocks ``first`` to ``first + count`` of
+  :data:`dlion_jax.fused.DECODE_BLOCK` words. A run of whole blocks before
+  any other gets a call of its own: its outcome is an array the leaf's
+  update reads where it lies, where a slice of the whole message's would
+  be a copy (XLA:TPU made one). The rest of the message comes from one
+  call."""
+  block = _fused.DECODE_BLOCK
+  rest = min((first for first, size in layout.run_words
+              if first % block or size % block), default=layout.words)
+  rest -= rest % block
+  if rest < layout.words:
+    tail = _strategies.planes_of_rows(
+        outcome_of(rest // block, (layout.words - rest) // block))
+
+  def planes(first, size):
+    if first >= rest:
+      return tail(first - rest, size)
+    outcome = outcome_of(first // block, size // block)
+    return outcome.reshape(outcome.shape[0], size)
+  return planes
+
+
+def _finalize(outcome: jax.Array, options: VoteOptions, dtype) -> jax.Array:
+  """``D`` from the vote's outcome (see :func:`exchange_votes`)."""
+  if options.aggregation == "mavo":
+    return outcome.astype(dtype)
+  # s / (N L) read from a table of correctly rounded quotients: XLA would
+  # turn a division by a constant into a multiplication by its inverse and
+  # fuse it with the consumers in a strategy-dependent order, breaking
+  # bit-identity.
+  top = options.num_workers * options.spec.max_level
+  wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
+  quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
+  index = outcome.astype(jnp.int32) + top
+  # Typed on Explicit axes (blocks of sharded leaves), the gather must be
+  # told its result lies as its indices do (under a mesh: a spec is
+  # refused without one).
+  spec = getattr(jax.typeof(index).sharding, "spec", None)
+  if jax.sharding.get_abstract_mesh().empty:
+    spec = None
+  return jnp.asarray(quotients, dtype).at[index].get(out_sharding=spec)
+
+
+def sign_of_mean(leaves: list[jax.Array], *,
+                 axis_name: AxisName) -> list[jax.Array]:
+  """``sign(sum_i c_i)`` per leaf through one ``psum``: exact Lion.
+
+  Used for leaves too small for packing to pay (``min_compress_size``).
+  Summed in float32, float64 leaves in float64 (a second ``psum``).
+  """
+  out = [None] * len(leaves)
+  wide = {_quantize.scale_dtype(x.dtype) for x in leaves}
+  for dtype in sorted(wide, key=str):
+    group = [i for i, x in enumerate(leaves)
+             if _quantize.scale_dtype(x.dtype) == dtype]
+    flat = jnp.concatenate([leaves[i].astype(dtype).ravel() for i in group])
+    total = jnp.sign(_collectives.psum(flat, axis_name))
+    offset = 0
+    for i in group:
+      x = leaves[i]
+      out[i] = total[offset:offset + x.size].reshape(x.shape).astype(x.dtype)
+      offset += x.size
+  return out
+
+
+def aggregate_updates(pre_sign, *, axis_name: AxisName, num_workers: int,
+                      spec: _quantize.VoteSpec, aggregation: str, comm: str,
+                      min_compress_size: int = 0):
+  """Votes on every leaf of ``pre_sign`` and returns the aggregated update.
+
+  Leaves are quantized (:func:`dlion_jax.quantize.encode`), packed into one
+  message, exchanged once and split back: ``sign(s)`` (``mavo``) or
+  ``s / (N L)`` (``avg``) in each leaf's dtype. Leaves with fewer than
+  ``min_compress_size`` elements skip the vote: ``sign(sum_i c_i)``
+  through one ``psum`` (:func:`sign_of_mean`).
+  """
+  return aggregate(lambda c: c, pre_sign, axis_name=axis_name,
+                   num_workers=num_workers, spec=spec,
+                   aggregation=aggregation, comm=comm,
+                   min_compress_size=min_compress_size)
+
+
+def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
+              num_workers: int, spec: _quantize.VoteSpec, aggregation: str,
+              comm: str, min_compress_size: int = 0, constants: tuple = (),
+              bucket_bytes: int | None = None, with_done: bool = False,
+              kernels: _fused.Kernels = "auto",
+              also: Callable[..., jax.Array] | None = None):
+  """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
+  ``trees`` (Lion passes the gradients, the momenta and
+  ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
+  given leaves laid end to end, or cut into pieces.
+
+  For sign votes the leaves under :data:`OWN_PACKING` elements of each
+  dtype are laid end to end first and ``combine`` and the encoding run once
+  on all of them: a handful of operations however many small leaves there
+  are, where computing ``c`` leaf by leaf would cost XLA a kernel a leaf to
+  compile. Bigger leaves, and every leaf of Lion Cub's L1-scaled votes
+  (each needs its own scale), are encoded and packed one by one.
+
+  Where the mesh has axes the compiler owns beside ``axis_name`` (a
+  ``shard_map`` manual over the data axis only), each device votes on its
+  own part of every leaf (``dlion_jax._blocks.on_own_shards``): it
+  sends only that part's votes, to its peers across ``axis_name``, and
+  the L1 scales and the ``min_compress_size`` test see whole leaves.
+  ``combine`` gets
+  ``constants`` after the leaves (traced hyperparameters: see
+  ``dlion_jax._blocks.on_own_shards``).
+
+  ``bucket_bytes`` splits the voted leaves into buckets (:func:`buckets`),
+  each packed into a message of its own and exchanged on its own, so that
+  a bucket's collectives depend on its leaves' gradients only and XLA may
+  schedule them while the rest of the backward pass runs.
+
+  ``kernels`` picks how a big leaf is encoded and tallied: ``'pallas'``
+  through the fused kernels of :mod:`dlion_jax.fused` wherever the leaf
+  fits their blocks (off TPU in Pallas' interpreter), ``'xla'`` never,
+  ``'auto'`` on TPU only. Not in the plain jitted step
+  (:mod:`dlion_jax.workers`), which XLA partitions: it cannot partition
+  a Pallas kernel. The encoding kernel also computes ``also`` (an
+  elementwise function of the leaves, Lion's momentum update) in its
+  pass. With traced ``constants`` the kernels are not used.
+
+  ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
+  compute once every bucket's outcome is in (see
+  ``_after_every_outcome``), or None where the compiler's axes share the
+  vote, and a dict of ``also``'s values by leaf (in ``jax.tree.leaves``
+  order) for the leaves the kernels encoded.
+  """
+  check_choice("kernels", kernels, _fused.KERNELS)
+  options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
+                        min_compress_size, bucket_bytes, kernels)
+  axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  fuse = _uses_kernels(kernels, constants, axis_name)
+  def run(*trees, leaf_shards=None, constants):
+    return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
+                      options=options, leaf_shards=leaf_shards, fuse=fuse,
+                      also=None if axes else also)
+  if axes:
+    updates, done, also_values = _blocks.on_own_shards(
+        lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
+  else:
+    updates, done, also_values = run(*trees, constants=constants)
+  return (updates, done, also_values) if with_done else updates
+
+
+def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
+  """Whether :func:`aggregate` takes the fused kernels (see there)."""
+  if constants or kernels == "xla" or (
+      kernels == "auto" and not _mesh.on_tpu()):
+    return False
+  if _collectives.mapped_over_mesh(axis_name):
+    if kernels == "pallas":
+      raise ValueError(
+          "kernels='pallas' cannot run in a plain jitted step "
+          "(dl.workers): XLA partitions that step, and cannot partition a "
+          "Pallas kernel on TPU or GPU (nor its interpreter's on Explicit "
+          "axes elsewhere). Use kernels='auto' (the XLA path there) or a "
+          "step built by dl.parallel.make_train_step.")
+    return False
+  return True
+
+
+def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
+               fuse: bool = False, also: Callable | None = None):
+  """:func:`aggregate` on leaves each device holds whole (or the shards
+  ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
+  where the fused kernels (``fuse``) computed it."""
+  leaves, treedef = jax.tree.flatten(trees[0])
+  columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
+  rows = list(zip(*columns))
+  leaf_shards = leaf_shards or [None] * len(leaves)
+  sizes = [x.size if s is None else s.size
+           for x, s in zip(leaves, leaf_shards)]
+  # An empty leaf's update: a constant, one for all workers (not its
+  # gradient, a row per worker where the workers are a vmapped axis).
+  out = [jnp.zeros(x.shape, x.dtype) if x.size == 0 else None
+         for x in leaves]
+  exact = [i for i, x in enumerate(leaves)
+           if x.size > 0 and sizes[i] < options.min_compress_size]
+  voted = [i for i, x in enumerate(leaves)
+           if x.size > 0 and sizes[i] >= options.min_compress_size]
+  if exact:
+    values = [combine(*rows[i]) for i in exact]
+    for i, d in zip(exact, sign_of_mean(values,
+                                        axis_name=options.axis_name)):
+      out[i] = d
+  nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
+  done, also_values = [], {}
+  for bucket in buckets(voted, nbytes, options.bucket_bytes):
+    run = fuse and _Fusion(_fused.interpreted(), also,
+                           forced=options.kernels == "pallas")
+    updates, outcomes = _vote_in_one_message(
+        [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
+        options, run)
+    for i, d in zip(bucket, updates):
+      out[i] = d
+    also_values.update({bucket[k]: v for k, v in (run.values.items()
+                                                  if run else ())})
+    if outcomes:
+      done.append(_after_every_outcome(
+          outcomes, options.num_workers * options.spec.max_level))
+  done = functools.reduce(jnp.maximum, done) if done else None
+  return jax.tree.unflatten(treedef, out), done, also_values
+
+
+def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
+  """A ``uint8`` zero XLA cannot fold, computed from the vote's ``outcomes``
+  (integers in ``[-top, top]``): ``max((o[:8] > top) >> 1)`` over every
+  run's.
+
+  A value that waits for the vote, for whatever must not be scheduled
+  before it (``lion._after_vote``). Read off the integers rather than the
+  update: Avg's update, a gather from a table, would be written out whole
+  to be read. Every run's, so that XLA:CPU writes out every run's tally:
+  fused instead into the leaf's update, a run's tally of ternary votes
+  (radix-3 digits) unpacked every worker's digit with a division by the
+  place value of each element's place (measured in the design notes, "The
+  momentum's update waits for the vote").
+  """
+  firsts = jnp.concatenate([o[:8].astype(jnp.int32) for o in outcomes])
+  # A flag shifted out: 0 whatever the compare gives (XLA:CPU once computed
+  # it true of outcomes in range, in a program of two optimizers).
+  return jnp.max((firsts > top).astype(jnp.uint8) >> 1, initial=0)
+
+
+def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
+                         fusion: _Fusion | None = None
+                         ) -> tuple[list[jax.Array], list[jax.Array]]:
+  """The update of each row of leaves, voted in one message, and the vote's
+  outcome for each packing run. ``fusion.values`` comes back by row."""
+  # Big leaves first, each packed alone; then the small ones of sign votes,
+  # grouped by dtypes so that each group concatenates (see _packed_message).
+  alone = [k for k, row in enumerate(rows)
+           if options.spec.scaled or row[0].size >= OWN_PACKING]
+  if fusion and (radix := fusion.radix_of(rows, options)) is not None:
+    alone.sort(key=lambda k: not fusion.fits_row(rows[k], radix,
+                                                 options.spec))
+  grouped = sorted(set(range(len(rows))) - set(alone),
+                   key=lambda k: (str(_dtypes(rows[k])), k))
+  order = alone + grouped
+  layout, results = _exchange(
+      [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
+      options, fusion)
+  if fusion:
+    fusion.values = {order[j]: v for j, v in fusion.values.items()
+                     if v is not None}
+  # On TPU a leaf alone in its run gets D from its narrow outcome reshaped
+  # to the leaf (see _exchange). Otherwise D once per run and dtype (that
+  # of c), then each leaf's stretch of it (an operation a run, not a leaf).
+  dtypes, updates, out = {}, {}, [None] * len(rows)
+  for j, k in enumerate(order):
+    key = _dtypes(rows[k])
+    if key not in dtypes:
+      dtypes[key] = jax.eval_shape(
+          combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
+    run = (layout.run_of(j), dtypes[key])
+    shape = rows[k][0].shape
+    if j < len(alone) and _mesh.on_tpu():
+      outcome = layout.leaf_values(results[run[0]], j).reshape(shape)
+      if layout.radix is not None and not (
+          fusion and run[0] in fusion.decoded):
+        # Digits decoded from words: XLA:TPU would fuse their decoding with
+        # the leaf's float update and lay out floats in the leaf's tiles
+        # (psum_int8's outcome is the summed integers themselves, a tally
+        # kernel's already in the leaf's shape). _fused.decode's rows keep
+        # it: without, XLA:TPU relaid out floats (MaVo auto, large tree:
+        # 32.1 -> 42.1 bytes a parameter).
+        outcome = lax.optimization_barrier(outcome)
+      out[k] = _finalize(outcome, options, run[1])
+      continue
+    if run not in updates:
+      updates[run] = _finalize(results[run[0]], options, run[1])
+    out[k] = layout.leaf_values(updates[run], j).reshape(shape)
+  return out, results
+
+
+def buckets(indices: list[int], nbytes: list[int],
+            bucket_bytes: int | None) -> list[list[int]]:
+  """The leaves ``indices`` split into buckets of at most ``bucket_bytes``
+  of gradient (``nbytes[i]`` a leaf's; a bigger leaf is a bucket alone).
+
+  Taken from the last leaf back, greedily: a backward pass produces the
+  gradients of the last layers first, and a pytree of layers (a Flax
+  model's) lists them from the input on. ``None`` is one bucket, in order.
+
+  Example:
+    >>> from dlion_jax import _exchange
+    >>> _exchange.buckets([0, 1, 2, 3], [40, 30, 30, 50], 60)
+    [[3], [1, 2], [0]]
+  """
+  if bucket_bytes is None:
+    return [list(indices)]
+  out, total = [], 0
+  for i in reversed(indices):
+    if out and total + nbytes[i] <= bucket_bytes:
+      out[-1].append(i)
+      total += nbytes[i]
+    else:
+      out.append([i])
+      total = nbytes[i]
+  return [sorted(bucket) for bucket in out]
+
+
+def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
+  """First row of each packing run: each of the first ``num_alone`` rows
+  alone, then one run per dtype of the rest (see :func:`_packed_message`)."""
+  return tuple(k for k in range(len(rows)) if k <= num_alone
+               or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
+
+
+def _packed_message(rows, combine, alone, layout, spec, fusion, *,
+                    batched: bool = False) -> jax.Array:
+  """The packed message: ``combine(*row)``'s vote codes at each row's offset.
+
+  The first ``len(alone)`` rows (big leaves, or every leaf of an
+  L1-scaled vote; ``alone`` holds their shards, see :func:`aggregate`) are
+  encoded and packed one by one and written in place: XLA:CPU fuses a
+  concatenate of a few big operands into the packing loop that reads it,
+  several times slower. The others, small leaves of a sign vote, are laid
+  end to end per dtype (one ``concatenate`` of the gradients, one of the
+  momenta) and ``combine``, the encoding and the packing run once on each
+  run: a few operations however many leaves there are, since compile time
+  grows with the number of operations. Each run is packed planar
+  (:meth:`MessageLayout.pack`).
+
+  ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each
+  of the message) concatenates the runs and their padding instead: the
+  partitioned in-place write of each run into the batched message cost
+  XLA:CPU a pass over the whole message a run (design notes, "The workers
+  as a leading axis").
+  """
+  if batched:
+    return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,
+                                            spec, fusion))
+  # Behind a barrier XLA cannot rewrite the first write into these zeros
+  # as a pad of that run, which XLA:CPU fuses with the run's encoding and
+  # packing into one loop over the whole message, a bounds check per word
+  # and not vectorised (design notes, "Straight passes").
+  message = lax.optimization_barrier(
+      jnp.zeros(layout.words, layout.word_dtype))
+  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
+    message = lax.dynamic_update_slice(
+        message, _run_words(rows, first, end, combine, alone, layout, spec,
+                            fusion),
+        (layout.offsets[first] // layout.digits_per_word,))
+  return message
+
+
+def _message_by_run(rows, combine, alone, layout, spec, fusion) -> dict:
+  """The message in pieces by their first word, for a strategy that sums
+  them where they lie (:attr:`dlion_jax.strategies.Strategy.sums`): a
+  fused kernel's words of a leaf whose rows are not 128 lanes in the
+  shape it wrote them, each other stretch of runs laid end to end. Laid
+  into one flat message, such a leaf's words were relaid out on the way
+  in and out (XLA:TPU, ``psum_int8``, the 1B GPT's training step of
+  :mod:`dlion_jax.bench.aot`: 68.7 bytes a parameter a chip, 50.9 so)."""
+  pieces, flat = {}, []
+  ends = layout.runs[1:] + (len(rows),)
+  for first, end, (word, _) in zip(layout.runs, ends, layout.run_words):
+    apart = fusion.apart(rows, first, len(alone), layout, spec)
+    words = _run_words(rows, first, end, combine, alone, layout, spec, fusion,
+                       flat=not apart)
+    if apart:
+      pieces[word] = words
+      flat = []
+      continue
+    if not flat:
+      pieces[word] = flat
+    flat.append(words)
+  return {word: jnp.concatenate(piece) if isinstance(piece, list) else piece
+          for word, piece in pieces.items()}
+
+
+def _laid_end_to_end(rows, combine, alone, layout, spec,
+                     fusion) -> list[jax.Array]:
+  """Each run's packed words, and zero words for the padding around them:
+  the message in order."""
+  parts, at = [], 0
+  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
+    offset = layout.offsets[first] // layout.digits_per_word
+    if offset > at:
+      parts.append(jnp.zeros(offset - at, layout.word_dtype))
+    parts.append(_run_words(rows, first, end, combine, alone, layout, spec,
+                            fusion))
+    at = offset + parts[-1].shape[0]
+  if layout.words > at:
+    parts.append(jnp.zeros(layout.words - at, layout.word_dtype))
+  return parts
+
+
+def _run_words(rows, first, end, combine, alone, layout, spec,
+               fusion, *, flat: bool = True) -> jax.Array:
+  """The packed words of the run of rows ``first .. end - 1`` (a fused
+  kernel's, unless ``flat``, in the shape it wrote them)."""
+  m = layout.digits_per_word
+  if fusion and fusion.takes(rows, first, len(alone), layout, spec):
+    words, fusion.values[first] = _fused.encode(
+        combine, rows[first], spec=spec, radix=layout.radix,
+        also=fusion.also, levels_dtype=layout.word_dtype,
+        interpret=fusion.interpret)
+    return words.ravel() if flat else words
+  if (first < len(alone) and not spec.scaled and layout.radix is not None
+      and _packing.planes_in_place(rows[first][0].shape, m)
+      and _mesh.on_tpu()):
+    # Plane by plane from the inputs' own planes: XLA:TPU writes out the
+    # codes of a whole leaf before packing them (XLA:CPU fuses the two,
+    # and m copies of the encoding a leaf would lengthen its compile).
+    cut = [_packing.leaf_planes(y, m) for y in rows[first]]
+    return _packing.pack_planes(
+        [_quantize.encode(combine(*[p[j] for p in cut]), spec)
+         for j in range(m)], layout.radix).ravel()
+  if first < len(alone):
+    codes = _quantize.encode(combine(*rows[first]), spec, alone[first])
+  else:
+    inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
+                                 first) for j in range(len(rows[first]))]
+    codes = _quantize.encode(combine(*inputs), spec)
+  return layout.pack(codes)
+
+
+def _dtypes(row) -> tuple:
+  return tuple(x.dtype for x in row)
