@@ -110,6 +110,14 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
   mapped = _collectives.mapped_mesh_axes()
   if mapped:
     mapped = mapped[0] if len(mapped) == 1 else mapped
+    unknown = [a for a in names if a not in mesh.axis_names]
+    if unknown:
+      raise ValueError(
+          f"The optimizer votes over axis_name={axis_name!r}, but "
+          f"{unknown[0]!r} is not an axis of the mesh, whose axes are "
+          f"{tuple(mesh.axis_names)}; the workers of this plain jitted step "
+          f"are mapped over {mapped!r}: build the optimizer with "
+          f"axis_name={mapped!r}.")
     raise ValueError(
         f"The optimizer votes over axis_name={axis_name!r}, but the workers "
         f"of this plain jitted step are mapped over {mapped!r}: "
@@ -161,16 +169,41 @@ def _beside_workers(axis_name, mesh, auto) -> tuple[str, ...]:
       == jax.sharding.AxisType.Explicit))
 
 
+def key_name(key: tuple) -> str:
+  """A :func:`path_key` as ``jax.tree_util.keystr`` writes a dict's path,
+  for messages: ``('up', 'kernel')`` is ``['up']['kernel']``."""
+  return "".join(f"[{k!r}]" for k in key)
+
+
+def path_key(path) -> tuple:
+  """A leaf's key path by names alone: a dict's key, a sequence's index or
+  an attribute's name alike (a ``flax.nnx.State`` holds an optax state's
+  tuples and named tuples as dicts), without the ``.value`` of a variable
+  that wraps the leaf (an ``nnx.Param``, an ``nnx.OptState``): how a
+  placement (:func:`placed`) is told and looked up, whichever pytree the
+  params come in."""
+  names = tuple(
+      k.key if isinstance(k, (jax.tree_util.DictKey,
+                              jax.tree_util.FlattenedIndexKey))
+      else k.idx if isinstance(k, jax.tree_util.SequenceKey)
+      else k.name if isinstance(k, jax.tree_util.GetAttrKey) else str(k)
+      for k in path)
+  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) \
+      and path[-1].name == "value":
+    names = names[:-1]
+  return names
+
+
 # Set while dlion_jax.parallel.make_train_step traces the optimizer update
 # of a step on Auto axes: each params leaf's placement, by key path.
 _PLACED = contextvars.ContextVar("placed", default=None)
 
 
 @contextlib.contextmanager
-def placed(specs: dict[str, P]):
+def placed(specs: dict[tuple, P]):
   """Marks the optimizer update traced inside as updating leaves placed as
-  ``specs`` says (by the params' key paths, ``jax.tree_util.keystr``): on
-  Auto axes their types do not say how they are sharded."""
+  ``specs`` says (by the params' key paths, :func:`path_key`): on Auto axes
+  their types do not say how they are sharded."""
   token = _PLACED.set(specs)
   try:
     yield
@@ -178,31 +211,53 @@ def placed(specs: dict[str, P]):
     _PLACED.reset(token)
 
 
-def specs_by_path(tree: Any, placement: Any) -> dict[str, P]:
-  """``placement``'s specs (a pytree like ``tree``, of ``PartitionSpec``s,
-  ``NamedSharding``s or None) by the key paths of ``tree``'s leaves, as
-  :func:`placed` takes them.
+# Set where a leaf's placement cannot be known (a function traced inside a
+# caller's jax.jit on Auto axes, told no placement): the error to raise
+# instead of guessing it.
+_UNKNOWN = contextvars.ContextVar("unknown_placement", default=None)
 
-  Raises:
-    ValueError: ``placement`` has another number of leaves than ``tree``.
-  """
+
+@contextlib.contextmanager
+def unknown_placement(error: str):
+  """Inside, :func:`leaf_spec` raises ``ValueError(error)`` where it would
+  guess how a leaf on Auto axes lies."""
+  token = _UNKNOWN.set(error)
+  try:
+    yield
+  finally:
+    _UNKNOWN.reset(token)
+
+
+def specs_by_path(placement: Any) -> dict[tuple, P]:
+  """``placement``'s specs (a pytree of ``PartitionSpec``s,
+  ``NamedSharding``s or None, e.g. ``jax.tree.map(lambda x:
+  x.sharding.spec, params)``; an ``nnx.State`` of them too) by their key
+  paths (:func:`path_key`), as :func:`placed` takes them (None: not
+  said)."""
   if placement is None:
     return {}
-  specs = [getattr(x, "spec", x) for x in jax.tree.leaves(
+  leaves = jax.tree_util.tree_flatten_with_path(
       placement, is_leaf=lambda x: x is None or isinstance(
-          x, (P, jax.sharding.NamedSharding)))]
-  paths = [jax.tree_util.keystr(path) for path, _ in
-           jax.tree_util.tree_flatten_with_path(tree)[0]]
-  if len(specs) != len(paths):
-    raise ValueError(
-        f"placement has {len(specs)} leaves and the params {len(paths)}: "
-        "give a PartitionSpec (or None) for each params leaf, e.g. "
-        "placement=jax.tree.map(lambda x: x.sharding.spec, params) of the "
-        "concrete params.")
-  return {path: spec for path, spec in zip(paths, specs) if spec is not None}
+          x, (P, jax.sharding.NamedSharding)))[0]
+  return {path_key(path): getattr(x, "spec", x) for path, x in leaves}
 
 
-def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
+def check_placement_covers(tree: Any, specs: dict[tuple, P],
+                           what: str = "params") -> None:
+  """Raises a ValueError naming the first leaf of ``tree`` (the params or
+  their gradients) that a given placement does not name."""
+  if not specs:
+    return
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if path_key(path) not in specs:
+      raise ValueError(
+          f"placement names no spec for the {what} leaf "
+          f"{jax.tree_util.keystr(path)}: give one (a PartitionSpec, or "
+          "None) for each params leaf, e.g. placement=jax.tree.map(lambda "
+          "x: x.sharding.spec, params) of the concrete params.")
+
+
+def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: tuple | None = None
               ) -> P:
   """How ``x`` is sharded over the mesh axes ``axes``: read off its type
   on Explicit axes. On Auto axes the type says nothing: the placement of
@@ -224,6 +279,8 @@ def leaf_spec(x: jax.Array, axes: tuple[str, ...], path: str | None = None
   known = (_PLACED.get() or {}).get(path)
   if known is not None and len(known) <= x.ndim:
     return P(*map(keep, known))
+  if _UNKNOWN.get() is not None:
+    raise ValueError(_UNKNOWN.get())
   return _mesh.fsdp_spec(x.shape, math.prod(mesh.shape[a] for a in auto),
                            auto if len(auto) > 1 else auto[0])
 
@@ -254,7 +311,7 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
   region may not close over values typed on Explicit axes.
   """
   paths, treedef = jax.tree_util.tree_flatten_with_path(trees[0])
-  paths, leaves = [jax.tree_util.keystr(p) for p, _ in paths], [
+  paths, leaves = [path_key(p) for p, _ in paths], [
       x for _, x in paths]
   columns = list(zip(leaves, *[treedef.flatten_up_to(t) for t in trees[1:]]))
   # The most sharded of a leaf's arrays (a ZeRO-2 momentum beside a whole

@@ -119,17 +119,20 @@ def positive_int(name: str, value: Any, what: str | None = None) -> int:
 
 
 def decay_rate(name: str, value: Any, what: str) -> Any:
-  """``value``, a Python or numpy number in ``[0, 1)``, as it is; a traced
-  or array value (``optax.inject_hyperparams``) unchecked.
+  """``value``, a number in ``[0, 1)``, as it is; a traced value
+  (``optax.inject_hyperparams``) unchecked.
 
   Raises:
-    ValueError: naming the argument, the value and what it means.
+    ValueError: naming the argument, the value and what it means (a bool
+      or a non-scalar is no rate).
   """
-  if isinstance(value, bool) or not isinstance(value, (int, float,
-                                                       np.floating,
-                                                       np.integer)):
+  if isinstance(value, jax.core.Tracer):
     return value
-  if not 0 <= value < 1:
+  if isinstance(value, (bool, np.bool_)) or np.ndim(value) or not (
+      np.issubdtype(jnp.result_type(value), np.number)):
+    raise ValueError(f"{name} must be a number in [0, 1) ({what}), got "
+                     f"{name}={value!r}.")
+  if not 0 <= float(value) < 1:
     raise ValueError(
         f"{name} must be in [0, 1) ({what}), got {name}={value!r}: at 1 or "
         "more the momentum grows without bound.")

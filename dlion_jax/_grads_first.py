@@ -26,6 +26,7 @@ from dlion_jax import _mesh
 from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax._mesh import axis_size
+from dlion_jax import _blocks
 
 
 def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
@@ -37,7 +38,7 @@ def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
   the update of :func:`_voted`, each leaf's gradient and vote in the
   blocks :func:`dlion_jax._placement.blocks` gives it."""
   def step(params, state, batch):
-    paths, leaves = zip(*[(jax.tree_util.keystr(p), x) for p, x in
+    paths, leaves = zip(*[(_blocks.path_key(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
     floats = _core.float_leaves(params)
     param_specs, blocks = _placement.blocks(tx, specs, params, mesh,
@@ -51,7 +52,8 @@ def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
               [grads[i] for i in floats])
     value, grads = _core.node_mean_grads(
         device_grads, mesh, axis_name=axis_name, shard_axis=shard_axis,
-        param_dims=[_core.axis_dim(s, shard_axis, f"params leaf {p}")
+        param_dims=[_core.axis_dim(
+            s, shard_axis, f"params leaf {_blocks.key_name(p)}")
                     for s, p in zip(param_specs, paths)],
         grad_dims=[_core.axis_dim(blocks[paths[i]], shard_axis)
                    for i in floats])(params, batch)

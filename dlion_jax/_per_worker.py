@@ -64,9 +64,10 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
   place of a ``"stacked"`` output of the same structure (an optimizer
   state), is taken as differing by worker only where its new value does:
   every worker's rows start alike (:func:`init_worker_states`,
-  :func:`~dlion_jax.devices.stack_for_workers`), so the moments of a global optimizer after
-  :func:`~dlion_jax.transforms.pmean_gradients` or an injected hyperparameter stay alike, while
-  Distributed Lion's momenta differ. Integer scalars (step counts) are
+  :func:`~dlion_jax.devices.stack_for_workers`), so the moments of a
+  global optimizer after :func:`~dlion_jax.transforms.pmean_gradients` or
+  an injected hyperparameter stay alike, while Distributed Lion's momenta
+  differ. Integer scalars (step counts) are
   alike; PRNG keys, typed or raw, differ.
 
   With ``fold_in_worker`` each worker's index is folded into the typed PRNG
@@ -126,11 +127,18 @@ def per_worker(fn: Callable, mesh: Mesh, *, axis_name: str = "data",
     >>> jax.jit(fn)(jnp.ones(2), jnp.ones((1, 2)))
     Array([2., 2.], dtype=float32)
   """
-  call = mapped(fn, mesh, axis_name=axis_name, ins=ins, outs=outs,
-                check_vma=check_vma, check_replicated=check_replicated,
-                fold_in_worker=fold_in_worker)
-  return _placement.PlacedCall(call, mesh, axis_name, donate_argnums,
-                               placement)
+  # A fresh map for each trace in a caller's jit: the placement it is
+  # traced under is not in the key of JAX's trace cache.
+  make = lambda: mapped(fn, mesh, axis_name=axis_name, ins=ins, outs=outs,
+                        check_vma=check_vma,
+                        check_replicated=check_replicated,
+                        fold_in_worker=fold_in_worker)
+  # What placement= speaks of: the "replicated" parts of the arguments.
+  replicated = lambda args: [jax.tree.map(
+      lambda k, sub: sub if k == "replicated" else None, layout, arg)
+                             for arg, layout in zip(args, ins)]
+  return _placement.PlacedCall(make, mesh, axis_name, donate_argnums,
+                               placement, replicated)
 
 
 def mapped(fn: Callable, mesh: Mesh, *, axis_name, ins, outs,

@@ -159,7 +159,7 @@ def _each_param_leaf(tx, fn: Callable, state_specs: Any,
   state shaped like a param (``state_specs`` may be the params' own);
   False where optax cannot tell those leaves."""
   paths = jax.tree_util.tree_map_with_path(
-      lambda path, _: jax.tree_util.keystr(path), params_specs,
+      lambda path, _: _blocks.path_key(path), params_specs,
       is_leaf=lambda x: isinstance(x, P))
   if state_specs is params_specs:
     jax.tree.map(fn, state_specs, params_specs, paths,
@@ -197,7 +197,8 @@ def check_placement(tx, specs: Any, mesh: Mesh) -> None:
   if conflicts:
     path, mine, theirs = conflicts[0]
     raise ValueError(
-        f"The optimizer state's leaf for params {path} is sharded {mine} "
+        f"The optimizer state's leaf for params {_blocks.key_name(path)} is "
+        f"sharded {mine} "
         f"but the param is sharded {theirs} (Explicit axes): the optimizer "
         "would add arrays sharded differently. Build the state from the "
         "params as you place them: parallel.init_worker_states(tx, params, "
@@ -215,7 +216,7 @@ def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
   if specs is None:
     param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
                    for _, x in leaves]
-    merged = {jax.tree_util.keystr(p): s
+    merged = {_blocks.path_key(p): s
               for (p, _), s in zip(leaves, param_specs)}
   else:
     param_specs = jax.tree.leaves(specs[0],
@@ -226,7 +227,7 @@ def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
   k = mesh.shape[shard_axis]
   blocks = {}
   for path, x in leaves:
-    key = jax.tree_util.keystr(path)
+    key = _blocks.path_key(path)
     spec = merged[key]
     if shard_axis not in _mesh.spec_axes(spec):
       spec = _mesh.fsdp_spec(x.shape, k, shard_axis, placed=spec)
@@ -245,10 +246,13 @@ class PlacedCall:
   the workers' (refused without it: nothing there says how the arguments
   lie)."""
 
-  def __init__(self, call: Callable, mesh: Mesh, axis_name,
-               donate_argnums, placement: Any = None):
-    functools.update_wrapper(self, call)
-    self._call, self._mesh, self._axis = call, mesh, axis_name
+  def __init__(self, make: Callable[[], Callable], mesh: Mesh, axis_name,
+               donate_argnums, placement: Any = None,
+               replicated: Callable[[tuple], Any] = lambda args: args):
+    self._make, self._call = make, make()
+    self._replicated = replicated
+    functools.update_wrapper(self, self._call)
+    self._mesh, self._axis = mesh, axis_name
     self._donate = donate_argnums
     self._placement = placement
     self._jitted = {}
@@ -276,7 +280,9 @@ class PlacedCall:
     if not auto:
       return self._call(*args)
     if self._placement is None:
-      raise ValueError(
+      # Refused only where a vote (or another exchange of the library)
+      # would guess a leaf's placement.
+      with _blocks.unknown_placement(
           "per_worker's function is traced inside a jax.jit of yours on "
           f"the mesh's Auto axes {auto}, where a traced array does not say "
           "how it is placed: the vote would cut each param as it guesses, "
@@ -286,12 +292,12 @@ class PlacedCall:
           "parallel.per_worker(..., placement=jax.tree.map(lambda x: "
           "x.sharding.spec, params)) of the concrete params; or call the "
           "function on the arrays themselves (it compiles itself and keeps "
-          "each updated argument's placement), or use Explicit axes.")
-    specs = jax.tree.map(lambda x: getattr(x, "spec", x), self._placement,
-                         is_leaf=_is_spec)
-    with _blocks.placed(_blocks.specs_by_path(specs, specs)):
-      out = self._call(*args)
-    return _constrained(out, specs, self._mesh)
+          "each updated argument's placement), or use Explicit axes."):
+        return self._make()(*args)
+    out = self._told()(*args)
+    return _constrained(out, self._replicated(args),
+                        _blocks.specs_by_path(self._placement), self._mesh,
+                        self._axis)
 
   def _for(self, args) -> Callable:
     placed = tuple((np.shape(x), getattr(x, "sharding", None))
@@ -302,28 +308,54 @@ class PlacedCall:
           self._mesh.axis_names, self._mesh.axis_types)
                  if a not in _mesh.names(self._axis))
       self._jitted[key] = jax.jit(
-          self._call, donate_argnums=self._donate,
+          self._told(), donate_argnums=self._donate,
           out_shardings=_placed_like(self._call, args) if auto else None)
     return self._jitted[key]
 
+  def _told(self) -> Callable:
+    """A fresh map, traced under the ``placement`` given (if any)."""
+    call = self._make()
+    if self._placement is None:
+      return call
+    specs = _blocks.specs_by_path(self._placement)
+    def placed_call(*args):
+      with _blocks.placed(specs):
+        return call(*args)
+    return placed_call
 
-def _is_spec(x) -> bool:
-  return x is None or isinstance(x, (P, NamedSharding))
 
+def _constrained(out: Any, params: Any, specs: dict[tuple, P], mesh: Mesh,
+                 axis_name) -> Any:
+  """``out`` with each leaf that is a param, or a worker's row of one
+  stacked (a momentum), constrained to lie as ``specs`` (by
+  :func:`dlion_jax._blocks.path_key`) says.
 
-def _constrained(out: Any, specs: Any, mesh: Mesh) -> Any:
-  """Each output of the params' structure (``specs``'s, a spec or None a
-  leaf) constrained to lie as ``specs`` says, the rest as it is."""
-  structure = jax.tree.structure(specs, is_leaf=_is_spec)
-  def constrain(tree):
-    if jax.tree.structure(tree) != structure:
-      return tree
-    return jax.tree.map(
-        lambda x, spec: x if spec is None else jax.lax.with_sharding_constraint(
-            x, NamedSharding(mesh, spec)), tree, specs, is_leaf=_is_spec)
-  if isinstance(out, tuple):
-    return tuple(constrain(o) for o in out)
-  return constrain(out)
+  A leaf is a param's where its key path ends with the param's and its
+  shape is the param's (read off ``params``, the arguments laid out
+  ``"replicated"``), or, stacked, the workers' count before it; the rest
+  (counts, losses) is left to the compiler."""
+  def param_of(path):
+    key = _blocks.path_key(path)
+    found = [k for k in specs if key[len(key) - len(k):] == k]
+    return max(found, key=len) if found else None
+  shapes = {}
+  for path, x in jax.tree_util.tree_flatten_with_path(params)[0]:
+    key = param_of(path)
+    if key is not None and specs[key] is not None:
+      shapes.setdefault(key, np.shape(x))
+  n = _mesh.axis_size(mesh, axis_name)
+  def constrain(path, x):
+    key = param_of(path)
+    if key is None or key not in shapes or specs[key] is None:
+      return x
+    if np.shape(x) == shapes[key]:
+      spec = specs[key]
+    elif np.shape(x) == (n,) + shapes[key]:
+      spec = P(axis_name, *specs[key])
+    else:
+      return x
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+  return jax.tree_util.tree_map_with_path(constrain, out)
 
 
 def _placed_like(fn: Callable, args: tuple) -> Any:

@@ -45,6 +45,7 @@ from dlion_jax import _checks
 from dlion_jax import _core
 from dlion_jax import _mesh
 from dlion_jax import lion
+from dlion_jax import _blocks
 
 RESIZE_POLICIES = ("mean", "all", "keep")
 ERROR_POLICIES = ("map", "clear")
@@ -165,23 +166,6 @@ def _target_shardings(tx, params, mesh, axis_name, shard_axis) -> Any:
         lambda _: NamedSharding(mesh, P(axis_name)), shape)
 
 
-def _key(path) -> tuple:
-  """A leaf's key path by names alone: a dict's key, a sequence's index or
-  an attribute's name alike (a ``flax.nnx.State`` holds an optax state's
-  tuples and named tuples as dicts), without the ``.value`` of a variable
-  that wraps the leaf (an ``nnx.Param``, an ``nnx.OptState``)."""
-  names = tuple(
-      k.key if isinstance(k, (jax.tree_util.DictKey,
-                              jax.tree_util.FlattenedIndexKey))
-      else k.idx if isinstance(k, jax.tree_util.SequenceKey)
-      else k.name if isinstance(k, jax.tree_util.GetAttrKey) else str(k)
-      for k in path)
-  if path and isinstance(path[-1], jax.tree_util.GetAttrKey) \
-      and path[-1].name == "value":
-    names = names[:-1]
-  return names
-
-
 def _optimizer_leaves(state: Any) -> dict[int, bool]:
   """Positions among ``state``'s leaves of those an ``nnx.Optimizer``
   holds, each True for its own counter (``step``, an ``nnx.OptState``)
@@ -211,13 +195,14 @@ def _locate(state: Any, shape: Any) -> tuple[list[list[int]], list[int]]:
   num = len(jax.tree.leaves(state))
   if jax.tree.structure(state) == jax.tree.structure(shape):
     return [list(range(num))], []
-  ours = [_key(p) for p, _ in jax.tree_util.tree_leaves_with_path(shape)]
+  ours = [_blocks.path_key(p)
+          for p, _ in jax.tree_util.tree_leaves_with_path(shape)]
   if not ours or len(set(ours)) != len(ours):
     return [], []
   paths = jax.tree_util.tree_leaves_with_path(state)
   under: dict[tuple, dict[tuple, int]] = {}
   for i, (path, _) in enumerate(paths):
-    key = _key(path)
+    key = _blocks.path_key(path)
     for cut in range(len(key) + 1):
       under.setdefault(key[:cut], {})[key[cut:]] = i
   found = [[rest[k] for k in ours] for rest in under.values()
@@ -410,13 +395,14 @@ def resize_worker_states(tx: optax.GradientTransformation, state: Any,
 
 
 def _kept_on(x: Any, mesh: Mesh) -> Any:
-  """A leaf the resize keeps, on ``mesh``'s devices where it lay on others
-  (an ``nnx.Optimizer``'s unstacked ``step``, a ``TrainState``'s params,
-  resized in memory onto fewer devices): sharded as it was where ``mesh``
-  has its spec's axes and they divide its dims, else whole on every
-  device."""
-  if not isinstance(x, jax.Array) or x.sharding.device_set == set(
-      mesh.devices.flat):
+  """A leaf the resize keeps, on ``mesh`` where it lay elsewhere (an
+  ``nnx.Optimizer``'s unstacked ``step``, a ``TrainState``'s params,
+  resized in memory onto fewer devices or another mesh of the same ones):
+  sharded as it was where ``mesh`` has its spec's axes and they divide its
+  dims, else whole on every device."""
+  sharding = getattr(x, "sharding", None)
+  if not isinstance(x, jax.Array) or (isinstance(sharding, NamedSharding)
+                                      and sharding.mesh == mesh):
     return x
   spec = getattr(x.sharding, "spec", P())
   def fits(dim, entry):

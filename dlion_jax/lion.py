@@ -160,8 +160,8 @@ def scale_by_distributed_lion(
   * ``quantizer='ternary_l1'`` / ``'pbit_l1'`` with ``bits=p``: each worker
     sends :math:`q_i = \mathrm{clip}(\mathrm{round}(L c_i / a_i), -L, L)`,
     :math:`L = 2^{p-1} - 1`, :math:`a_i` the mean :math:`|c_i|` of the leaf
-    (per leaf and per worker, not sent); :math:`D = \mathrm{sign}(\sum_i q_i)` or
-    :math:`\sum_i q_i / (N L)`.
+    (per leaf and per worker, not sent);
+    :math:`D = \mathrm{sign}(\sum_i q_i)` or :math:`\sum_i q_i / (N L)`.
   * ``momentum_sync=k`` (or a :class:`dlion_jax.sync.SyncSchedule`): after
     the updates the schedule names, every worker's momentum (the leaves
     ``momentum_sync_mask`` selects; a pytree of bools or a function of the
@@ -307,13 +307,16 @@ def scale_by_distributed_lion(
         wide)
 
   def moment(g, m):
-    """``(1 - b2) g + b2 m`` in the wider dtype of the two, rounded once to
-    the momentum's (b2 taken in it, as JAX takes a Python scalar): a bf16
-    momentum must not round ``b2 m`` on its own where a layout splits the
-    fusion that otherwise keeps it wide."""
+    """``(1 - b2) g + b2 m`` in the wider dtype of the two, each rate taken
+    in its operand's dtype (as JAX takes a Python scalar), rounded once to
+    the momentum's: a bf16 product (``b2 m`` of a bf16 momentum, ``(1 - b2)
+    g`` of bf16 gradients beside a float32 momentum) must not round on its
+    own where one program's fusions split it from the sum and another's
+    keep it wide."""
     wide = jnp.promote_types(g.dtype, m.dtype)
+    new = jnp.asarray(1.0 - b2, g.dtype).astype(wide)
     decay = jnp.asarray(b2, m.dtype).astype(wide)
-    return ((1.0 - b2) * g + decay * m.astype(wide)).astype(m.dtype)
+    return (new * g.astype(wide) + decay * m.astype(wide)).astype(m.dtype)
 
   # The fused kernels compute the new momentum in the encoding's pass; a
   # kernel may not close over a traced b2.

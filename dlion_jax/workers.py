@@ -142,12 +142,13 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None, 0),
                       spmd_axis_name=axis_name)(params, rows)
     k = _mesh.mesh_size(groups)
-    placed = _blocks.specs_by_path(params, placement)
+    placed = _blocks.specs_by_path(placement)
+    _blocks.check_placement_covers(params, placed)
 
     def spec(path, x):      # its type's on Explicit axes, else placement's
       typed = _mesh.spec_of(x)
       return typed if _mesh.named(typed) else placed.get(
-          jax.tree_util.keystr(path))
+          _blocks.path_key(path))
     specs = jax.tree_util.tree_map_with_path(spec, params)
 
     def one_worker(params, rows):
@@ -336,7 +337,9 @@ def update(tx, *, axis_name: str = "data",
         "(for an nnx.Optimizer or a Linen TrainState, with "
         "dl.workers.stacked(tx)), not tx.init(params).")
     try:
-      with _blocks.placed(_blocks.specs_by_path(grads, placement)):
+      placed = _blocks.specs_by_path(placement)
+      _blocks.check_placement_covers(grads, placed, "gradient")
+      with _blocks.placed(placed):
         updates, state = mapped(grads, state, params)
       # A count made one value (alike_state) would come back replicated,
       # and the next step compile again for a state so placed.
@@ -410,16 +413,18 @@ def stacked(tx: optax.GradientTransformation, *,
     params = jax.tree.map(lambda v: v.get_value() if variable(v) else v,
                           params, is_leaf=variable)
     leaves, treedef = jax.tree.flatten(params)
-    placement[:] = [_mesh.spec_of(x) for x in leaves]
+    specs = [_mesh.spec_of(x) for x in leaves]
+    placement[:] = [treedef.unflatten(specs)]
     # Each momentum placed like its param (an eager zeros_like is not).
     return optax.tree_utils.tree_map_params(
-        tx, lambda x, i: _stacked_rows(x, n, axis_name, placement[i]),
+        tx, lambda x, i: _stacked_rows(x, n, axis_name, specs[i]),
         tx.init(params), treedef.unflatten(range(len(leaves))),
         transform_non_params=lambda x: _stacked_rows(x, n, axis_name))
 
   def update_fn(grads, state, params=None):
-    return update(tx, axis_name=axis_name, placement=placement or None)(
-        grads, state, params)
+    told = placement[0] if placement else None
+    return update(tx, axis_name=axis_name, placement=told)(grads, state,
+                                                            params)
   return optax.GradientTransformation(init_fn, update_fn)
 
 

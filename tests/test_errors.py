@@ -253,11 +253,12 @@ def test_per_worker_state_laid_out_replicated_names_stacked():
 
 def test_an_outer_momentum_of_one_or_more_is_refused():
   """Was: nesterov_outer(momentum=1.5) accepted (the CLI refused it)."""
-  for bad in (1.0, 1.5, -0.1):
+  for bad in (1.0, 1.5, -0.1, float("nan"), True, jnp.asarray(1.5)):
     with pytest.raises(ValueError) as e:
       dl.rounds.nesterov_outer(0.7, momentum=bad)
     assert_names(e, f"momentum={bad!r}", "[0, 1)")
-  dl.rounds.nesterov_outer(0.7, momentum=0.0)
+  for good in (0.0, 0.9, np.float32(0.5), jnp.asarray(0.9)):
+    dl.rounds.nesterov_outer(0.7, momentum=good)
 
 
 @pytest.mark.parametrize("kind", ["Explicit", "Auto"])
@@ -279,3 +280,9 @@ def test_a_vote_over_another_axis_than_the_plain_steps_workers(kind):
   assert_names(e, "axis_name='model'", "mapped over 'data'",
                "with axis_name='data'", "pass axis_name='model'")
   assert "shard_map" not in str(e.value)
+  with jax.set_mesh(mesh), pytest.raises(ValueError) as e:   # a typo
+    jax.jit(dl.workers.update(dl.distributed_lion(1e-2, axis_name="batch")))(
+        grads, state, params)
+  assert_names(e, "axis_name='batch'", "not an axis of the mesh",
+               "('data', 'model')", "with axis_name='data'")
+  assert "pass axis_name='batch'" not in str(e.value)

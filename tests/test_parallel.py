@@ -1112,3 +1112,67 @@ def test_per_worker_gives_each_worker_its_own_key_stream():
     parallel.per_worker(derive, mesh, ins=("replicated", "split"),
                         outs=("replicated", "split"))(key, x)
   assert_names(e, "output 0", "differs from worker to worker")
+
+
+def test_per_worker_in_a_jit_of_yours_refuses_only_where_a_vote_guesses():
+  """On an Auto (nodes x devices) mesh, a per_worker function that votes
+  on nothing (an eval step) runs in a caller's jax.jit without placement,
+  equal to the eager call (was: refused, blaming the vote); one that
+  votes is refused, naming placement=."""
+  mesh = devices.hybrid_mesh(2)
+  def eval_fn(w, batch):
+    return jax.lax.pmean(jnp.mean((batch @ w) ** 2), "data")
+  ev = parallel.per_worker(eval_fn, mesh, ins=("replicated", "split"),
+                           outs="replicated")
+  w = devices.replicate(jnp.ones((4, 2)), mesh)
+  x = devices.shard_batch(jnp.arange(64.0).reshape(16, 4) / 64, mesh)
+  np.testing.assert_array_equal(jax.jit(ev)(w, x), ev(w, x))
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  def step(p, s, batch):
+    grads = jax.grad(lambda p: jnp.mean((batch @ p) ** 2))(p)
+    updates, s = tx.update(grads, s, p)
+    return optax.apply_updates(p, updates), s
+  voted = parallel.per_worker(step, mesh, ins=("replicated", "stacked",
+                                               "split"),
+                              outs=("replicated", "stacked"))
+  with pytest.raises(ValueError) as e:
+    jax.jit(voted)(w, parallel.init_worker_states(tx, w, mesh), x)
+  assert_names(e, "placement=jax.tree.map")
+
+
+def test_per_worker_placement_keeps_a_train_states_params_and_momenta():
+  """The Linen guide's TrainState laid out ("replicated" params and step,
+  "stacked" opt_state) in a caller's jax.jit with placement=: the params
+  and each worker's momentum rows come back placed as they went in (was:
+  constrained only where an output had the placement's own structure, a
+  replicated bias came back P('model',), a momentum P('data', 'model'))."""
+  train_state = pytest.importorskip("flax.training.train_state")
+  mesh = jax.make_mesh((2, 2, 2), ("data", "fsdp", "model"),
+                       axis_types=(AxisType.Auto,) * 3)
+  params = {"w": jax.device_put(jnp.ones((16, 8)) * 0.1,
+                                jax.NamedSharding(mesh, jax.P("fsdp",
+                                                              "model"))),
+            "b": jax.device_put(jnp.zeros(8), jax.NamedSharding(mesh,
+                                                                jax.P()))}
+  tx = dl.distributed_lion(1e-3, axis_name="data")
+  ts = train_state.TrainState.create(apply_fn=None, params=params, tx=tx)
+  ts = ts.replace(step=jax.device_put(jnp.int32(0),
+                                      jax.NamedSharding(mesh, jax.P())),
+                  opt_state=devices.stack_for_workers(ts.opt_state, mesh))
+  layout = ts.replace(step="replicated", params="replicated",
+                      opt_state="stacked")
+  def loss_fn(p, x):
+    return jnp.mean((x @ p["w"] + p["b"]) ** 2)
+  def train(state, x):
+    loss, grads = jax.value_and_grad(loss_fn)(state.params, x)
+    return state.apply_gradients(grads=grads), jax.lax.pmean(loss, "data")
+  step = parallel.per_worker(
+      train, mesh, ins=(layout, "split"), outs=(layout, "replicated"),
+      placement=jax.tree.map(lambda x: x.sharding.spec, params))
+  out, _ = jax.jit(step)(ts, devices.shard_batch(jnp.ones((8, 16)), mesh))
+  same = lambda x, spec: x.sharding.is_equivalent_to(
+      jax.NamedSharding(mesh, spec), x.ndim)
+  assert same(out.params["w"], jax.P("fsdp", "model"))
+  assert same(out.params["b"], jax.P())
+  assert same(out.opt_state[0].mu["w"], jax.P("data", "fsdp", "model"))
+  assert same(out.opt_state[0].mu["b"], jax.P("data"))
