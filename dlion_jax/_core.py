@@ -204,6 +204,29 @@ def axis_dim(spec: P, axis: str, what: str = "leaf") -> int | None:
   return None
 
 
+def node_mean(g: jax.Array, axes, k: int, dim: int | None = None, *,
+              widen: bool = False) -> jax.Array:
+  """The mean of each device's ``g`` over the ``k`` devices of ``axes``
+  (manual where this runs): each term scaled by ``1/k``, then summed, one
+  reduce-scatter onto dimension ``dim`` (each device gets its block of
+  the mean), or an all-reduce where ``dim`` is None. The node mean of
+  both doors (``make_train_step``'s ``shard_axis``, ``dl.workers``'
+  ``rows_over``). (Scaled after the sum, XLA folds ``1/k`` into the
+  constants of the update that follows, e.g. Lion's ``1 - b2``, and the
+  momentum rounds otherwise than the mean's definition says.) ``widen``
+  sums narrower floats in float32: XLA:CPU (jaxlib 0.10) aborts compiling
+  a bfloat16 all-reduce or reduce-scatter in a region manual over some of
+  the mesh's axes only ("Invalid binary instruction opcode copy")."""
+  narrow = g.dtype
+  g = g * np.dtype(narrow).type(1 / k)
+  if widen:
+    g = g.astype(jnp.promote_types(narrow, jnp.float32))
+  if dim is None:
+    return lax.psum(g, axes).astype(narrow)
+  return lax.psum_scatter(g, axes, scatter_dimension=dim,
+                          tiled=True).astype(narrow)
+
+
 def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
                     shard_axis: str, param_dims: list, grad_dims: list,
                     ) -> Callable:
@@ -214,10 +237,8 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
   ``shard_axis`` (those sharded over it at rest), runs
   ``grad_fn(params, its batch rows)`` and takes its block of the node's
   mean gradient in one reduce-scatter per leaf: the sum over
-  ``shard_axis`` of each device's gradient times ``1/k``. (Scaled after
-  the sum, XLA folds ``1/k`` into the constants of the update that
-  follows, e.g. Lion's ``1 - b2``, and the momentum rounds otherwise than
-  the mean's definition says.) JAX's FSDP recipe with ``shard_map``,
+  ``shard_axis`` of each device's gradient times ``1/k``
+  (:func:`node_mean`). JAX's FSDP recipe with ``shard_map``,
   written out so that the fast links carry one all-gather and one
   reduce-scatter whatever the model: left to the compiler, an unannotated
   model may run the node's whole batch on every device or gather each
@@ -244,30 +265,18 @@ def node_mean_grads(grad_fn: Callable, mesh, *, axis_name: str,
   """
   k = mesh.shape[shard_axis]
   spec = lambda d: P() if d is None else P(*[None] * d, shard_axis)
-  # XLA:CPU (jaxlib 0.10) aborts compiling a bfloat16 all-reduce or
-  # reduce-scatter in a region manual over some of the mesh's axes only
-  # ("Invalid binary instruction opcode copy"): there narrower floats are
-  # reduced in float32.
   widen = (len(mesh.axis_names) > 2
            and getattr(mesh.devices.flat[0], "platform", None) == "cpu")
 
   def mean(g, d):
-    narrow = g.dtype
-    g = g * np.dtype(narrow).type(1 / k)
-    if widen:
-      g = g.astype(jnp.promote_types(narrow, jnp.float32))
-    if d is None:
-      return lax.psum(g, shard_axis).astype(narrow)
-    scatter = lambda g: lax.psum_scatter(g, shard_axis, scatter_dimension=d,
-                                         tiled=True)
     typed = getattr(jax.typeof(g).sharding, "spec", None)
-    if typed is not None and _mesh.spec_axes(typed):
-      # JAX 0.10 cannot lower a reduce-scatter of an array typed on
-      # Explicit axes in a partly manual region; under auto_axes it is
-      # untyped.
-      scatter = jax.sharding.auto_axes(
-          scatter, axes=tuple(_mesh.spec_axes(typed)), out_sharding=typed)
-    return scatter(g).astype(narrow)
+    if d is None or typed is None or not _mesh.spec_axes(typed):
+      return node_mean(g, shard_axis, k, d, widen=widen)
+    # JAX 0.10 cannot lower a reduce-scatter of an array typed on Explicit
+    # axes in a partly manual region; under auto_axes it is untyped.
+    return jax.sharding.auto_axes(
+        lambda g: node_mean(g, shard_axis, k, d, widen=widen),
+        axes=tuple(_mesh.spec_axes(typed)), out_sharding=typed)(g)
 
   def local(params, batch):
     leaves, treedef = jax.tree.flatten(params)
@@ -451,3 +460,19 @@ def anchor_flags(state: Any) -> Any:
     return jax.tree.map(lambda _: False, x)
   return jax.tree.map(flags, state,
                       is_leaf=lambda x: isinstance(x, rounds.LocalStepsState))
+
+
+def typed_key(leaf) -> bool:
+  """Whether ``leaf`` holds typed PRNG keys (``jax.random.key``, what
+  ``nnx.Rngs`` holds), one or an array of them."""
+  return jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
+
+
+def own_key(key: jax.Array, index) -> jax.Array:
+  """``key`` (a typed PRNG key, or an array of them) folded with a worker's
+  (or a device's) ``index``: from one key each worker draws its own
+  dropout masks, the same in every run. Both doors fold keys so."""
+  if not np.ndim(key):
+    return jax.random.fold_in(key, index)
+  return jax.vmap(jax.random.fold_in, (0, None))(
+      key.reshape(-1), index).reshape(np.shape(key))

@@ -9,8 +9,6 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
@@ -200,11 +198,9 @@ def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:
     index = lax.axis_index(axis_name)
     given = {}
     def fold(x):
-      if not _typed_key(x):
+      if not _core.typed_key(x):
         return x
-      folded = (jax.random.fold_in(x, index) if not np.ndim(x) else
-                jax.vmap(jax.random.fold_in, (0, None))(
-                    x.reshape(-1), index).reshape(np.shape(x)))
+      folded = _core.own_key(x, index)
       given[id(folded)] = (folded, x)
       return folded
     args = [jax.tree.map(fold, a) if k == "replicated" else
@@ -214,10 +210,6 @@ def _with_worker_keys(fn: Callable, ins, axis_name) -> Callable:
       return original if folded is x else x
     return jax.tree.map(unfold, fn(*args))
   return with_keys
-
-
-def _typed_key(leaf) -> bool:
-  return jax.dtypes.issubdtype(jnp.result_type(leaf), jax.dtypes.prng_key)
 
 
 def _map_layout(tree: Any, layout: Any, which: str, fn: Callable) -> Any:

@@ -139,8 +139,8 @@ class OutputsPlacedLikeInputs:
 def placement(tx, params_specs: Any, state_specs: Any) -> dict[str, P]:
   """For each params leaf (by key path), the most sharded of its own
   placement and that of the state leaves shaped like it (a ZeRO-2
-  momentum): how the optimizer update is to cut it (:func:`dlion_jax.
-  _blocks.placed`)."""
+  momentum): how the optimizer update is to cut it
+  (``dlion_jax._blocks.placed``)."""
   out = {}
   def note(spec, param_spec, path):
     best = out.get(path, param_spec)

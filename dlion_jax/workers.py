@@ -35,7 +35,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _blocks
@@ -75,7 +74,7 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       say) every other axis of more than one device. Where the devices of
       an axis share their rows (tensor parallelism over ``"model"``), leave
       it out: ``rows_over=("fsdp",)``. On Explicit axes a batch placed
-      over ``"data"`` alone is not split further: with FSDP params, _mesh.place
+      over ``"data"`` alone is not split further: with FSDP params, place
       it over both (``jax.P(("data", "fsdp"))``) or pass ``rows_over``,
       or the model meets params sharded over an axis its rows are not.
     has_aux: as in :func:`jax.value_and_grad` (``aux`` averaged over
@@ -128,7 +127,8 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
     if named != groups:    # an axis of one device: whole params, no split
       params = jax.tree.map(lambda x: _mesh.gathered(x, named), params)
     rows = jax.tree_util.tree_map_with_path(
-        lambda path, x: _own_keys(x, n, axis_name, groups) if _key(x)
+        lambda path, x: _own_keys(x, n, axis_name, groups)
+        if _core.typed_key(x) and not np.ndim(x)
         else _core.worker_rows(x, n, axis_name, path, groups), batch)
     if params_per_worker and groups:
       raise ValueError(
@@ -169,23 +169,17 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
   return each_worker
 
 
-def _key(x) -> bool:
-  """Whether ``x`` is one typed PRNG key (``jax.random.key``)."""
-  return not np.ndim(x) and jax.dtypes.issubdtype(
-      jnp.result_type(x), jax.dtypes.prng_key)
-
-
 def _own_keys(key: jax.Array, n: int, axis_name, groups) -> jax.Array:
-  """A batch's PRNG key as one key a worker, ``fold_in(key, worker)`` (as
-  :func:`dlion_jax.parallel.per_worker` folds it), and with ``groups`` one
-  a device of the worker's, folded again with the device's index among
-  them: each draws its own dropout masks, the same in every run."""
-  fold = jax.vmap(jax.random.fold_in, in_axes=(None, 0))
-  keys = fold(key, jnp.arange(n))
+  """A batch's PRNG key as one key a worker (:func:`dlion_jax._core.
+  own_key`, as :func:`dlion_jax.parallel.per_worker` folds it), and with
+  ``groups`` one a device of the worker's, folded again with the device's
+  index among them."""
+  fold = lambda key, count: jax.vmap(lambda i: _core.own_key(key, i))(
+      jnp.arange(count))
+  keys = fold(key, n)
   if not groups:
     return _mesh.place(keys, P(axis_name))
-  keys = jax.vmap(fold, in_axes=(0, None))(keys, jnp.arange(_mesh.mesh_size(
-      groups)))
+  keys = jax.vmap(lambda k: fold(k, _mesh.mesh_size(groups)))(keys)
   return _mesh.place(keys, P(axis_name, _mesh.entry(groups)))
 
 
@@ -221,20 +215,14 @@ def _scatters(g: jax.Array, spec: P, axis_name,
 def _node_mean(g: jax.Array, spec: P, axis_name,
                groups: tuple[str, ...]) -> jax.Array:
   """The mean of each worker's ``[N, k, ...]`` gradients over its ``k``
-  devices of ``groups``, in one reduce-scatter onto the dimension
-  ``spec`` (its param's) shards over ``groups``: each term scaled by
-  ``1/k``, then summed, as the ``shard_axis`` step's
-  ``dlion_jax._grads_first.node_mean_grads`` does. Stated as a sum into
-  that sharding, the compiler all-reduces it (XLA:CPU, jax 0.10), so it
-  is a region manual over the mesh."""
-  d = next(i for i, e in enumerate(spec) if e is not None)
-  scale = np.dtype(g.dtype).type(1 / g.shape[1])
-
-  def local(g):
-    return lax.psum_scatter(g[0, 0] * scale, groups, scatter_dimension=d,
-                            tiled=True)[None]
+  devices of ``groups``, reduce-scattered onto the dimension ``spec`` (its
+  param's) shards over ``groups`` (:func:`dlion_jax._core.node_mean`).
+  Stated as a sum into that sharding, the compiler all-reduces it
+  (XLA:CPU, jax 0.10), so it is a region manual over the mesh."""
+  d, k = next(i for i, e in enumerate(spec) if e is not None), g.shape[1]
   return jax.shard_map(
-      local, in_specs=P(axis_name, _mesh.entry(groups)),
+      lambda g: _core.node_mean(g[0, 0], groups, k, d)[None],
+      in_specs=P(axis_name, _mesh.entry(groups)),
       out_specs=P(axis_name, *spec), check_vma=False)(g)
 
 
