@@ -17,6 +17,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 import numpy as np
 from jax.sharding import Mesh
+from jax.sharding import NamedSharding
 
 from dlion_jax import _blocks
 from dlion_jax import _collectives
@@ -413,10 +414,8 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
                     params: Any, mesh: Mesh, axis_name: str = "data", *,
                     shard_axis: str | None = None) -> Any:
   """Where :func:`init_worker_states` places the stacked ``state`` (its
-  shapes suffice): each worker's row on its ``axis_name`` devices, and a
-  leaf shaped like a param (a momentum) sharded over the mesh's other axes
-  as that param is (``params``' ``NamedSharding``s), and with a
-  ``shard_axis`` over that axis too.
+  shapes suffice): :func:`state_specs` of ``params``' ``NamedSharding``s,
+  and with a ``shard_axis`` each momentum cut over that axis too.
 
   Raises:
     ValueError: a param sharded over ``axis_name`` itself (the workers
@@ -425,16 +424,48 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
   if shard_axis is not None:
     params = _placement.cut_over(params, mesh, shard_axis)
   _placement.check_not_over(params, axis_name)
+  specs = jax.tree.map(lambda x: _mesh.spec_on(x, mesh), params)
+  return jax.tree.map(
+      lambda spec: NamedSharding(mesh, spec),
+      state_specs(tx, state, params, specs, axis_name),
+      is_leaf=lambda x: isinstance(x, P))
 
-  def like(leaf, param=None):
-    if isinstance(leaf, optax.MaskedNode):       # optax.masked's hole
+
+def state_specs(tx: optax.GradientTransformation, state: Any, params: Any,
+                specs: Any, axis_name) -> Any:
+  """Where each worker's row of the stacked ``state`` lies, the one rule of
+  both doors' per-worker state: each row on its worker's devices of
+  ``axis_name``, and a leaf shaped like a param (a momentum) sharded over
+  the mesh's other axes as ``specs`` (a ``PartitionSpec`` a params leaf)
+  says its param is: ``P(axis_name, *spec)``; other leaves
+  ``P(axis_name)``. ``optax.masked``'s holes stay holes."""
+  def like(leaf, param=None, spec=None):
+    if isinstance(leaf, optax.MaskedNode):
       return leaf
-    same = param is not None and leaf.shape[1:] == param.shape
-    return _mesh.stacked_sharding(param if same else None, mesh,
-                                    axis_name)
+    if param is not None and np.shape(leaf)[1:] == np.shape(param):
+      return P(axis_name, *(spec or ()))
+    return P(axis_name)
   return optax.tree_utils.tree_map_params(
-      tx, like, state, params, transform_non_params=like,
-      is_leaf=lambda x: isinstance(x, optax.MaskedNode))
+      tx, like, state, params, specs, transform_non_params=like,
+      is_leaf=lambda x: isinstance(x, (optax.MaskedNode, P)))
+
+
+def worker_states(tx: optax.GradientTransformation, params: Any, n: int,
+                  axis_name, specs: Any) -> Any:
+  """``tx.init(params)`` stacked for ``n`` workers and placed on the
+  enclosing mesh by :func:`state_specs` (``specs``, each param's spec
+  over the other axes): the state of ``dl.workers.stacked(tx)``, traced or
+  not; :func:`init_worker_states` places the same rows for a mesh."""
+  state = jax.tree.map(lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)),
+                       tx.init(params))
+  try:
+    layout = state_specs(tx, state, params, specs, axis_name)
+  except (ValueError, TypeError):   # a state optax cannot map
+    layout = jax.tree.map(lambda _: P(axis_name), state)
+  return jax.tree.map(
+      lambda x, spec: _mesh.place(x, P(*spec, *(None,) * (
+          x.ndim - len(spec)))), state, layout,
+      is_leaf=lambda x: isinstance(x, P))
 
 
 def refuse_local_steps(state: Any, where: str) -> None:
@@ -476,3 +507,25 @@ def own_key(key: jax.Array, index) -> jax.Array:
     return jax.random.fold_in(key, index)
   return jax.vmap(jax.random.fold_in, (0, None))(
       key.reshape(-1), index).reshape(np.shape(key))
+
+
+def check_placement_known(params: Any, mesh, axis_name, where: str,
+                          fix: str) -> None:
+  """Raises where per-worker state is built from params traced on Auto axes
+  that partition the mesh beside the workers' (``where``: a ``jax.jit``
+  of the caller's): there a traced param does not say how it lies, and
+  every momentum would be replicated over those axes (4x its memory on a
+  2 x 4 FSDP mesh, and the step sending 114 bits a parameter over
+  ``fsdp`` where 42 do). ``fix``: how to tell the placement."""
+  auto = tuple(a for a in _mesh.auto_axes(mesh)
+               if a not in _mesh.names(axis_name))
+  unknown = [x for x in jax.tree.leaves(params)
+             if isinstance(x, jax.core.Tracer) and not _mesh.named(
+                 _mesh.spec_of(x))]
+  if auto and unknown:
+    raise ValueError(
+        f"{where} is traced (inside a jax.jit of yours) on the mesh's Auto "
+        f"axes {auto}, where a traced param does not say how it is placed: "
+        "each momentum would be replicated over them, and the vote would "
+        f"cut the params as it guesses. {fix}; or call it on the arrays "
+        "themselves (outside the jit), or use Explicit axes.")

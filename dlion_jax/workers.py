@@ -29,6 +29,7 @@ gathered back over the fast axes where a leaf is replicated on them.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any, Callable
 
 import jax
@@ -327,7 +328,7 @@ def update(tx, *, axis_name: str = "data",
     try:
       placed = _blocks.specs_by_path(placement)
       _blocks.check_placement_covers(grads, placed, "gradient")
-      with _blocks.placed(placed):
+      with _blocks.placed(placed), _unknown_placement(placement, axis_name):
         updates, state = mapped(grads, state, params)
       # A count made one value (alike_state) would come back replicated,
       # and the next step compile again for a state so placed.
@@ -354,29 +355,36 @@ def update(tx, *, axis_name: str = "data",
   return run
 
 
-def stacked(tx: optax.GradientTransformation, *,
-            axis_name: str = "data") -> optax.GradientTransformation:
+def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
+            placement: Any = None) -> optax.GradientTransformation:
   """``tx`` with its state held once per worker, for code that calls
   ``tx.init`` and ``tx.update`` itself: :class:`flax.nnx.Optimizer`, a
   Linen ``TrainState``.
 
   ``init`` stacks ``tx.init(params)`` over the workers of ``axis_name``
   (each row on its worker's devices, each momentum sharded over the other
-  axes like its param); ``update`` is :func:`update`: ``grads`` a row per
-  worker (:func:`value_and_grad`), ``updates`` the same for every worker.
-  Both run under ``jax.set_mesh(mesh)``. On Auto axes, where a traced
-  array's type does not say how it is sharded, the params' placement read
-  by ``init`` tells the vote where each leaf's blocks lie, so the update
-  comes back placed as the params are (no reshard over the fast links).
-  It is the placement of the last ``init``: build one ``stacked(tx)`` per
-  model. :func:`value_and_grad` does not see it: give it ``placement=``
-  too where params are sharded over the axes a worker's rows are split
-  over (FSDP), so that each node's mean gradient is reduce-scattered (the
-  NNX guide measures it).
+  axes like its param, as :func:`dlion_jax.parallel.init_worker_states`
+  places it); ``update`` is :func:`update`: ``grads`` a row per worker
+  (:func:`value_and_grad`), ``updates`` the same for every worker. Both run
+  under ``jax.set_mesh(mesh)``. On Auto axes, where a traced array's type
+  does not say how it is sharded, the placement the params had when
+  ``init`` saw them (or ``placement``) tells the vote where each leaf's
+  blocks lie, so the update comes back placed as the params are. It is
+  the placement of the last ``init``: build one ``stacked(tx)`` per model.
+  :func:`value_and_grad` does not see it: give it ``placement=`` too where
+  params are sharded over the axes a worker's rows are split over (FSDP),
+  so that each node's mean gradient is reduce-scattered (the NNX guide
+  measures it).
 
   Args:
     tx: the optimizer, voting over ``axis_name``.
     axis_name: the mesh axis of the workers.
+    placement: the params' ``PartitionSpec``s (a pytree like the params,
+      e.g. ``jax.tree.map(lambda x: x.sharding.spec, params)``), for an
+      ``init`` traced in a ``jax.jit`` of yours on Auto axes (MaxText's
+      and levanter's way), where the params do not say how they lie; it
+      is refused there without it. Not needed on Explicit axes, nor for an
+      ``init`` on the arrays themselves.
 
   Example:
     >>> import jax, jax.numpy as jnp, dlion_jax as dl
@@ -391,7 +399,7 @@ def stacked(tx: optax.GradientTransformation, *,
     >>> optimizer.opt_state[0].mu["kernel"].shape   # a row per worker
     (2, 3, 1)
   """
-  placement = []
+  told = []
 
   def init_fn(params):
     n = _mesh.mesh_size(axis_name)
@@ -400,29 +408,44 @@ def stacked(tx: optax.GradientTransformation, *,
     variable = lambda v: hasattr(v, "get_value")
     params = jax.tree.map(lambda v: v.get_value() if variable(v) else v,
                           params, is_leaf=variable)
-    leaves, treedef = jax.tree.flatten(params)
-    specs = [_mesh.spec_of(x) for x in leaves]
-    placement[:] = [treedef.unflatten(specs)]
-    # Each momentum placed like its param (an eager zeros_like is not).
-    return optax.tree_utils.tree_map_params(
-        tx, lambda x, i: _stacked_rows(x, n, axis_name, specs[i]),
-        tx.init(params), treedef.unflatten(range(len(leaves))),
-        transform_non_params=lambda x: _stacked_rows(x, n, axis_name))
+    if placement is not None:
+      given = _blocks.specs_by_path(placement)
+      _blocks.check_placement_covers(params, given)
+      specs = jax.tree_util.tree_map_with_path(
+          lambda path, _: given[_blocks.path_key(path)] or P(), params)
+    else:
+      _core.check_placement_known(
+          params, jax.sharding.get_abstract_mesh(), axis_name,
+          "dl.workers.stacked(tx).init",
+          "Pass the params' placement: dl.workers.stacked(tx, placement="
+          "jax.tree.map(lambda x: x.sharding.spec, params)) of the concrete "
+          "params")
+      specs = jax.tree.map(lambda x: _mesh.spec_of(x) or P(), params)
+    told[:] = [specs]
+    return _core.worker_states(tx, params, n, axis_name, specs)
 
   def update_fn(grads, state, params=None):
-    told = placement[0] if placement else None
-    return update(tx, axis_name=axis_name, placement=told)(grads, state,
-                                                            params)
+    return update(tx, axis_name=axis_name,
+                  placement=told[0] if told else placement)(
+                      grads, state, params)
   return optax.GradientTransformation(init_fn, update_fn)
 
 
-def _stacked_rows(x, n: int, axis_name, spec: P | None = None
-                  ) -> jax.Array:
-  """``n`` copies of ``x`` on a leading axis over ``axis_name``, sharded
-  over the other axes as ``spec`` says (by default, as ``x`` is)."""
-  spec = tuple((_mesh.spec_of(x) if spec is None else spec) or ())
-  spec += (None,) * (jnp.ndim(x) - len(spec))
-  return _mesh.place(jnp.broadcast_to(x, (n,) + jnp.shape(x)),
-               P(axis_name, *spec))
-
-
+def _unknown_placement(placement: Any, axis_name):
+  """Where the update is traced on Auto axes that partition the mesh beside
+  the workers' with no placement told, the error to raise in place of
+  guessing how a leaf lies."""
+  mesh = jax.sharding.get_abstract_mesh()
+  auto = tuple(a for a in _mesh.auto_axes(mesh)
+               if a not in _mesh.names(axis_name))
+  if placement is not None or not auto:
+    return contextlib.nullcontext()
+  return _blocks.unknown_placement(
+      "dl.workers.update(tx) is traced on the mesh's Auto axes "
+      f"{auto}, where a traced array does not say how it is placed: the "
+      "vote would cut each param as it guesses and the update would come "
+      "back placed as the compiler picks. Pass the params' placement: "
+      "dl.workers.update(tx, placement=jax.tree.map(lambda x: "
+      "x.sharding.spec, params)) of the concrete params (with "
+      "dl.workers.stacked(tx), an init on the arrays themselves tells it), "
+      "or use Explicit axes.")
