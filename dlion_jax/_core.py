@@ -25,6 +25,7 @@ from dlion_jax import _mesh
 from dlion_jax import _placement
 from dlion_jax import rounds
 from dlion_jax._mesh import axis_size
+from dlion_jax import _drift
 
 
 def _differentiable(leaf) -> bool:
@@ -414,7 +415,9 @@ def state_shardings(tx: optax.GradientTransformation, state: Any,
                     params: Any, mesh: Mesh, axis_name: str = "data", *,
                     shard_axis: str | None = None) -> Any:
   """Where :func:`init_worker_states` places the stacked ``state`` (its
-  shapes suffice): :func:`state_specs` of ``params``' ``NamedSharding``s,
+  shapes suffice): each row on its worker's devices of ``axis_name``, a
+  leaf shaped like a param (a momentum) sharded over the other axes as the
+  param is (``params'`` ``NamedSharding``s),
   and with a ``shard_axis`` each momentum cut over that axis too.
 
   Raises:
@@ -529,3 +532,129 @@ def check_placement_known(params: Any, mesh, axis_name, where: str,
         "each momentum would be replicated over them, and the vote would "
         f"cut the params as it guesses. {fix}; or call it on the arrays "
         "themselves (outside the jit), or use Explicit axes.")
+
+
+# The checks by cause: new params or an anchor that would differ from
+# worker to worker, read off one worker's traced update (dlion_jax._drift).
+
+
+def drifting_leaves(jaxpr, params: Any, num_batch_leaves: int,
+                     axis_name) -> list[tuple[int, str]]:
+  """The params leaves (index, key path) whose new value (the first
+  outputs of ``jaxpr``, one worker's step) varies over ``axis_name`` (an
+  axis or a tuple of them) when the batch (its last ``num_batch_leaves``
+  inputs) does; empty leaves cannot drift."""
+  axes = frozenset(_mesh.names(axis_name))
+  inputs = _drift.open_jaxpr(jaxpr).invars
+  fixed = len(inputs) - num_batch_leaves
+  new = _drift.varying_outputs(
+      jaxpr, [frozenset()] * fixed + [axes] * num_batch_leaves)
+  outvars = _drift.open_jaxpr(jaxpr).outvars
+  return [(i, jax.tree_util.keystr(path) or "<root>")
+          for i, ((path, _), varies, var) in enumerate(zip(
+              jax.tree_util.tree_leaves_with_path(params), new, outvars))
+          if varies & axes and math.prod(var.aval.shape)]
+
+def drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
+                 axis_name, num_workers, state: Any) -> ValueError:
+  """Why the new params ``drifting`` differ by worker, and the fix: an
+  optimizer that exchanges nothing for them, or one whose update is taken
+  per worker after the exchange (:func:`optax.apply_if_finite`'s
+  decision)."""
+  leaves = [name for _, name in drifting]
+  named = ", ".join(leaves[:4]) + (
+      f" and {len(leaves) - 4} more" if len(leaves) > 4 else "")
+  count = f"{len(leaves)} of {len(jax.tree.leaves(params))}"
+  exchanged = _drift.exchanged_outputs(
+      jaxpr, frozenset(_mesh.names(axis_name)))
+  if not any(exchanged[i] for i, _ in drifting):
+    return ValueError(
+        f"The optimizer exchanges nothing over axis {axis_name!r} for params "
+        f"leaves {named} ({count}): each of its {num_workers} workers would "
+        "apply an update to them computed from its own batch alone, and the "
+        "replicated params would silently differ from worker to worker. "
+        "Build the optimizer that updates them with "
+        f"axis_name={axis_name!r} (e.g. dl.distributed_lion(lr, "
+        f"axis_name={axis_name!r}), inside optax.masked, "
+        "optax.multi_transform and dl.apply_if_finite too), or chain a "
+        "global optimizer after "
+        f"dl.transforms.pmean_gradients({axis_name!r}). A psum of a scalar (a "
+        "global gradient norm, a token count, a finite flag) does not make "
+        "the workers' updates equal.")
+  what = (f"The optimizer exchanges over axis {axis_name!r}, but params "
+          "leaves "
+          f"{named} ({count}) would still silently differ between its "
+          f"{num_workers} workers")
+  if any(isinstance(x, optax.ApplyIfFiniteState) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState))):
+    return ValueError(
+        f"{what}: optax.apply_if_finite decides from each worker's own "
+        "gradients whether that worker applies the voted update, so a "
+        "non-finite gradient on one worker splits the workers (in a "
+        "shard_map it also leaves the vote's collectives to the others). "
+        "Wrap the optimizer in dl.apply_if_finite(tx, "
+        f"max_consecutive_errors, axis_name={axis_name!r}) instead of "
+        "optax.apply_if_finite: it all-reduces the finiteness flag, so "
+        "every worker skips a step together.")
+  return ValueError(
+      f"{what}: their new values depend on each worker's own batch after "
+      "the exchange (a value or a decision taken per worker and applied "
+      "after the vote, or an exchange among groups of the workers only, "
+      "axis_index_groups). Apply after the exchange only what every worker "
+      "computes alike, or reduce the per-worker value over all the workers "
+      f"first (e.g. jax.lax.pmean over {axis_name!r}).")
+
+def check_no_drift(jaxpr, params: Any, num_varying: int, axis_name,
+                    num_workers, state: Any = None) -> None:
+  """Raises unless every new params leaf is equal on all workers: each must
+  come from an exchange of its own update (or a reduction of its own
+  gradient) over ``axis_name``. The last ``num_varying`` inputs of
+  ``jaxpr`` (the batch, or each worker's gradients) differ by worker;
+  ``state`` (the optimizer's) names the cause."""
+  drifting = drifting_leaves(jaxpr, params, num_varying, axis_name)
+  if drifting:
+    raise drift_error(jaxpr, params, drifting, axis_name, num_workers,
+                       state)
+
+
+def anchor_error(named: str, state: Any, axis_name) -> ValueError:
+  """Why local steps' anchor (the state leaves ``named``) would differ from
+  worker to worker after a round, and the fix."""
+  finite = any(isinstance(x, optax.ApplyIfFiniteState) for x in jax.tree.leaves(
+      state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState)))
+  return ValueError(
+      f"dl.local_steps: the anchor (state leaves {named}) would differ "
+      "from worker to worker after a round: "
+      + ("optax.apply_if_finite decides from each worker's own gradients "
+         "whether it applies the round's outer step. Wrap the optimizer in "
+         f"dl.apply_if_finite(tx, max_consecutive_errors, "
+         f"axis_name={axis_name!r}) instead, which decides alike."
+         if finite else
+         f"the outer optimizer exchanges nothing over axis {axis_name!r} "
+         "(or applies a per-worker value after its exchange). Build it with "
+         f"axis_name={axis_name!r}: dl.distributed_lion(lr, "
+         f"axis_name={axis_name!r}, weight_decay=0.0) or "
+         f"dl.rounds.nesterov_outer(lr, axis_name={axis_name!r})."))
+
+
+def check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:
+  """Raises unless every anchor leaf of the new state is equal on all
+  workers, given per-worker params and batch (the region's last inputs,
+  after the constants it closes over) and a state alike on all."""
+  axes = frozenset(_mesh.names(axis_name))
+  n_params, n_state, n_batch = (len(jax.tree.leaves(t))
+                                for t in (params, state, batch))
+  consts = len(_drift.open_jaxpr(jaxpr).invars) - n_params - n_state - n_batch
+  varying = _drift.varying_outputs(
+      jaxpr, [frozenset()] * consts + [axes] * n_params
+      + [frozenset()] * n_state + [axes] * n_batch)
+  new_state = varying[n_params:n_params + n_state]
+  flags = jax.tree.leaves(anchor_flags(state))
+  drifting = [jax.tree_util.keystr(path) for (path, _), flag, axes_ in zip(
+      jax.tree_util.tree_leaves_with_path(state), flags, new_state)
+              if flag and axes_ & axes]
+  if not drifting:
+    return
+  named = ", ".join(drifting[:3]) + (
+      f" and {len(drifting) - 3} more" if len(drifting) > 3 else "")
+  raise anchor_error(named, state, axis_name)

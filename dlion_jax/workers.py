@@ -43,6 +43,8 @@ from dlion_jax import _collectives
 from dlion_jax import _core
 from dlion_jax import _deprecations
 from dlion_jax import _mesh
+from dlion_jax import rounds
+from dlion_jax import _checks
 
 # Old paths (dlion_jax._deprecations.MOVED).
 __getattr__ = _deprecations.old_paths(__name__)
@@ -51,7 +53,8 @@ __getattr__ = _deprecations.old_paths(__name__)
 def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
                    rows_over: tuple[str, ...] | None = None,
                    has_aux: bool = False, placement: Any = None,
-                   params_per_worker: bool = False) -> Callable:
+                   params_per_worker: bool = False,
+                   micro_batches: int = 1) -> Callable:
   """Each worker's loss and gradients, in a plain jitted step.
 
   On a mesh with more axes, a worker's rows are split again over
@@ -91,6 +94,14 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
       leading axis (:func:`dlion_jax.local_steps`, whose workers train
       copies of their own within a round); each worker differentiates at
       its row. On a mesh of ``axis_name`` alone.
+    micro_batches: each worker's rows are taken in this many slices, the
+      gradients averaged over them (as
+      :func:`dlion_jax.parallel.make_train_step`'s ``micro_batches``):
+      one exchange for the whole batch, a slice's activations in memory.
+
+  Only the floating-point leaves of ``params`` are differentiated; the
+  others (an integer step counter) get zero gradients of their own dtype,
+  for ``optax.masked`` to leave out.
 
   Returns:
     ``f(params, batch) -> (values, grads)``: ``batch``'s leaves split on
@@ -117,9 +128,30 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
     Array([[2., 3.],
            [6., 7.]], dtype=float32)
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=has_aux)
+  micro_batches = _checks.positive_int("micro_batches", micro_batches)
+
+  def grad_fn(params, rows):
+    try:
+      return _core.loss_and_grads(loss_fn, params, rows, has_aux,
+                                  micro_batches)
+    except Exception as e:   # flax.errors.TraceContextError; flax optional
+      if type(e).__name__ != "TraceContextError":
+        raise
+      raise ValueError(
+          "loss_fn changes NNX state it did not make (an nnx.Dropout's or "
+          "nnx.Rngs' count, captured from the step around "
+          "dl.workers.value_and_grad): each worker's rows are traced in a "
+          "jax.vmap, where NNX refuses to mutate state of the trace outside. "
+          "Merge the model inside loss_fn with nnx.merge(graphdef, params, "
+          "rest, copy=True), and give each worker its own dropout masks: "
+          "put a key in the batch, batch['key'] = jax.random.key(step) "
+          "(value_and_grad folds it with each worker's index), and "
+          "nnx.reseed(model, dropout=rows['key']) in loss_fn; or step "
+          "with dl.parallel.per_worker, which folds the keys of nnx.Rngs "
+          "per worker.") from e
 
   def each_worker(params, batch):
+    _not_in_a_shard_map("dl.workers.value_and_grad", axis_name)
     n = _mesh.mesh_size(axis_name)
     params = jax.tree.map(_mesh.on_mesh, params)
     named = _row_groups(batch, axis_name, rows_over)
@@ -190,6 +222,16 @@ def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
   mesh = jax.sharding.get_abstract_mesh()
   if rows_over is not None:
     groups = tuple(_mesh.names(rows_over))
+    bad = [a for a in groups if a not in mesh.axis_names
+           or a in _mesh.names(axis_name)]
+    if bad:
+      raise ValueError(
+          f"rows_over={rows_over!r} names {bad[0]!r}, which is "
+          + ("the workers' axis" if bad[0] in _mesh.names(axis_name) else
+             "not an axis of the mesh")
+          + f"; the mesh's axes are {tuple(mesh.axis_names)}. Name the "
+          "axes beside axis_name whose devices split a worker's rows "
+          "(e.g. rows_over=('fsdp',)), or rows_over=() for none.")
   elif mesh.empty or mesh.are_all_axes_explicit:
     specs = [tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
              for x in jax.tree.leaves(batch)]
@@ -300,14 +342,12 @@ def update(tx, *, axis_name: str = "data",
   """
   def each_worker(grads, state, params):
     return tx.update(grads, _collectives.alike_state(state, axis_name), params)
-  mine = 0 if params_per_worker else None
-  mapped = jax.vmap(each_worker, in_axes=(0, 0, mine), out_axes=(mine, 0),
-                    axis_name=axis_name, spmd_axis_name=axis_name)
 
   def run(grads, state, params):
+    _not_in_a_shard_map("dl.workers.update", axis_name)
     if not params_per_worker:
       _core.refuse_local_steps(state, "dl.workers.update's step without "
-                    "params_per_worker")
+                               "params_per_worker")
     n = _mesh.mesh_size(axis_name)
     fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
            "not jax.grad of the whole batch.")
@@ -325,34 +365,105 @@ def update(tx, *, axis_name: str = "data",
         "Build it with dl.parallel.init_worker_states(tx, params, mesh) "
         "(for an nnx.Optimizer or a Linen TrainState, with "
         "dl.workers.stacked(tx)), not tx.init(params).")
+    placed = _blocks.specs_by_path(placement)
+    _blocks.check_placement_covers(grads, placed, "gradient")
+    # An integer leaf's gradient is zeros (value_and_grad's, for
+    # optax.masked to leave out): one for every worker, as in a shard_map.
+    whole = lambda g: not jnp.issubdtype(jnp.result_type(g), jnp.inexact)
+    rows_in = jax.tree.map(lambda g: None if whole(g) else 0, grads)
+    given, grads = grads, jax.tree.map(lambda g: g[0] if whole(g) else g,
+                                       grads)
+    if n > 1 and rounds.has_local_steps(state):
+      # Local steps' anchor must come out of a round one value: each worker
+      # holds a row of it, so JAX's vmap cannot tell; one worker's update
+      # traced alone can.
+      _core.check_anchor_alike(*_one_worker(
+          tx, given, state, params, axis_name, params_per_worker), axis_name)
+    mine = 0 if params_per_worker else None
+    # The update, one value for every worker (JAX refuses to return it
+    # unmapped where it differs by worker). One worker has no vote.
+    mapped = jax.vmap(each_worker, in_axes=(rows_in, 0, mine),
+                      out_axes=(0 if params_per_worker or n == 1 else None,
+                                0),
+                      axis_name=axis_name, spmd_axis_name=axis_name)
     try:
-      placed = _blocks.specs_by_path(placement)
-      _blocks.check_placement_covers(grads, placed, "gradient")
       with _blocks.placed(placed), _unknown_placement(placement, axis_name):
         updates, state = mapped(grads, state, params)
-      # A count made one value (alike_state) would come back replicated,
-      # and the next step compile again for a state so placed.
-      return updates, jax.tree.map(
-          lambda x: _mesh.place(x, P(axis_name)) if np.ndim(x) == 1 else x,
-          state)
     except ValueError as e:
       if "mapped output" not in str(e):
         raise
-      raise ValueError(
-          "tx's updates differ from worker to worker in the vmapped form "
-          f"over axis_name={axis_name!r}: each worker computes them from "
-          "values of its own (its gradients, its state) that no exchange "
-          f"over {axis_name!r} makes one. Either tx does not vote over that "
-          "axis (optax.lion; dl.distributed_lion without axis_name, or "
-          f"with another: pass axis_name={axis_name!r}), or its state keeps "
-          "per-worker values after a mean of the gradients (optax.chain("
-          "dl.transforms.pmean_gradients(...), optax.adam(...)): each "
-          "worker's Adam moments); for such an optimizer keep one state "
-          "for all the workers and call tx.update on the gradients' mean "
-          "over the workers (grads' leading axis: jax.tree.map(lambda g: "
-          "g.mean(0), grads)), not through dl.workers.update."
-      ) from None
+      raise _diagnosed(tx, given, state, params, axis_name, n,
+                       params_per_worker) from None
+    if n == 1 and not params_per_worker:
+      updates = jax.tree.map(lambda u: u[0], updates)
+    # A count made one value (alike_state) would come back replicated, and
+    # the next step compile again for a state so placed.
+    return updates, jax.tree.map(
+        lambda x: _mesh.place(x, P(axis_name)) if np.ndim(x) == 1 else x,
+        state)
   return run
+
+
+def _not_in_a_shard_map(what: str, axis_name) -> None:
+  """Raises where a plain-door function runs inside a ``shard_map``
+  manual over the workers' axis: the two doors mixed."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if not mesh.empty and set(_mesh.names(axis_name)) & set(mesh.manual_axes):
+    raise ValueError(
+        f"{what} is the plain jitted step's (every worker's rows on a "
+        "leading axis), but it runs inside a jax.shard_map manual over "
+        f"{axis_name!r} (dl.parallel.make_train_step, per_worker or a "
+        "shard_map of yours), where each worker sees its own row: the two "
+        "doors mixed. Inside a shard_map step call tx.update(grads, state, "
+        "params) on the worker's own gradients (jax.grad), with tx itself, "
+        "not dl.workers.stacked(tx); or keep the whole step plain "
+        "(dl.workers.value_and_grad and dl.workers.update in a jax.jit).")
+
+
+def _one_worker(tx, grads, state, params, axis_name,
+                params_per_worker: bool) -> tuple:
+  """One worker's update traced alone, on no mesh, each collective over
+  ``axis_name`` a named axis: its jaxpr and its (params, state, grads) as
+  the checks by cause read them (``dlion_jax._core.check_no_drift``,
+  ``check_anchor_alike``)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  row = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x))
+  whole = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
+  args = (jax.tree.map(row if params_per_worker else whole, params),
+          jax.tree.map(row, state), jax.tree.map(row, grads))
+
+  def one_worker(params, state, grads):
+    updates, state = tx.update(grads, state, params)
+    return rounds.restart_at_anchor(optax.apply_updates(params, updates),
+                                    state), state
+  env = [(a, mesh.shape[a]) for a in _mesh.names(axis_name)]
+  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
+    return (jax.make_jaxpr(one_worker, axis_env=env)(*args),) + args
+
+
+def _diagnosed(tx, grads, state, params, axis_name, n: int,
+               params_per_worker: bool) -> ValueError:
+  """Why the vmapped update refused an output that varies over the workers
+  (JAX's "mapped output"): the checks by cause read one worker's update
+  (:func:`_one_worker`); the last cause left is a state held per worker
+  that the update reads after the exchange."""
+  closed, *args = _one_worker(tx, grads, state, params, axis_name,
+                              params_per_worker)
+  try:
+    _core.check_no_drift(closed, args[0], len(jax.tree.leaves(grads)),
+                         axis_name, n, state)
+  except ValueError as e:
+    return e
+  return ValueError(
+      "tx's updates differ from worker to worker in the vmapped form over "
+      f"axis_name={axis_name!r}, though it exchanges over {axis_name!r}: "
+      "its state keeps a value per worker that the update reads after the "
+      "exchange (optax.chain(dl.transforms.pmean_gradients(...), "
+      "optax.adam(...)): each worker's Adam moments, alike in value but "
+      "held a row each). For such a global optimizer keep one state for "
+      "all the workers and call tx.update on the gradients' mean over the "
+      "workers (jax.tree.map(lambda g: g.mean(0), grads)), not through "
+      "dl.workers.update.")
 
 
 def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
@@ -402,6 +513,7 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
   told = []
 
   def init_fn(params):
+    _not_in_a_shard_map("dl.workers.stacked(tx)", axis_name)
     n = _mesh.mesh_size(axis_name)
     # Flax NNX's Variables read as their values: nnx.Optimizer would lay
     # out the stacked rows by a Variable's sharding metadata, the param's.
@@ -425,6 +537,19 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
     return _core.worker_states(tx, params, n, axis_name, specs)
 
   def update_fn(grads, state, params=None):
+    _not_in_a_shard_map("dl.workers.stacked(tx)", axis_name)
+    if params is not None and any(
+        np.ndim(g) == np.ndim(p) for g, p in zip(jax.tree.leaves(grads),
+                                                 jax.tree.leaves(params))):
+      raise ValueError(
+          "dl.workers.stacked(tx).update got gradients without a leading "
+          "axis of workers (a leaf of its param's shape): a wrapper around "
+          "stacked(tx) made them, e.g. optax.MultiSteps(dl.workers.stacked("
+          "tx), k), whose accumulator holds one copy of the gradients. "
+          "Wrap tx inside instead, dl.workers.stacked(optax.MultiSteps(tx, "
+          "k)) (the order that keeps every worker's gradients), or pass "
+          "micro_batches=k to dl.workers.value_and_grad for one exchange "
+          "a step.")
     return update(tx, axis_name=axis_name,
                   placement=told[0] if told else placement)(
                       grads, state, params)

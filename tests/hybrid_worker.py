@@ -56,9 +56,12 @@ def run(mesh, layout="shard_axis"):
   state = parallel.init_worker_states(tx, p, mesh, shard_axis=shard_axis)
   step = parallel.make_train_step(loss, tx, mesh, shard_axis=shard_axis)
   if plain:
+    placement = jax.tree.map(lambda x: x.sharding.spec, p)  # Auto axes
     def plain_step(p, state, batch):
-      _, grads = dl.workers.value_and_grad(loss)(p, batch)
-      updates, state = dl.workers.update(tx)(grads, state, p)
+      _, grads = dl.workers.value_and_grad(loss, placement=placement)(
+          p, batch)
+      updates, state = dl.workers.update(tx, placement=placement)(
+          grads, state, p)
       return optax.apply_updates(p, updates), state, None
     step = jax.jit(plain_step)
   split = NamedSharding(mesh, jax.P(("data", "fsdp")))

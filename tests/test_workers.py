@@ -275,7 +275,7 @@ def test_mistakes_are_named():
     with pytest.raises(ValueError) as e:
       jax.jit(dl.workers.update(lone))(
           jax.device_put({"w": jnp.ones((4, 4))}, P(AXIS)), state, params)
-  assert_names(e, "does not vote", "axis_name='data'")
+  assert_names(e, "exchanges nothing over axis 'data'", "axis_name='data'")
   tx = dl.distributed_lion(LR, axis_name=AXIS)
   with jax.set_mesh(mesh_of(4)):
     state = parallel.init_worker_states(tx, params, mesh_of(4))
