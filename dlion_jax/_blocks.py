@@ -107,6 +107,15 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
   if _collectives.mapped_over_mesh(axis_name):
     return _beside_workers(axis_name, mesh, auto)
   partitioned = any(mesh.shape[a] > 1 for a in auto)
+  missing = [a for a in names if a not in mesh.axis_names]
+  if mesh.manual_axes and missing:
+    manual = tuple(mesh.manual_axes)
+    manual = manual[0] if len(manual) == 1 else manual
+    raise ValueError(
+        f"axis_name={axis_name!r} is not bound here: the step's workers are "
+        f"the devices of {manual!r}, on a mesh whose axes are "
+        f"{tuple(mesh.axis_names)}. Build the optimizer with "
+        f"axis_name={manual!r}; {missing[0]!r} is no axis of it.")
   mapped = _collectives.mapped_mesh_axes()
   if mapped:
     mapped = mapped[0] if len(mapped) == 1 else mapped
@@ -145,15 +154,18 @@ def compiler_axes(axis_name: Hashable | tuple, leaves=()) -> tuple[str, ...]:
         "dl.parallel.make_train_step builds it.")
   owned = [a for a in names if a in auto]
   if owned:
+    manual = tuple(mesh.manual_axes)
+    manual = manual[0] if len(manual) == 1 else manual
     raise ValueError(
         f"axis_name={axis_name!r} names the mesh axis {owned[0]!r}, which "
-        "the compiler owns here (it is not manual in the enclosing "
-        "jax.shard_map), so the leaves may be sharded over it and a vote "
-        "over it would add up votes on different entries. Vote over the "
-        "axes the shard_map is manual over "
-        f"(axis_name={tuple(mesh.manual_axes)!r}), or make {owned[0]!r} "
-        "manual too (shard_map's axis_names) if its devices are workers "
-        "with batches of their own.")
+        "the compiler owns here: the step's workers are the devices of "
+        f"{manual!r}, on a mesh whose axes are {tuple(mesh.axis_names)}, "
+        f"and a vote over {owned[0]!r} would add up votes on different "
+        f"entries. Build the optimizer with axis_name={manual!r}; or pass "
+        f"axis_name={axis_name!r} to the step's builder "
+        "(dl.parallel.make_train_step, per_worker, dl.workers.update) if "
+        f"the devices of {owned[0]!r} are workers with batches of their "
+        "own.")
   return auto
 
 

@@ -130,6 +130,54 @@ def worker_update(tx, placement=None):
   return update
 
 
+def in_region(local, mesh, axis_name, in_specs: tuple, out_specs: tuple,
+              out_typed: Callable | None = None) -> Callable:
+  """``local``, one worker's function, as a ``jax.shard_map`` manual over
+  ``axis_name`` alone: the mesh's other axes stay the compiler's, and each
+  worker's update, vote included, runs there as in any ``shard_map`` step
+  (the fused kernels too). Both doors vote so: the shard_map door's steps
+  that differentiate first, and the plain jitted step's update.
+
+  Where the mesh's other axes are Explicit, it runs with them made Auto
+  (``jax.sharding.auto_axes``): a region manual over some axes of an
+  Explicit mesh all-gathers its inputs and outputs over the others (jax
+  0.10), which would gather every gradient and momentum; ``out_typed``
+  (of the arguments) gives the outputs' specs there, and the update is
+  told each leaf's placement (``dlion_jax._blocks.placed``)."""
+  explicit = _mesh.explicit_axes(mesh, axis_name)
+
+  def region(*args):    # on the mesh in context: Explicit axes made Auto
+    return jax.shard_map(
+        local, mesh=jax.sharding.get_abstract_mesh() if explicit else mesh,
+        in_specs=in_specs, out_specs=out_specs,
+        axis_names=set(_mesh.names(axis_name)), check_vma=False)(*args)
+  if not explicit:
+    return region
+
+  def run(*args):
+    with jax.sharding.use_abstract_mesh(getattr(mesh, "abstract_mesh",
+                                                mesh)):
+      return jax.sharding.auto_axes(region, axes=explicit,
+                                    out_sharding=out_typed(*args))(*args)
+  return run
+
+
+def region_of(closed) -> Any:
+  """The jaxpr of the last ``shard_map`` in ``closed`` (a traced step),
+  looked for inside calls too (``auto_axes`` wraps one)."""
+  found = []
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "shard_map":
+        found.append(eqn.params["jaxpr"])
+      for value in eqn.params.values():
+        inner = getattr(value, "jaxpr", value)
+        if hasattr(inner, "eqns"):
+          walk(inner)
+  walk(_drift.open_jaxpr(closed))
+  return found[-1]
+
+
 def learn(loss_fn, tx, has_aux, micro_batches, placement=None):
   """One worker's loss, gradients and update: what must hold an exchange."""
   update = worker_update(tx, placement)

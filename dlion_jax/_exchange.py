@@ -146,21 +146,8 @@ def workers_along(axis_name: AxisName | None) -> int:
   try:
     return lax.axis_size(axis_name)
   except NameError:
-    _blocks.compiler_axes(axis_name)    # names an axis the compiler owns
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.manual_axes:
-      bound = tuple(mesh.manual_axes)
-      bound = bound[0] if len(bound) == 1 else bound
-      names = axis_name if isinstance(axis_name, tuple) else (axis_name,)
-      other = (f"or pass axis_name={axis_name!r} to the step's builder "
-               "(dl.parallel.make_train_step, per_worker) if the workers "
-               f"are the devices of {axis_name!r}" if set(names) <= set(
-                   mesh.axis_names) else f"{axis_name!r} is no axis of it")
-      raise NameError(
-          f"axis_name={axis_name!r} is not bound here: the step is a "
-          f"jax.shard_map manual over {bound!r} on a mesh whose axes are "
-          f"{tuple(mesh.axis_names)}. Build the optimizer with the workers' "
-          f"axis, axis_name={bound!r}; {other}.") from None
+    # Names an axis the compiler owns, or none of the step's mesh.
+    _blocks.compiler_axes(axis_name)
     raise NameError(
         f"axis_name={axis_name!r} is not bound. The distributed Lion update "
         "exchanges votes over that axis, so call `update` inside "

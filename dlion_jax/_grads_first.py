@@ -22,8 +22,6 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _core
-from dlion_jax import _mesh
-from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax._mesh import axis_size
 from dlion_jax import _blocks
@@ -100,46 +98,30 @@ def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
            floats: list[int], check_vma: bool) -> Callable:
   """``(params, state, value, grads) -> (params, state, loss)``: the update
   of every worker from its ``grads`` (its float leaves' gradients,
-  stacked, each leaf voted in its ``blocks``) and its loss ``value``,
-  manual over ``axis_name`` alone.
-
-  The update runs with the mesh's Explicit axes made Auto
-  (``jax.sharding.auto_axes``): a region manual over some axes of an
-  Explicit mesh all-gathers its inputs and outputs over the others (jax
-  0.10), which would gather every gradient and momentum; the update is
-  told each leaf's placement instead (``dlion_jax._blocks.placed``).
+  stacked, each leaf voted in its ``blocks``) and its loss ``value``, in a
+  region manual over ``axis_name`` alone (``dlion_jax._core.in_region``).
   """
-  explicit = _mesh.explicit_axes(mesh, axis_name)
+  del check_vma    # the region is checked on its first trace (ExchangeCheck)
   update = _core.worker_update(tx, blocks)
 
   def local_update(params, state, value, float_grads):
+    row = lambda tree: jax.tree.map(lambda x: x[0], tree)
+    state, value, float_grads = row(state), row(value), row(float_grads)
     whole = [jnp.zeros(np.shape(x), jnp.result_type(x))
              for x in jax.tree.leaves(params)]
     for i, g in zip(floats, float_grads):
       whole[i] = g
     params, state = update(jax.tree.unflatten(jax.tree.structure(params),
                                               whole), state, params)
-    return params, state, _core.mean_of_workers(value, axis_name)
+    return (params, jax.tree.map(lambda x: x[None], state),
+            _core.mean_of_workers(value, axis_name))
 
-  def region(*args):
-    # The gradients come last: the exchange check reads them as varying.
-    return _per_worker.mapped(
-        local_update, jax.sharding.get_abstract_mesh() if explicit else mesh,
-        axis_name=axis_name,
-        ins=("replicated", "stacked", "stacked", "stacked"),
-        outs=("replicated", "stacked", "replicated"), check_vma=check_vma,
-        check_replicated=False)(*args)
-
-  def voted(params, state, value, grads):
-    if not explicit:
-      return region(params, state, value, grads)
-    typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
-                                      tree)
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-      return jax.sharding.auto_axes(
-          region, axes=explicit,
-          out_sharding=(typed(params), typed(state), P()))(
-              params, state, value, grads)
-  return voted
-
-
+  typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
+                                    tree)
+  # The gradients come last: the exchange check reads them as varying.
+  return _core.in_region(
+      local_update, mesh, axis_name,
+      in_specs=(P(), P(axis_name), P(axis_name), P(axis_name)),
+      out_specs=(P(), P(axis_name), P()),
+      out_typed=lambda params, state, value, grads: (typed(params),
+                                                     typed(state), P()))

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import PartitionSpec as P
+import jax.extend.core as jex
 
 from dlion_jax import _blocks
 from dlion_jax import _collectives
@@ -340,9 +341,6 @@ def update(tx, *, axis_name: str = "data",
     >>> updates          # MaVo of 2 workers: a tie moves nothing
     Array([-0.1, -0. , -0. ], dtype=float32)
   """
-  def each_worker(grads, state, params):
-    return tx.update(grads, _collectives.alike_state(state, axis_name), params)
-
   def run(grads, state, params):
     _not_in_a_shard_map("dl.workers.update", axis_name)
     if not params_per_worker:
@@ -367,41 +365,63 @@ def update(tx, *, axis_name: str = "data",
         "dl.workers.stacked(tx)), not tx.init(params).")
     placed = _blocks.specs_by_path(placement)
     _blocks.check_placement_covers(grads, placed, "gradient")
+    mesh = jax.sharding.get_abstract_mesh()
+    typed = lambda tree: jax.tree.map(
+        lambda x: getattr(jax.typeof(x).sharding, "spec", None) or P(),
+        tree)
+    if _mesh.explicit_axes(mesh, axis_name):   # the types say where
+      placed = {**_blocks.specs_by_path(
+          jax.tree.map(lambda spec: P(*spec[params_per_worker:]),
+                       typed(params), is_leaf=lambda x: isinstance(x, P))),
+                **placed}
     # An integer leaf's gradient is zeros (value_and_grad's, for
-    # optax.masked to leave out): one for every worker, as in a shard_map.
-    whole = lambda g: not jnp.issubdtype(jnp.result_type(g), jnp.inexact)
-    rows_in = jax.tree.map(lambda g: None if whole(g) else 0, grads)
-    given, grads = grads, jax.tree.map(lambda g: g[0] if whole(g) else g,
-                                       grads)
-    if n > 1 and rounds.has_local_steps(state):
-      # Local steps' anchor must come out of a round one value: each worker
-      # holds a row of it, so JAX's vmap cannot tell; one worker's update
-      # traced alone can.
-      _core.check_anchor_alike(*_one_worker(
-          tx, given, state, params, axis_name, params_per_worker), axis_name)
-    mine = 0 if params_per_worker else None
-    # The update, one value for every worker (JAX refuses to return it
-    # unmapped where it differs by worker). One worker has no vote.
-    mapped = jax.vmap(each_worker, in_axes=(rows_in, 0, mine),
-                      out_axes=(0 if params_per_worker or n == 1 else None,
-                                0),
-                      axis_name=axis_name, spmd_axis_name=axis_name)
-    try:
-      with _blocks.placed(placed), _unknown_placement(placement, axis_name):
-        updates, state = mapped(grads, state, params)
-    except ValueError as e:
-      if "mapped output" not in str(e):
-        raise
-      raise _diagnosed(tx, given, state, params, axis_name, n,
-                       params_per_worker) from None
-    if n == 1 and not params_per_worker:
-      updates = jax.tree.map(lambda u: u[0], updates)
-    # A count made one value (alike_state) would come back replicated, and
-    # the next step compile again for a state so placed.
-    return updates, jax.tree.map(
-        lambda x: _mesh.place(x, P(axis_name)) if np.ndim(x) == 1 else x,
-        state)
+    # optax.masked to leave out): made in the region, one for every worker.
+    floats = [g for g in jax.tree.leaves(grads)
+              if jnp.issubdtype(jnp.result_type(g), jnp.inexact)]
+    region = _core.in_region(
+        _one_worker(tx, grads, params_per_worker), mesh, axis_name,
+        in_specs=(P(axis_name) if params_per_worker else P(),
+                  P(axis_name), P(axis_name)),
+        out_specs=(P(axis_name) if params_per_worker else P(),
+                   P(axis_name)),
+        out_typed=lambda params, state, grads: (typed(params),
+                                                typed(state)))
+    args = (params, state, floats)
+    with _blocks.placed(placed), _unknown_placement(placement, axis_name):
+      closed, shape = jax.make_jaxpr(region, return_shape=True)(*args)
+    if n > 1:     # replicated outputs come from worker 0: equal on all?
+      traced = _core.region_of(closed)
+      if rounds.has_local_steps(state):
+        _core.check_anchor_alike(traced, params, state, grads, axis_name)
+      elif not params_per_worker:
+        _core.check_no_drift(traced, params, len(floats), axis_name, n,
+                             state)
+    out = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
+    return jax.tree.unflatten(jax.tree.structure(shape), out)
   return run
+
+
+def _one_worker(tx, grads, params_per_worker: bool) -> Callable:
+  """One worker's update in the region of :func:`update`: its rows of the
+  float leaves' gradients and of the state, the other leaves' gradients
+  zeros (one for every worker, for ``optax.masked`` to leave out),
+  ``tx.update``, the new state a row again."""
+  leaves, treedef = jax.tree.flatten(grads)
+  floats = [jnp.issubdtype(jnp.result_type(g), jnp.inexact) for g in leaves]
+  row = lambda tree: jax.tree.map(lambda x: x[0], tree)
+
+  def local(params, state, float_grads):
+    given = iter(float_grads)
+    grads = treedef.unflatten([
+        next(given)[0] if f else jnp.zeros(np.shape(g)[1:],
+                                           jnp.result_type(g))
+        for g, f in zip(leaves, floats)])
+    params = row(params) if params_per_worker else params
+    updates, state = tx.update(grads, _collectives.alike_state(row(state)),
+                               params)
+    lead = lambda tree: jax.tree.map(lambda x: x[None], tree)
+    return (lead(updates) if params_per_worker else updates), lead(state)
+  return local
 
 
 def _not_in_a_shard_map(what: str, axis_name) -> None:
@@ -418,52 +438,6 @@ def _not_in_a_shard_map(what: str, axis_name) -> None:
         "params) on the worker's own gradients (jax.grad), with tx itself, "
         "not dl.workers.stacked(tx); or keep the whole step plain "
         "(dl.workers.value_and_grad and dl.workers.update in a jax.jit).")
-
-
-def _one_worker(tx, grads, state, params, axis_name,
-                params_per_worker: bool) -> tuple:
-  """One worker's update traced alone, on no mesh, each collective over
-  ``axis_name`` a named axis: its jaxpr and its (params, state, grads) as
-  the checks by cause read them (``dlion_jax._core.check_no_drift``,
-  ``check_anchor_alike``)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  row = lambda x: jax.ShapeDtypeStruct(np.shape(x)[1:], jnp.result_type(x))
-  whole = lambda x: jax.ShapeDtypeStruct(np.shape(x), jnp.result_type(x))
-  args = (jax.tree.map(row if params_per_worker else whole, params),
-          jax.tree.map(row, state), jax.tree.map(row, grads))
-
-  def one_worker(params, state, grads):
-    updates, state = tx.update(grads, state, params)
-    return rounds.restart_at_anchor(optax.apply_updates(params, updates),
-                                    state), state
-  env = [(a, mesh.shape[a]) for a in _mesh.names(axis_name)]
-  with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
-    return (jax.make_jaxpr(one_worker, axis_env=env)(*args),) + args
-
-
-def _diagnosed(tx, grads, state, params, axis_name, n: int,
-               params_per_worker: bool) -> ValueError:
-  """Why the vmapped update refused an output that varies over the workers
-  (JAX's "mapped output"): the checks by cause read one worker's update
-  (:func:`_one_worker`); the last cause left is a state held per worker
-  that the update reads after the exchange."""
-  closed, *args = _one_worker(tx, grads, state, params, axis_name,
-                              params_per_worker)
-  try:
-    _core.check_no_drift(closed, args[0], len(jax.tree.leaves(grads)),
-                         axis_name, n, state)
-  except ValueError as e:
-    return e
-  return ValueError(
-      "tx's updates differ from worker to worker in the vmapped form over "
-      f"axis_name={axis_name!r}, though it exchanges over {axis_name!r}: "
-      "its state keeps a value per worker that the update reads after the "
-      "exchange (optax.chain(dl.transforms.pmean_gradients(...), "
-      "optax.adam(...)): each worker's Adam moments, alike in value but "
-      "held a row each). For such a global optimizer keep one state for "
-      "all the workers and call tx.update on the gradients' mean over the "
-      "workers (jax.tree.map(lambda g: g.mean(0), grads)), not through "
-      "dl.workers.update.")
 
 
 def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",

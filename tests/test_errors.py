@@ -50,9 +50,10 @@ def test_wrong_axis_name_inside_shard_map():
   mesh = dl.devices.data_mesh(2)
   fn = jax.shard_map(lambda g: tx.update(g, tx.init(g))[0], mesh=mesh,
                      in_specs=jax.P("data"), out_specs=jax.P("data"))
-  with pytest.raises(NameError) as e:
+  with pytest.raises(ValueError) as e:
     fn(jnp.zeros((2, 4)))
-  assert_names(e, "axis_name='batch'", "jax.shard_map")
+  assert_names(e, "axis_name='batch'", "devices of 'data'", "('data',)",
+               "axis_name='data'", "no axis of it")
 
 
 def test_integer_leaves_are_named():
@@ -275,14 +276,14 @@ def test_a_vote_over_another_axis_than_the_plain_steps_workers(kind):
         dl.distributed_lion(1e-2, axis_name="data"), params, mesh)
     grads = {"w": jax.device_put(jnp.ones((4, 8, 4)),
                                  jax.NamedSharding(mesh, jax.P("data")))}
-    with pytest.raises(ValueError) as e:
+    with pytest.raises((ValueError, NameError)) as e:
       jax.jit(dl.workers.update(tx))(grads, state, params)
-  assert_names(e, "axis_name='model'", "mapped over 'data'",
-               "with axis_name='data'", "pass axis_name='model'")
-  assert "shard_map" not in str(e.value)
-  with jax.set_mesh(mesh), pytest.raises(ValueError) as e:   # a typo
+  assert_names(e, "axis_name='model'", "devices of 'data'",
+               "('data', 'model')", "with axis_name='data'",
+               "pass axis_name='model'")
+  with jax.set_mesh(mesh), pytest.raises((ValueError, NameError)) as e:
     jax.jit(dl.workers.update(dl.distributed_lion(1e-2, axis_name="batch")))(
         grads, state, params)
-  assert_names(e, "axis_name='batch'", "not an axis of the mesh",
+  assert_names(e, "axis_name='batch'", "no axis of it",
                "('data', 'model')", "with axis_name='data'")
   assert "pass axis_name='batch'" not in str(e.value)

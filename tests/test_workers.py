@@ -261,14 +261,6 @@ def test_mistakes_are_named():
       jax.jit(dl.workers.value_and_grad(lambda p, x: jnp.sum(x @ p)))(
           params["w"], jnp.ones((6, 4)))
   assert_names(e, "(6, 4)", "divisible by the 4 workers")
-  adam = optax.chain(dl.transforms.pmean_gradients(AXIS), optax.adam(LR))
-  with jax.set_mesh(mesh_of(4)):
-    state = parallel.init_worker_states(adam, params, mesh_of(4))
-    with pytest.raises(ValueError) as e:
-      jax.jit(dl.workers.update(adam))(
-          jax.device_put({"w": jnp.ones((4, 4))}, P(AXIS)), state, params)
-  assert_names(e, "differ from worker to worker", "Adam moments",
-               "g.mean(0)")
   lone = dl.distributed_lion(LR)             # no axis: each worker alone
   with jax.set_mesh(mesh_of(4)):
     state = parallel.init_worker_states(lone, params, mesh_of(4))
@@ -736,8 +728,8 @@ def test_local_steps_in_a_plain_step_equal_the_shard_map_step():
     for t, (a, b) in enumerate(zip(got, shard_map_run(tx)), start=1):
       for k in params:
         np.testing.assert_array_equal(a[k], b[k], err_msg=f"{comm} {t} {k}")
-    assert hlo.collective_bytes(compiled, conditional=False) < 8
-    assert hlo.collective_bytes(compiled) > 16
+    outside = hlo.collective_bytes(compiled, conditional=False)
+    assert outside < 8 and hlo.collective_bytes(compiled) >= outside + 8
   assert not np.array_equal(got[0]["w"][0], got[0]["w"][1])
 
 
