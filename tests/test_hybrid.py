@@ -485,7 +485,7 @@ def test_vote_over_the_shard_axis_is_refused():
                                        NamedSharding(mesh, P(("data",
                                                               "fsdp")))))
   assert_names(e, "axis_name=('data', 'fsdp')", "'fsdp', which the compiler "
-               "owns", "axis_name=('data',)")
+               "owns", "axis_name='data'")
 
 
 def test_state_without_shard_axis_is_the_same_step():
