@@ -137,3 +137,16 @@ def decay_rate(name: str, value: Any, what: str) -> Any:
         f"{name} must be in [0, 1) ({what}), got {name}={value!r}: at 1 or "
         "more the momentum grows without bound.")
   return value
+
+
+def flag(name: str, value: Any, what: str) -> bool:
+  """``value``, a Python or numpy bool, as a bool.
+
+  Raises:
+    ValueError: naming the argument, the value and what the flag does (a
+      traced value or a string is no flag: the option shapes the program).
+  """
+  if isinstance(value, (bool, np.bool_)):
+    return bool(value)
+  raise ValueError(f"{name} must be True or False ({what}), got "
+                   f"{name}={value!r}.")

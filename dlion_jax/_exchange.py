@@ -59,6 +59,7 @@ class VoteOptions:
   min_compress_size: int = 0
   bucket_bytes: int | None = None
   kernels: str = "auto"
+  abstain: bool = False
 
 
 @dataclasses.dataclass
@@ -87,7 +88,8 @@ class _Fusion:
     comm = resolve_comm(options.comm, options.num_workers,
                         aggregation=options.aggregation, spec=options.spec,
                         leaf_sizes=[r[0].size for r in rows],
-                        gathers=can_gather(options.axis_name))
+                        gathers=can_gather(options.axis_name),
+                        ties=options.abstain)
     return message_lib.message_radix(comm, options.num_workers,
                                      options.spec)
 
@@ -159,7 +161,7 @@ def workers_along(axis_name: AxisName | None) -> int:
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
                  spec: _quantize.VoteSpec = _quantize.BINARY,
                  leaf_sizes: Sequence[int] | None = None,
-                 gathers: bool = True) -> str:
+                 gathers: bool = True, ties: bool = False) -> str:
   """``comm``, with ``'auto'`` mapped to the strategy that sends the fewest
   bytes (:func:`dlion_jax.message.choose_comm`, whose arguments these are).
   """
@@ -168,7 +170,7 @@ def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
     return comm
   return message_lib.choose_comm(num_workers, aggregation=aggregation,
                                  spec=spec, leaf_sizes=leaf_sizes,
-                                 gathers=gathers)
+                                 gathers=gathers, ties=ties)
 
 
 def can_gather(axis_name: AxisName) -> bool:
@@ -211,13 +213,15 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
 
 
 def _exchange(rows, combine, alone, options: VoteOptions,
-              fusion: _Fusion | None = None):
+              fusion: _Fusion | None = None, abstained=None):
   """The layout and the result of voting on ``combine(*row)`` for each row
   of leaves (see :func:`aggregate`): one integer vector per packing run
   (int32; over a TPU mesh the narrowest that holds it), the outcome for
   each of its digits in order (:meth:`MessageLayout.split`).
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
-  by one; ``fusion`` (or None) runs the fused kernels where they fit."""
+  by one; ``fusion`` (or None) runs the fused kernels where they fit;
+  ``abstained`` (or None) is the count of workers who sent ``c = 0``
+  (:func:`dlion_jax._strategies.signed_sum`)."""
   n, spec, aggregation = options.num_workers, options.spec, options.aggregation
   comm, axis_name = options.comm, options.axis_name
   gathers = can_gather(axis_name)
@@ -230,9 +234,10 @@ def _exchange(rows, combine, alone, options: VoteOptions,
         "or vote over mesh axes inside jax.shard_map.")
   sizes = [row[0].size for row in rows]
   comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
-                      leaf_sizes=sizes, gathers=gathers)
+                      leaf_sizes=sizes, gathers=gathers, ties=options.abstain)
   layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
-                         _run_starts(rows, len(alone)))
+                                     _run_starts(rows, len(alone)),
+                                     ties=options.abstain)
   blocked = fusion and fusion.decoding(rows, len(alone), layout)
   extra = {}
   if blocked:
@@ -260,6 +265,8 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   else:
     message = _packed_message(rows, combine, alone, layout, spec, fusion,
                               batched=_collectives.mapped_over_mesh(axis_name))
+  if abstained is not None:
+    extra["abstained"] = abstained
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
                                             num_workers=n, spec=spec,
                                             aggregation=aggregation, **extra)
@@ -327,17 +334,28 @@ def _planes_in_blocks(outcome_of, layout):
   return planes
 
 
-def _finalize(outcome: jax.Array, options: VoteOptions, dtype) -> jax.Array:
-  """``D`` from the vote's outcome (see :func:`exchange_votes`)."""
+def _finalize(outcome: jax.Array, options: VoteOptions, dtype,
+              abstained: jax.Array | None = None) -> jax.Array:
+  """``D`` from the vote's outcome (see :func:`exchange_votes`); Avg's over
+  the workers present where ``abstained`` of them abstained."""
   if options.aggregation == "mavo":
     return outcome.astype(dtype)
   # s / (N L) read from a table of correctly rounded quotients: XLA would
   # turn a division by a constant into a multiplication by its inverse and
   # fuse it with the consumers in a strategy-dependent order, breaking
   # bit-identity.
-  top = options.num_workers * options.spec.max_level
+  n, level = options.num_workers, options.spec.max_level
+  top = n * level
   wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
   quotients = np.arange(-top, top + 1, dtype=wide) / wide(top)
+  if abstained is not None:
+    # A row for each count of abstainers: s / ((N - a) L), the quotients
+    # of N - a workers' own table; none present, D = 0.
+    present = np.arange(n, 0, -1, dtype=wide)[:, None] * wide(level)
+    quotients = np.concatenate([
+        np.arange(-top, top + 1, dtype=wide)[None] / present,
+        np.zeros((1, 2 * top + 1), wide)])
+    quotients = jnp.asarray(quotients, dtype)[abstained]
   index = outcome.astype(jnp.int32) + top
   # Typed on Explicit axes (blocks of sharded leaves), the gather must be
   # told its result lies as its indices do (under a mesh: a spec is
@@ -392,7 +410,8 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               comm: str, min_compress_size: int = 0, constants: tuple = (),
               bucket_bytes: int | None = None, with_done: bool = False,
               kernels: _fused.Kernels = "auto",
-              also: Callable[..., jax.Array] | None = None):
+              also: Callable[..., jax.Array] | None = None,
+              abstained: jax.Array | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
@@ -433,16 +452,27 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   ``_after_every_outcome``), or None where the compiler's axes share the
   vote, and a dict of ``also``'s values by leaf (in ``jax.tree.leaves``
   order) for the leaves the kernels encoded.
+
+  ``abstained``, an int32 scalar the same on every worker, counts the
+  workers whose ``combine`` gave 0 on every leaf: their codes are taken
+  back out of every tally, MaVo is the majority of the workers present
+  and Avg their mean (0 where none is). The kernels are not used then.
   """
   check_choice("kernels", kernels, _fused.KERNELS)
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
-                        min_compress_size, bucket_bytes, kernels)
+                        min_compress_size, bucket_bytes, kernels,
+                        abstain=abstained is not None)
   axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
+  if abstained is not None:   # a traced value enters a region as a constant
+    constants = constants + (abstained,)
   fuse = _uses_kernels(kernels, constants, axis_name)
   def run(*trees, leaf_shards=None, constants):
+    count = None
+    if abstained is not None:
+      *constants, count = constants
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
                       options=options, leaf_shards=leaf_shards, fuse=fuse,
-                      also=None if axes else also)
+                      also=None if axes else also, abstained=count)
   if axes:
     updates, done, also_values = _blocks.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
@@ -469,7 +499,8 @@ def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
 
 
 def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
-               fuse: bool = False, also: Callable | None = None):
+               fuse: bool = False, also: Callable | None = None,
+               abstained=None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
   where the fused kernels (``fuse``) computed it."""
@@ -499,7 +530,7 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
                            forced=options.kernels == "pallas")
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
-        options, run)
+        options, run, abstained)
     for i, d in zip(bucket, updates):
       out[i] = d
     also_values.update({bucket[k]: v for k, v in (run.values.items()
@@ -532,7 +563,7 @@ def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
 
 
 def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
-                         fusion: _Fusion | None = None
+                         fusion: _Fusion | None = None, abstained=None
                          ) -> tuple[list[jax.Array], list[jax.Array]]:
   """The update of each row of leaves, voted in one message, and the vote's
   outcome for each packing run. ``fusion.values`` comes back by row."""
@@ -548,7 +579,7 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   order = alone + grouped
   layout, results = _exchange(
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
-      options, fusion)
+      options, fusion, abstained)
   if fusion:
     fusion.values = {order[j]: v for j, v in fusion.values.items()
                      if v is not None}
@@ -574,10 +605,10 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
         # it: without, XLA:TPU relaid out floats (MaVo auto, large tree:
         # 32.1 -> 42.1 bytes a parameter).
         outcome = lax.optimization_barrier(outcome)
-      out[k] = _finalize(outcome, options, run[1])
+      out[k] = _finalize(outcome, options, run[1], abstained)
       continue
     if run not in updates:
-      updates[run] = _finalize(results[run[0]], options, run[1])
+      updates[run] = _finalize(results[run[0]], options, run[1], abstained)
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out, results
 

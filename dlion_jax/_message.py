@@ -56,7 +56,7 @@ def message_radix(comm: str, num_workers: int,
 
 
 def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
-                          spec: _quantize.VoteSpec) -> int:
+                          spec: _quantize.VoteSpec, ties: bool = False) -> int:
   """The message's word count is padded to a multiple of this.
 
   A strategy that sends results back (``alltoall``) splits the message
@@ -70,7 +70,7 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
   if not _strategies.STRATEGIES[comm].sends_back:
     return 1
   return num_workers * _packing.digits_per_word(_strategies.alltoall_down_radix(
-      num_workers, aggregation=aggregation, spec=spec))
+      num_workers, aggregation=aggregation, spec=spec, ties=ties))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +112,7 @@ class MessageLayout:
   comm: str
   runs: tuple[int, ...] | None = None
   result_blocks: int | None = None
+  ties: bool = False
 
   def __post_init__(self):
     check_choice("comm", self.comm, COMMS)
@@ -165,13 +166,15 @@ class MessageLayout:
     if self.result_blocks:
       return self.num_workers * self.result_blocks
     return message_word_multiple(self.comm, self.num_workers,
-                                 aggregation=self.aggregation, spec=self.spec)
+                                 aggregation=self.aggregation, spec=self.spec,
+                                 ties=self.ties)
 
   @functools.cached_property
   def down_radix(self) -> int:
     """Radix of the results a strategy sends back (``alltoall``)."""
     return _strategies.alltoall_down_radix(
-        self.num_workers, aggregation=self.aggregation, spec=self.spec)
+        self.num_workers, aggregation=self.aggregation, spec=self.spec,
+        ties=self.ties)
 
   @functools.cached_property
   def result_words(self) -> int:
@@ -261,10 +264,10 @@ class MessageLayout:
 
 
 def vote_bits(num_workers: int, *, aggregation: str, spec: _quantize.VoteSpec,
-              comm: str) -> float:
+              comm: str, ties: bool = False) -> float:
   """Bits per parameter a message costs as leaves grow (no padding)."""
   return _total(num_workers, _strategies.STRATEGIES[comm], *_digit_bits(
-      num_workers, aggregation=aggregation, spec=spec, comm=comm))
+      num_workers, aggregation=aggregation, spec=spec, comm=comm, ties=ties))
 
 
 def collective_bits(num_workers: int, *, aggregation: str,
@@ -279,11 +282,12 @@ def collective_bits(num_workers: int, *, aggregation: str,
 
 
 def _digit_bits(num_workers: int, *, aggregation: str,
-                spec: _quantize.VoteSpec, comm: str) -> tuple[float, float]:
+                spec: _quantize.VoteSpec, comm: str,
+                ties: bool = False) -> tuple[float, float]:
   """Bits of a vote a strategy sends, and of a result it sends back."""
   up = _strategies.STRATEGIES[comm].vote_bits(num_workers, spec)
   return up, _packing.bits_per_digit(_strategies.alltoall_down_radix(
-      num_workers, aggregation=aggregation, spec=spec))
+      num_workers, aggregation=aggregation, spec=spec, ties=ties))
 
 
 def _total(num_workers: int, strategy: _strategies.Strategy, up, down):
@@ -319,14 +323,15 @@ def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
 def choose_comm(num_workers: int, *, aggregation: str,
                 spec: _quantize.VoteSpec = _quantize.BINARY,
                 leaf_sizes: Sequence[int] | None = None,
-                gathers: bool = True) -> str:
+                gathers: bool = True, ties: bool = False) -> str:
   """The strategy that sends the fewest bytes (what ``comm='auto'`` means).
 
   With ``leaf_sizes`` the exact message sizes, padding included, decide (on
   a small model padding can outweigh the asymptotic figure); without, the
   bits per parameter of :func:`vote_bits`. Ties go to the strategy with
   fewer collectives. ``gathers=False`` leaves out the strategies that
-  all-gather (see :func:`dlion_jax.exchange.can_gather`).
+  all-gather (see :func:`dlion_jax.exchange.can_gather`); ``ties`` as in
+  :class:`MessageLayout`.
   """
   candidates = sorted((s for s in _strategies.STRATEGIES.values()
                        if gathers or not s.gathers), key=lambda s: s.latency)
@@ -334,7 +339,7 @@ def choose_comm(num_workers: int, *, aggregation: str,
   def cost(comm):
     if leaf_sizes is not None:
       return MessageLayout(tuple(leaf_sizes), num_workers, spec, aggregation,
-                           comm).sent_bytes()
+                           comm, ties=ties).sent_bytes()
     return round(vote_bits(num_workers, aggregation=aggregation, spec=spec,
-                           comm=comm), 9)
+                           comm=comm, ties=ties), 9)
   return min(candidates, key=cost)

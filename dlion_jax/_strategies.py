@@ -75,7 +75,8 @@ class Strategy:
     ints: the votes go as integers, not packed digits (:func:`int_container`).
     returns_sign: its majority vote comes back as the sign itself.
     exchange: ``exchange(message, *, axis_name, num_workers, spec,
-      aggregation) -> (planes, decode, words)`` over a named axis (the
+      aggregation, abstained=None) -> (planes, decode, words)`` over a
+      named axis (``abstained``: see :func:`signed_sum`; the
       ``message`` flat, or where the strategy :attr:`sums`, possibly in
       pieces by their first word, each in its own shape):
       ``planes(first, words)`` the ``[m, words]`` digits of a run of the
@@ -137,11 +138,12 @@ def mavo_has_ties(num_workers: int, spec: _quantize.VoteSpec) -> bool:
 
 
 def alltoall_down_radix(num_workers: int, *, aggregation: str,
-                        spec: _quantize.VoteSpec) -> int:
-  """Radix of the per-parameter result that ``alltoall`` all-gathers."""
+                        spec: _quantize.VoteSpec, ties: bool = False) -> int:
+  """Radix of the per-parameter result that ``alltoall`` all-gathers.
+  ``ties``: a majority may tie whatever N (workers may abstain)."""
   if aggregation == "avg":
     return psum_radix(num_workers, spec)
-  return 3 if mavo_has_ties(num_workers, spec) else 2
+  return 3 if ties or mavo_has_ties(num_workers, spec) else 2
 
 
 def int_container(num_workers: int,
@@ -155,28 +157,46 @@ def int_container(num_workers: int,
 
 
 def signed_sum(code_sum: jax.Array, num_workers: int,
-               spec: _quantize.VoteSpec) -> jax.Array:
+               spec: _quantize.VoteSpec,
+               abstained: jax.Array | None = None) -> jax.Array:
   """Sum of N workers' codes -> sum of their levels, in [-N L, N L] (int32).
 
-  A binary code is ``(q + 1) / 2``, any other ``q + L``.
+  A binary code is ``(q + 1) / 2``, any other ``q + L``. ``abstained``
+  (an int32 scalar, or None) workers sent the code of ``c = 0``: level 0,
+  but ``-1`` for a binary vote, which has no 0, so their ``-1`` each are
+  taken back out of a binary sum.
   """
   total = code_sum.astype(jnp.int32)
   if spec.radix == 2:
-    return 2 * total - num_workers
+    total = 2 * total - num_workers
+    return total if abstained is None else total + abstained
   return total - num_workers * spec.max_level
+
+
+def abstainers_back(levels: jax.Array, spec: _quantize.VoteSpec,
+                    abstained: jax.Array | None) -> jax.Array:
+  """Summed levels (``psum_int8``'s) with the abstainers' binary ``-1``
+  taken back out (see :func:`signed_sum`)."""
+  levels = levels.astype(jnp.int32)
+  if abstained is None or spec.radix != 2:
+    return levels
+  return levels + abstained
 
 
 def alltoall_result(code_sum: jax.Array, num_workers: int,
                     spec: _quantize.VoteSpec, aggregation: str,
-                    down_radix: int) -> jax.Array:
+                    down_radix: int,
+                    abstained: jax.Array | None = None) -> jax.Array:
   """What ``alltoall`` sends back for a digit, from the sum of N workers'
   codes: the count itself (``'avg'``, radix ``(levels - 1) N + 1``), else
   the majority's sign as a digit of ``down_radix``: ``s > 0`` (odd N,
   binary votes: no ties) or ``sign(s) + 1``. XLA's shard tally and
-  :func:`dlion_jax.fused.vote_shard` both compute it here."""
+  :func:`dlion_jax.fused.vote_shard` both compute it here. ``abstained``
+  as in :func:`signed_sum` (Avg's count is corrected where it is decoded).
+  """
   if aggregation == "avg":
     return code_sum
-  s = signed_sum(code_sum, num_workers, spec)
+  s = signed_sum(code_sum, num_workers, spec, abstained)
   if down_radix == 2:
     return s > 0
   return jnp.sign(s) + 1
@@ -201,7 +221,8 @@ def _all_gather(x, axis_name, **kwargs):
 
 
 def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
-                      result_words=None, decode_with=None, tally_with=None):
+                      result_words=None, decode_with=None, tally_with=None,
+                      abstained=None):
   """Reduce-scatter style vote: all_to_all the packed votes, vote a shard,
   all_gather the packed shard results.
 
@@ -216,17 +237,18 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   (of :func:`dlion_jax.fused.decode`) turns the gathered ``[N, m, words]``
   into ``planes(first, size)`` of the outcome of every digit of the
   message; ``tally_with(mine)`` (of :func:`dlion_jax.fused.vote_shard`), if
-  given, votes a shard into those words in place of XLA.
+  given, votes a shard into those words in place of XLA. ``abstained``
+  (or None) as in :func:`signed_sum`, the same on every worker.
   """
   n = num_workers
   up_radix = spec.radix
-  down_radix = alltoall_down_radix(n, aggregation=aggregation,
-                                              spec=spec)
+  down_radix = alltoall_down_radix(n, aggregation=aggregation, spec=spec,
+                                   ties=abstained is not None)
 
-  def tally(mine):
+  def tally(mine, abstained=abstained):
     """The packed results of a shard, from every worker's words of it."""
     down = alltoall_result(_packing.sum_planes(mine, up_radix), n, spec,
-                           aggregation, down_radix).astype(
+                           aggregation, down_radix, abstained).astype(
                                _packing.digit_dtype(down_radix))
     if result_words:
       down = _packing.pad_to_multiple(down, _packing.digits_per_word(
@@ -252,7 +274,14 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
                          P(None, axis_name, None))
     return _mesh.place(jax.vmap(vote, in_axes=1)(mine), P())
 
-  words = _collectives.exchanged(manual, stacked, axis_name)(message)
+  if abstained is None:
+    words = _collectives.exchanged(manual, stacked, axis_name)(message)
+  else:   # the count goes in, one row a worker where they are stacked
+    words = _collectives.exchanged(
+        lambda x: manual(x[0]),
+        lambda x: _mesh.place(jax.vmap(tally, in_axes=(1, None))(
+            _mesh.place(x[0].reshape(n, n, -1), P(None, axis_name, None)),
+            x[1][0]), P()), axis_name)((message, abstained))
   if decode_with is not None:
     return decode_with(words, message.shape[-1] // n), (
         lambda outcome: outcome), None
@@ -263,7 +292,7 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   def decode(digits):
     digits = digits.astype(jnp.int32)
     if aggregation == "avg":
-      return signed_sum(digits, n, spec)
+      return signed_sum(digits, n, spec, abstained)
     return 2 * digits - 1 if down_radix == 2 else digits - 1
   return (lambda first, size: lax.slice_in_dim(result, first, first + size,
                                                axis=1)), decode, None
@@ -327,7 +356,8 @@ def _gather_words(words, axis_name, n):
   return rows.reshape(n, -1)[:, :words.size].reshape((n,) + words.shape)
 
 
-def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
+def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation,
+                       abstained=None):
   """Every worker gathers everyone's packed votes and counts them."""
   del aggregation
   everyone = _collectives.exchanged(
@@ -338,10 +368,11 @@ def exchange_allgather(message, *, axis_name, num_workers, spec, aggregation):
   planes = lambda first, size: _packing.sum_planes(words(first, size),
                                                  spec.radix)
   return planes, functools.partial(signed_sum, num_workers=num_workers,
-                                   spec=spec), words
+                                   spec=spec, abstained=abstained), words
 
 
-def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
+def exchange_psum(message, *, axis_name, num_workers, spec, aggregation,
+                  abstained=None):
   """Packed counters summed by an integer psum (Lion Cub's p-bit all-reduce).
 
   Each code is a digit of radix ``(levels - 1) * N + 1``, so the sum of N
@@ -352,17 +383,19 @@ def exchange_psum(message, *, axis_name, num_workers, spec, aggregation):
   words = _summed(message, axis_name)
   return (lambda first, size: _packing.digit_planes(words(first, size)[0],
                                                    radix)), functools.partial(
-      signed_sum, num_workers=num_workers, spec=spec), words
+      signed_sum, num_workers=num_workers, spec=spec,
+      abstained=abstained), words
 
 
-def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation):
+def exchange_psum_int8(message, *, axis_name, num_workers, spec, aggregation,
+                       abstained=None):
   """The paper's implementation: psum an int8 container of the +-1 votes.
 
   The container widens to int16/int32 when N exceeds what int8 can sum.
   """
-  del num_workers, spec, aggregation
-  return _summed(message, axis_name), lambda levels: levels.astype(
-      jnp.int32), None
+  del num_workers, aggregation
+  return _summed(message, axis_name), functools.partial(
+      abstainers_back, spec=spec, abstained=abstained), None
 
 
 def _summed(message, axis_name):

@@ -53,6 +53,53 @@ class ErrorFeedbackState(NamedTuple):
   counts_read_alike = True
 
 
+class AbstainingState(NamedTuple):
+  """State of :func:`scale_by_distributed_lion` with
+  ``abstain_nonfinite=True``.
+
+  Attributes:
+    count: number of updates taken (int32 scalar), the same on every worker;
+      a step every worker abstained from is not counted.
+    mu: this worker's own momentum.
+    abstained: how many workers abstained from the last step (int32
+      scalar, the same on every worker).
+    abstentions: how many times a worker abstained, over every step so
+      far (int32 scalar, the same on every worker).
+  """
+  count: jax.Array
+  mu: optax.Updates
+  abstained: jax.Array
+  abstentions: jax.Array
+  counts_read_alike = True
+
+
+class AbstainingErrorFeedbackState(NamedTuple):
+  """State of :func:`scale_by_distributed_lion` with
+  ``error_feedback=True`` and ``abstain_nonfinite=True``: the fields of
+  :class:`ErrorFeedbackState` and of :class:`AbstainingState`."""
+  count: jax.Array
+  mu: optax.Updates
+  error: optax.Updates
+  abstained: jax.Array
+  abstentions: jax.Array
+  counts_read_alike = True
+
+
+def _state_type(error_feedback: bool, abstain_nonfinite: bool):
+  return {(False, False): DistributedLionState,
+          (True, False): ErrorFeedbackState,
+          (False, True): AbstainingState,
+          (True, True): AbstainingErrorFeedbackState}[
+              error_feedback, abstain_nonfinite]
+
+
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite (a bool
+  scalar; True for a tree with no leaves)."""
+  return jnp.all(jnp.array([jnp.all(jnp.isfinite(x))
+                            for x in jax.tree.leaves(tree)] + [True]))
+
+
 def _check_state(state, state_type):
   # Field names, not the class: optax's ScaleByLionState is accepted too.
   if getattr(state, "_fields", None) == state_type._fields:
@@ -114,6 +161,7 @@ def scale_by_distributed_lion(
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
     kernels: _fused.Kernels = "auto",
+    abstain_nonfinite: bool = False,
 ) -> optax.GradientTransformation:
   r"""Lion's sign update, voted across the workers of a data-parallel axis.
 
@@ -177,6 +225,20 @@ def scale_by_distributed_lion(
 
   With one worker none of them applies (no vote: exact Lion).
 
+  ``abstain_nonfinite=True``: a worker whose gradients are not all finite
+  (a NaN or Inf anywhere) abstains. It votes ``c = 0`` on every leaf (a
+  binary vote's ``-1``, which every tally takes back out), so :math:`D`
+  is the majority (``mavo``) or the mean (``avg``) of the :math:`N - a`
+  workers present; its momentum (and residual) stay as they were, and
+  every worker applies the same :math:`D`. The count :math:`a` is one
+  int32 ``psum`` a step (4 bytes), in the state
+  (:class:`AbstainingState`) with the running total. With every gradient
+  finite the update and the state are the default's, bit for bit; with
+  :math:`a` abstainers it is the run of the others alone. Where all
+  abstain, :math:`D = 0` and the state is unchanged. A binary MaVo
+  over ``alltoall`` at odd :math:`N` then sends its results in radix 3 (a
+  tie is possible); the fused kernels are not used.
+
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
   the update is typed per-worker (there is no collective to make it
   replicated): use ``check_vma=False`` there.
@@ -225,6 +287,8 @@ def scale_by_distributed_lion(
       fusion (XLA:CPU does, for the interpreter), ``c`` and the new
       momentum round apart in the last bit (a vote on a ``c`` within
       that rounding of zero may then differ).
+    abstain_nonfinite: a worker with a non-finite gradient abstains from
+      the vote, its state unchanged (see above).
 
   Options that shape the message (``bits``, ``min_compress_size``, an int
   ``momentum_sync``) must be Python ints: under
@@ -263,7 +327,10 @@ def scale_by_distributed_lion(
   if bucket_bytes is not None:
     bucket_bytes = _checks.positive_int("bucket_bytes", bucket_bytes,
                                 "a budget of gradient bytes, or None")
-  state_type = ErrorFeedbackState if error_feedback else DistributedLionState
+  abstain_nonfinite = _checks.flag(
+      "abstain_nonfinite", abstain_nonfinite,
+      "whether a worker with a non-finite gradient abstains")
+  state_type = _state_type(error_feedback, abstain_nonfinite)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)
 
@@ -271,11 +338,13 @@ def scale_by_distributed_lion(
     _checks.check_float_leaves(params, "params")
     mu = optax.tree.zeros_like(params, dtype=mu_dtype)
     count = jnp.zeros([], jnp.int32)
+    fields = {}
     if error_feedback:   # a buffer of its own, so the state can be donated
-      return ErrorFeedbackState(
-          count=count, mu=mu,
-          error=optax.tree.zeros_like(params, dtype=mu_dtype))
-    return DistributedLionState(count=count, mu=mu)
+      fields["error"] = optax.tree.zeros_like(params, dtype=mu_dtype)
+    if abstain_nonfinite:
+      fields.update(abstained=jnp.zeros([], jnp.int32),
+                    abstentions=jnp.zeros([], jnp.int32))
+    return state_type(count=count, mu=mu, **fields)
 
   # A traced b1 (optax.inject_hyperparams) enters the vote as an argument:
   # a region manual over the compiler's axes may not close over it.
@@ -322,13 +391,19 @@ def scale_by_distributed_lion(
   # kernel may not close over a traced b2.
   fused_moment = moment if isinstance(b2, (int, float)) else None
 
-  def voted_update(combine, num_workers, *trees, constants=(), also=None):
+  def present_pre_sign(g, m, *constants):
+    """``c``, or 0 on a worker that abstains (``ok`` the last constant)."""
+    *constants, ok = constants
+    return jnp.where(ok, pre_sign(g, m, *constants), 0)
+
+  def voted_update(combine, num_workers, *trees, constants=(), also=None,
+                   abstained=None):
     return _exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
         bucket_bytes=bucket_bytes, with_done=True, kernels=kernels,
-        also=also)
+        also=also, abstained=abstained)
 
   def update_fn(updates, state, params=None):
     del params
@@ -338,31 +413,49 @@ def scale_by_distributed_lion(
     _checks.check_float_leaves(updates, "gradient")
     if num_workers > 1:
       _drift.check_local_gradients(updates, axis_name)
+    ok = abstained = None
+    if abstain_nonfinite:
+      ok = all_finite(updates)
+      abstained = (~ok).astype(jnp.int32)
+      if num_workers > 1:
+        abstained = _collectives.psum(abstained, axis_name)
+    kept = lambda new, old: new if ok is None else jax.tree.map(
+        lambda n, o: jnp.where(ok, n, o), new, old)
     extra, done, fused_mu = {}, None, {}
     if num_workers == 1:
       new_updates = jax.tree.map(lambda g, m: jnp.sign(lion_pre_sign(g, m)),
                                  updates, state.mu)
+      new_updates = kept(new_updates, jax.tree.map(jnp.zeros_like,
+                                                   new_updates))
       extra = {"error": state.error} if error_feedback else {}
     elif error_feedback:
       corrected = jax.tree.map(lambda g, m, e: pre_sign(g, m) + e, updates,
                                state.mu, state.error)
+      if ok is not None:
+        corrected = jax.tree.map(lambda p: jnp.where(ok, p, 0), corrected)
       new_updates, done, _ = voted_update(lambda c: c, num_workers,
-                                          corrected)
+                                          corrected, abstained=abstained)
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
       leaves, treedef = jax.tree.flatten(corrected)
-      extra = {"error": treedef.unflatten([
+      extra = {"error": kept(treedef.unflatten([
           _residual(p, d, e.dtype) for p, d, e in zip(
               leaves, treedef.flatten_up_to(new_updates),
-              treedef.flatten_up_to(state.error))])}
+              treedef.flatten_up_to(state.error))]), state.error)}
     else:   # c computed inside the vote, on the whole message at once
       new_updates, done, fused_mu = voted_update(
-          pre_sign, num_workers, updates, state.mu, constants=constants,
-          also=fused_moment)
+          pre_sign if ok is None else present_pre_sign, num_workers,
+          updates, state.mu,
+          constants=constants + (() if ok is None else (ok,)),
+          also=fused_moment, abstained=abstained)
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
-    mu = _moments(moment, updates, state.mu, fused_mu)
+    mu = kept(_moments(moment, updates, state.mu, fused_mu), state.mu)
     if done is not None and not _mesh.on_tpu():
       mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
+    if abstained is not None:   # a step no worker voted in is skipped
+      count = jnp.where(abstained < num_workers, count, state.count)
+      extra.update(abstained=abstained,
+                   abstentions=state.abstentions + abstained)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
       mu = sync.sync_momenta(
@@ -443,6 +536,7 @@ def distributed_lion(
     error_feedback: bool = False,
     bucket_bytes: int | None = None,
     kernels: _fused.Kernels = "auto",
+    abstain_nonfinite: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
   r"""Distributed Lion: a drop-in for :func:`optax.lion` in data parallel.
 
@@ -485,6 +579,12 @@ def distributed_lion(
       :func:`scale_by_distributed_lion`).
     kernels: ``'auto'``, ``'pallas'`` or ``'xla'``: fused Pallas kernels
       for the vote (see :func:`scale_by_distributed_lion`).
+    abstain_nonfinite: a worker whose gradients are not all finite
+      abstains from the vote, its state unchanged; the others' majority
+      (or mean) is every worker's update (see
+      :func:`scale_by_distributed_lion`). A step where every worker
+      abstains is skipped whole, weight decay and schedules included, as
+      :func:`dlion_jax.apply_if_finite` skips one.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -505,19 +605,40 @@ def distributed_lion(
     Liu et al., `Communication Efficient Distributed Training with
     Distributed Lion <https://arxiv.org/abs/2404.00438>`_, NeurIPS 2024.
   """
-  return optax.chain(
+  tx = optax.chain(
       scale_by_distributed_lion(
           b1=b1, b2=b2, mu_dtype=mu_dtype, axis_name=axis_name,
           aggregation=aggregation, vote=vote, comm=comm, quantizer=quantizer,
           bits=bits, momentum_sync=momentum_sync,
           momentum_sync_mask=momentum_sync_mask,
           min_compress_size=min_compress_size, error_feedback=error_feedback,
-          bucket_bytes=bucket_bytes, kernels=kernels),
+          bucket_bytes=bucket_bytes, kernels=kernels,
+          abstain_nonfinite=abstain_nonfinite),
       optax.add_decayed_weights(_replicated_schedule(weight_decay, axis_name),
                                 mask),
       optax.scale_by_learning_rate(_replicated_schedule(learning_rate,
                                                        axis_name)),
   )
+  return _skipped_if_none_voted(tx, axis_name) if abstain_nonfinite else tx
+
+
+def _skipped_if_none_voted(chain: optax.GradientTransformationExtraArgs,
+                           axis_name) -> optax.GradientTransformationExtraArgs:
+  """``chain`` (Distributed Lion's, the vote first) whose update is 0 and
+  whose state stays as it was where every worker abstained: weight decay
+  and the schedules' counts skip the step too."""
+
+  def update_fn(updates, state, params=None, **extra_args):
+    new_updates, new_state = chain.update(updates, state, params,
+                                          **extra_args)
+    voted = new_state[0].abstained < _exchange.workers_along(axis_name)
+    new_updates = jax.tree.map(
+        lambda u: jnp.where(voted, u, jnp.zeros_like(u)), new_updates)
+    rest = jax.tree.map(lambda new, old: jnp.where(voted, new, old),
+                        new_state[1:], state[1:])
+    return new_updates, type(new_state)((new_state[0],) + tuple(rest))
+
+  return optax.GradientTransformationExtraArgs(chain.init, update_fn)
 
 
 def _replicated_schedule(value: optax.ScalarOrSchedule, axis_name):

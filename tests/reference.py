@@ -117,13 +117,16 @@ class DistributedLionReference:
   ``sync_steps`` (1-based steps after which the momenta of ``sync_leaves``,
   all by default, become their mean), ``min_compress_size`` (smaller leaves
   get sign(sum_i c_i)), ``error_feedback`` (vote on c + e, keep
-  e <- p - mean|p| * D).
+  e <- p - mean|p| * D), ``abstain_nonfinite`` (a worker whose gradients
+  are not all finite is left out of the step: the vote is the others',
+  its momentum and residual unchanged; none left, the step is skipped).
   """
 
   def __init__(self, params, num_workers, *, b1=0.9, b2=0.99, mu_dtype=None,
                learning_rate=1e-2, weight_decay=1e-3, aggregation="mavo",
                vote="binary", quantizer="sign", bits=None, sync_steps=(),
-               sync_leaves=None, min_compress_size=0, error_feedback=False):
+               sync_leaves=None, min_compress_size=0, error_feedback=False,
+               abstain_nonfinite=False):
     self.params = {k: np.array(v) for k, v in params.items()}
     self.n = num_workers
     self.b1, self.b2 = b1, b2
@@ -134,6 +137,8 @@ class DistributedLionReference:
     self.sync_leaves = set(sync_leaves or params)
     self.min_compress_size = min_compress_size
     self.error_feedback = error_feedback
+    self.abstain_nonfinite = abstain_nonfinite
+    self.abstained = 0
     self.t = 0
     self.mu = [{k: np.zeros(v.shape, mu_dtype or v.dtype)
                 for k, v in params.items()} for _ in range(num_workers)]
@@ -155,9 +160,9 @@ class DistributedLionReference:
     return aggregate([self.worker_vote(c) for c in cs], self.aggregation,
                      dtype, self.level)
 
-  def feed_back(self, k, cs, d):
+  def feed_back(self, k, cs, d, present):
     """p_i = c_i + e_i before the vote; e_i <- p_i - mean|p_i| * D after."""
-    for i, c in enumerate(cs):
+    for i, c in zip(present, cs):
       p = np.asarray(c, np.float32)
       with np.errstate(invalid="ignore"):
         e = p - _l1_scale(p) * d.astype(np.float32)
@@ -171,13 +176,25 @@ class DistributedLionReference:
       for m in self.mu:
         m[k] = mean.astype(m[k].dtype)
 
+  def present(self, grads):
+    """The workers that vote: all, or those whose gradients are finite."""
+    if not self.abstain_nonfinite:
+      return list(range(self.n))
+    return [i for i in range(self.n) if all(
+        np.isfinite(np.asarray(g, np.float64)).all()
+        for g in grads[i].values())]
+
   def direction(self, grads):
     """D for one step, given grads[i][name] of every worker; updates mu."""
     out = {}
+    present = self.present(grads)
+    self.abstained = self.n - len(present)
+    if not present:
+      return None
     self.t += 1
     for k in self.params:
       cs = []
-      for i in range(self.n):
+      for i in present:
         g, m = grads[i][k], self.mu[i][k]
         c = (lin_comb(1.0 - self.b1, g, self.b1, m) if self.n == 1
              else vote_input(self.b1, g, m))
@@ -192,7 +209,7 @@ class DistributedLionReference:
       out[k] = self.combine(
           cs, np.result_type(grads[0][k].dtype, self.mu[0][k].dtype))
       if self.error_feedback:
-        self.feed_back(k, cs, out[k])
+        self.feed_back(k, cs, out[k], present)
     if self.t in self.sync_steps and self.n > 1:
       self.sync()
     return out
@@ -200,6 +217,8 @@ class DistributedLionReference:
   def step(self, grads):
     """x <- x - lr * (D + wd * x), in the params' dtype."""
     direction = self.direction(grads)
+    if direction is None:      # every worker abstained: skipped
+      return None
     for k, p in self.params.items():
       u = mul_add(self.wd, p, direction[k])
       self.params[k] = mul_add(-self.lr, u, p).astype(p.dtype)

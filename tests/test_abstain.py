@@ -1,0 +1,278 @@
+"""A worker with non-finite gradients abstains (``abstain_nonfinite=True``).
+
+The vote is the others' (MaVo their majority, Avg their mean), the
+abstainer's state stays as it was, every worker applies the same update,
+a step every worker abstains from is skipped, and with every gradient
+finite nothing changes, bit for bit. Checked against the numpy reference
+(``tests/reference.py``, which leaves the abstainers out), against a run
+of the other workers alone on their own batches, in both doors, on a
+hybrid mesh and with local steps.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+from jax.sharding import AxisType
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import dlion_jax as dl
+from dlion_jax import devices
+from dlion_jax import parallel
+from harness import run_on_mesh
+from reference import DistributedLionReference
+from test_doors import DOORS, loss_fn, mesh_of, run
+
+LR = 1e-2
+SHAPES = {"w": (37, 5), "b": (13,)}     # not multiples of 8 N
+COMMS = ("alltoall", "allgather", "psum", "psum_int8")
+
+
+def grads_seq(n, steps, *, dtype=np.float32, bad=None, seed=0):
+  """Per-worker gradients; ``bad(step, worker)`` a value to write into one
+  entry of that worker's ``w`` (or None: left finite)."""
+  rng = np.random.default_rng(seed)
+  seq = []
+  for t in range(steps):
+    g = {k: rng.normal(size=(n,) + s).astype(dtype)
+         for k, s in SHAPES.items()}
+    for i in range(n):
+      value = bad and bad(t, i)
+      if value is not None:
+        g["w"][i, t % 37, i % 5] = value
+    seq.append(g)
+  return seq
+
+
+def params_of(dtype=np.float32):
+  rng = np.random.default_rng(1)
+  return {k: rng.normal(size=s).astype(dtype) for k, s in SHAPES.items()}
+
+
+def check_against_reference(n, options, seq, *, dtype=np.float32):
+  tx = dl.distributed_lion(LR, axis_name="data", abstain_nonfinite=True,
+                           **options)
+  params = params_of(dtype)
+  ps, states, _ = run_on_mesh({"tx": tx}, params, seq, n)["tx"]
+  ref_options = {k: v for k, v in options.items()
+                 if k not in ("comm", "bucket_bytes")}
+  ref = DistributedLionReference(params, n, learning_rate=LR,
+                                 abstain_nonfinite=True, **ref_options)
+  total = 0
+  for g in seq:
+    ref.step([{k: g[k][i] for k in g} for i in range(n)])
+    total += ref.abstained
+  for k in params:
+    for i in range(n):   # every worker's replica
+      np.testing.assert_array_equal(ps[k][i], ref.params[k], err_msg=k)
+  lion = states[0]
+  for i in range(n):
+    for k in params:
+      np.testing.assert_array_equal(lion.mu[k][i], ref.mu[i][k])
+  np.testing.assert_array_equal(lion.abstained, ref.abstained)
+  np.testing.assert_array_equal(lion.abstentions, total)
+  np.testing.assert_array_equal(lion.count, ref.t)
+
+
+def nan_on(*workers, every=1):
+  return lambda t, i: np.nan if i in workers and t % every == 0 else None
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("n", [5, 8])
+def test_a_worker_with_nan_gradients_is_left_out_of_the_vote(comm, n):
+  """Worker 3 NaN on every step, worker 1 an Inf now and then: the
+  reference of the others' vote, bit for bit (at N = 5 the four present
+  tie, D = 0 there)."""
+  bad = lambda t, i: (np.nan if i == 3 else np.inf if i == 1 and t % 3 == 1
+                      else None)
+  check_against_reference(n, {"comm": comm}, grads_seq(n, 6, bad=bad))
+
+
+@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("options", [
+    {"aggregation": "avg"},
+    {"vote": "ternary"},
+    {"quantizer": "pbit_l1", "bits": 3, "aggregation": "avg"},
+    {"quantizer": "ternary_l1", "error_feedback": True},
+    {"min_compress_size": 20},
+], ids=["avg", "ternary", "pbit_l1-avg", "ternary_l1-ef", "exact-small"])
+def test_every_vote_and_lion_cub_option_counts_only_the_workers_present(
+    comm, options):
+  check_against_reference(8, dict(options, comm=comm),
+                          grads_seq(8, 5, bad=nan_on(3, 6, every=2)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16],
+                         ids=["f32", "bf16"])
+def test_bf16_and_buckets(dtype):
+  check_against_reference(
+      5, {"comm": "auto", "bucket_bytes": 64},
+      grads_seq(5, 4, dtype=dtype, bad=nan_on(0)), dtype=dtype)
+
+
+def test_a_step_every_worker_abstains_from_is_skipped():
+  """Params, momenta, counts and the schedule's count unchanged (weight
+  decay too): as dl.apply_if_finite skips it."""
+  n = 4
+  schedule = optax.linear_schedule(LR, 0.0, 100)
+  tx = dl.distributed_lion(schedule, axis_name="data", weight_decay=0.1,
+                           abstain_nonfinite=True)
+  seq = grads_seq(n, 3, bad=lambda t, i: np.nan if t == 1 else None)
+  out = run_on_mesh({"tx": tx}, params_of(), seq, n)["tx"]
+  skipped = run_on_mesh({"tx": tx}, params_of(), [seq[0], seq[2]], n)["tx"]
+  kept = lambda out: (out[0], out[1][0].count, out[1][0].mu, out[1][1:])
+  for a, b in zip(jax.tree.leaves(kept(out)), jax.tree.leaves(kept(skipped))):
+    np.testing.assert_array_equal(a, b)
+  assert int(out[1][0].abstentions[0]) == n
+  np.testing.assert_array_equal(out[2][1]["w"], 0.0)   # the skipped update
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"aggregation": "avg", "comm": "alltoall"},
+    {"quantizer": "pbit_l1", "bits": 3, "error_feedback": True},
+    {"vote": "ternary", "comm": "psum", "momentum_sync": 2},
+])
+def test_with_every_gradient_finite_nothing_changes(options):
+  """The README's chain (clip_by_global_norm, masked weight decay): params
+  and state bit for bit the default's."""
+  mask = lambda p: jax.tree.map(lambda x: x.ndim > 1, p)
+  chain = lambda **kw: optax.chain(
+      optax.clip_by_global_norm(1.0),
+      dl.distributed_lion(LR, axis_name="data", mask=mask, **options, **kw))
+  out = run_on_mesh({"on": chain(abstain_nonfinite=True), "off": chain()},
+                    params_of(), grads_seq(8, 4), 8)
+  for a, b in zip(jax.tree.leaves(out["on"][0]), jax.tree.leaves(
+      out["off"][0])):
+    np.testing.assert_array_equal(a, b)
+  on, off = out["on"][1][1][0], out["off"][1][1][0]
+  for a, b in zip(jax.tree.leaves(on.mu), jax.tree.leaves(off.mu)):
+    np.testing.assert_array_equal(a, b)
+  np.testing.assert_array_equal(on.abstentions, 0)
+
+
+def batch_of(n, rows_each, bad_worker=None, seed=0):
+  rng = np.random.default_rng(seed)
+  x = rng.normal(size=(n * rows_each, 5)).astype(np.float32)
+  y = rng.normal(size=(n * rows_each, 3)).astype(np.float32)
+  if bad_worker is not None:
+    x[bad_worker * rows_each] = np.nan
+  return {"x": x, "y": y}
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("comm", COMMS)
+def test_eight_workers_with_one_nan_equal_the_other_seven(door, comm):
+  """The issue's case: worker 3's batch NaN on every step; after 20 steps
+  the params equal a 7-worker run on the other 7 workers' batches."""
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(5, 3)).astype(np.float32),
+            "b": np.zeros(3, np.float32)}
+  batch = batch_of(8, 4, bad_worker=3)
+  others = {k: np.delete(v.reshape(8, 4, -1), 3, axis=0).reshape(28, -1)
+            for k, v in batch.items()}
+  tx = lambda **kw: dl.distributed_lion(LR, axis_name="data", comm=comm,
+                                        **kw)
+  eight = run(door, tx(abstain_nonfinite=True), mesh_of(8), params, batch,
+              steps=20)
+  seven = run(door, tx(), mesh_of(7), params, others, steps=20)
+  for a, b in zip(jax.tree.leaves(eight), jax.tree.leaves(seven)):
+    np.testing.assert_array_equal(a, b)
+  assert np.isfinite(eight["w"]).all()
+
+
+def test_a_hybrid_mesh_leaves_out_a_node_with_nan_gradients():
+  """4 nodes of 2 devices, params sharded over the node's devices (FSDP):
+  node 1's NaN leaves the 3 others' run, bit for bit."""
+  def run_nodes(nodes, batch, tx):
+    mesh = jax.make_mesh((nodes, 2), ("data", "model"),
+                         axis_types=(AxisType.Explicit,) * 2,
+                         devices=jax.devices()[:2 * nodes])
+    params = {"w": np.linspace(-1, 1, 40, dtype=np.float32).reshape(8, 5),
+              "b": np.zeros(5, np.float32)}
+    placement = {"w": P("model", None), "b": P()}
+    p = jax.device_put(params, {k: NamedSharding(mesh, s)
+                                for k, s in placement.items()})
+    s = parallel.init_worker_states(tx, p, mesh)
+    step = parallel.make_train_step(
+        lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), tx,
+        mesh, donate=False)
+    b = devices.shard_batch(batch, mesh)
+    for _ in range(5):
+      p, s, _ = step(p, s, b)
+    return jax.device_get(p)
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
+           "y": rng.normal(size=(16, 5)).astype(np.float32)}
+  bad = {k: v.copy() for k, v in batch.items()}
+  bad["x"][4] = np.nan            # node 1's first row
+  others = {k: np.delete(v, range(4, 8), axis=0) for k, v in batch.items()}
+  tx = lambda **kw: dl.distributed_lion(LR, axis_name="data", **kw)
+  four = run_nodes(4, bad, tx(abstain_nonfinite=True))
+  three = run_nodes(3, others, tx())
+  for a, b in zip(jax.tree.leaves(four), jax.tree.leaves(three)):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_local_steps_leave_a_nan_worker_out_of_the_outer_vote(door):
+  """Worker 3's params turn NaN inside a round; it abstains from the outer
+  vote and the anchor is the other seven's."""
+  rng = np.random.default_rng(0)
+  params = {"w": rng.normal(size=(5, 3)).astype(np.float32),
+            "b": np.zeros(3, np.float32)}
+  batch = batch_of(8, 4, bad_worker=3)
+  others = {k: np.delete(v.reshape(8, 4, -1), 3, axis=0).reshape(28, -1)
+            for k, v in batch.items()}
+  tx = lambda **kw: dl.local_steps(optax.lion(1e-3), dl.distributed_lion(
+      0.1, axis_name="data", weight_decay=0.0, **kw), every=2)
+  eight = run(door, tx(abstain_nonfinite=True), mesh_of(8), params, batch,
+              steps=6, params_per_worker=True)
+  seven = run(door, tx(), mesh_of(7), params, others, steps=6,
+              params_per_worker=True)
+  for a, b in zip(jax.tree.leaves(eight), jax.tree.leaves(seven)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_one_worker_skips_a_nonfinite_step_and_is_lion_otherwise():
+  tx = dl.distributed_lion(LR, abstain_nonfinite=True)
+  params = params_of()
+  state = tx.init(params)
+  good = {k: np.ones(s, np.float32) for k, s in SHAPES.items()}
+  updates, state = tx.update(good, state, params)
+  expected, _ = optax.lion(LR, weight_decay=1e-3).update(
+      good, optax.lion(LR, weight_decay=1e-3).init(params), params)
+  for a, b in zip(jax.tree.leaves(updates), jax.tree.leaves(expected)):
+    np.testing.assert_array_equal(a, b)
+  nan = dict(good, b=np.full(13, np.nan, np.float32))
+  skipped, after = tx.update(nan, state, params)
+  assert all(not np.any(u) for u in jax.tree.leaves(skipped))
+  assert int(after[0].count) == 1 and int(after[0].abstained) == 1
+  for a, b in zip(jax.tree.leaves(after[0].mu), jax.tree.leaves(state[0].mu)):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_the_count_costs_a_few_bytes_at_a_million_parameters():
+  """Read off the compiled step: within 1% of the default's."""
+  mesh = devices.data_mesh(8, axis_name="data")
+  params = {"w": jnp.zeros((1000, 1000)), "b": jnp.zeros(1000)}
+  sent = {}
+  for on in (False, True):
+    tx = dl.distributed_lion(LR, axis_name="data", abstain_nonfinite=on)
+    p = devices.replicate(params, mesh)
+    s = parallel.init_worker_states(tx, p, mesh)
+    step = parallel.make_train_step(
+        lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, mesh,
+        donate=False)
+    b = devices.shard_batch(jnp.ones((8, 1000)), mesh)
+    sent[on] = dl.collective_bytes(step.lower(p, s, b).compile())
+  assert sent[False] < sent[True] <= 1.01 * sent[False], sent
+
+
+def test_a_bad_value_names_the_argument():
+  with pytest.raises(ValueError, match="abstain_nonfinite must be True or "
+                     "False .*abstain_nonfinite='yes'"):
+    dl.distributed_lion(LR, abstain_nonfinite="yes")
