@@ -19,6 +19,8 @@ from dlion_jax.accounting import wire_bits
 from dlion_jax.hlo import collective_bytes
 from dlion_jax.hlo import collective_bytes_by_axis
 from dlion_jax.hlo import collective_bytes_by_link
+from dlion_jax.lion import AbstainingErrorFeedbackState
+from dlion_jax.lion import AbstainingState
 from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
@@ -30,6 +32,8 @@ from dlion_jax.transforms import apply_if_finite
 __version__ = "0.2.0"
 
 __all__ = (
+    "AbstainingErrorFeedbackState",
+    "AbstainingState",
     "DistributedLionState",
     "ErrorFeedbackState",
     "LocalStepsState",

@@ -202,6 +202,20 @@ def mean_of_workers(tree: Any, axis_name) -> Any:
   return jax.tree.map(mean, tree)
 
 
+def _rows_error(path, shape, split: str) -> ValueError:
+  return ValueError(
+      f"batch leaf {jax.tree_util.keystr(tuple(path))} has shape {shape}; "
+      f"its leading (global batch) axis must be divisible by {split}.")
+
+
+def check_batch_rows(batch: Any, n: int, axis_name) -> None:
+  """Every leaf of ``batch`` splits into ``n`` workers' rows."""
+  for path, x in jax.tree_util.tree_leaves_with_path(batch):
+    if not jnp.ndim(x) or jnp.shape(x)[0] % n:
+      raise _rows_error(path, jnp.shape(x),
+                        f"the {n} workers of axis {axis_name!r}")
+
+
 def worker_rows(x: jax.Array, n: int, axis_name, path=(),
                 groups: tuple[str, ...] = ()) -> jax.Array:
   """Batch leaf ``x`` (at ``path``) as ``[n, rows of a worker, ...]``, the
@@ -214,10 +228,7 @@ def worker_rows(x: jax.Array, n: int, axis_name, path=(),
              f"{n} workers x {k} devices (axis {axis_name!r} and "
              f"rows_over={groups!r}; pass rows_over=() to differentiate a "
              "worker's rows whole)")
-    raise ValueError(
-        f"batch leaf {jax.tree_util.keystr(tuple(path))} has shape "
-        f"{x.shape}; its leading (global batch) axis must be divisible by "
-        f"{split}.")
+    raise _rows_error(path, x.shape, split)
   spec = tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
   if groups:
     out = P(axis_name, _mesh.entry(groups), None, *spec[1:])
@@ -575,8 +586,9 @@ def check_placement_known(params: Any, mesh, axis_name, where: str,
                  _mesh.spec_of(x))]
   if auto and unknown:
     raise ValueError(
-        f"{where} is traced (inside a jax.jit of yours) on the mesh's Auto "
-        f"axes {auto}, where a traced param does not say how it is placed: "
+        f"{where} is traced (inside a jax.jit or jax.eval_shape) on the "
+        f"mesh's Auto axes {auto}, where a traced param does not say how it "
+        "is placed: "
         "each momentum would be replicated over them, and the vote would "
         f"cut the params as it guesses. {fix}; or call it on the arrays "
         "themselves (outside the jit), or use Explicit axes.")

@@ -54,6 +54,30 @@ MOVED: dict[str, tuple[str, str]] = {
     **{f"dlion_jax.launch.{n}": ("dlion_jax.launch._" + n, "internal")
        for n in ("HOST", "GRACE_S", "POLL_S", "free_port", "PROG",
                  "DESCRIPTION", "EPILOG", "parse_args")},
+    # Public in 0.2.0 at these paths (deprecated since).
+    **{f"dlion_jax.parallel.{n}": (f"dlion_jax.devices.{n}", "placement")
+       for n in ("data_mesh", "global_array", "hybrid_mesh", "replicate",
+                 "replicate_for_pmap", "shard_batch", "shard_params",
+                 "stack_for_workers", "use_cpu_devices")},
+    **{f"dlion_jax.parallel.{n}": (f"dlion_jax.transforms.{n}",
+                                   "the optimizer wrappers")
+       for n in ("apply_if_finite", "pmean_gradients")},
+    **{f"dlion_jax.{m}.{n}": (f"dlion_jax.processes.{n}", "process start-up")
+       for m in ("parallel", "devices") for n in (
+           "start_processes", "check_processes", "coordinator_problem")},
+    **{f"dlion_jax.accounting.{n}": (f"dlion_jax.hlo.{n}",
+                                     "the HLO reader")
+       for n in ("Collective", "collective_bytes", "collectives")},
+    **{f"dlion_jax.accounting.{n}": (f"dlion_jax._{m}.{n}", _CODEC)
+       for m, names in (
+           ("message", ("AGGREGATIONS", "COMMS", "message_bytes",
+                        "message_radix", "message_word_multiple",
+                        "vote_bits")),
+           ("quantize", ("PBIT_RANGE", "QUANTIZERS", "VOTES", "VoteSpec",
+                         "vote_spec")),
+           ("strategies", ("alltoall_down_radix", "int_container",
+                           "mavo_has_ties", "psum_radix")))
+       for n in names},
 }
 
 

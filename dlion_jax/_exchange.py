@@ -525,7 +525,7 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
       out[i] = d
   nbytes = [sizes[i] * x.dtype.itemsize for i, x in enumerate(leaves)]
   done, also_values = [], {}
-  for bucket in buckets(voted, nbytes, options.bucket_bytes):
+  for bucket in message_lib.buckets(voted, nbytes, options.bucket_bytes):
     run = fuse and _Fusion(_fused.interpreted(), also,
                            forced=options.kernels == "pallas")
     updates, outcomes = _vote_in_one_message(
@@ -611,35 +611,6 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
       updates[run] = _finalize(results[run[0]], options, run[1], abstained)
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out, results
-
-
-def buckets(indices: list[int], nbytes: list[int],
-            bucket_bytes: int | None) -> list[list[int]]:
-  """The leaves ``indices`` split into buckets of at most ``bucket_bytes``
-  of gradient (``nbytes[i]`` a leaf's; a bigger leaf is a bucket alone).
-
-  Taken from the last leaf back, greedily: a backward pass produces the
-  gradients of the last layers first, and a pytree of layers (a Flax
-  model's) lists them from the input on. ``None`` is one bucket, in order.
-
-  Example:
-    >>> from dlion_jax import _exchange
-    >>> _exchange.buckets([0, 1, 2, 3], [40, 30, 30, 50], 60)
-    [[3], [1, 2], [0]]
-  """
-  if not indices:              # nothing voted: no message at all
-    return []
-  if bucket_bytes is None:
-    return [list(indices)]
-  out, total = [], 0
-  for i in reversed(indices):
-    if out and total + nbytes[i] <= bucket_bytes:
-      out[-1].append(i)
-      total += nbytes[i]
-    else:
-      out.append([i])
-      total = nbytes[i]
-  return [sorted(bucket) for bucket in out]
 
 
 def _run_starts(rows, num_alone: int) -> tuple[int, ...]:

@@ -106,12 +106,19 @@ def mesh_size(axis_name) -> int:
   mesh = jax.sharding.get_abstract_mesh()
   missing = [a for a in names(axis_name)
              if mesh.empty or a not in mesh.axis_names]
+  if missing and mesh.empty:
+    raise ValueError(
+        f"axis_name={axis_name!r} is not an axis of the enclosing mesh "
+        "(none): the workers lie on a mesh axis. Trace the step under "
+        "jax.set_mesh(mesh) with that axis, e.g. jax.make_mesh((8,), "
+        "('data',)).")
   if missing:
     raise ValueError(
         f"axis_name={axis_name!r} is not an axis of the enclosing mesh "
-        f"({'none' if mesh.empty else dict(mesh.shape)}): the workers lie "
-        "on a mesh axis. Trace the step under jax.set_mesh(mesh) with that "
-        "axis, e.g. jax.make_mesh((8,), ('data',)).")
+        f"{dict(mesh.shape)}. Pass the workers' axis of this mesh, e.g. "
+        f"axis_name={mesh.axis_names[0]!r}, to every call that takes one "
+        "(dl.workers' functions take 'data' unless told, as the optimizer "
+        "must be told).")
   return math.prod(mesh.shape[a] for a in names(axis_name))
 
 

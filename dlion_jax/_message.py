@@ -343,3 +343,32 @@ def choose_comm(num_workers: int, *, aggregation: str,
     return round(vote_bits(num_workers, aggregation=aggregation, spec=spec,
                            comm=comm, ties=ties), 9)
   return min(candidates, key=cost)
+
+
+def buckets(indices: list[int], nbytes: list[int],
+            bucket_bytes: int | None) -> list[list[int]]:
+  """The leaves ``indices`` split into buckets of at most ``bucket_bytes``
+  of gradient (``nbytes[i]`` a leaf's; a bigger leaf is a bucket alone).
+
+  Taken from the last leaf back, greedily: a backward pass produces the
+  gradients of the last layers first, and a pytree of layers (a Flax
+  model's) lists them from the input on. ``None`` is one bucket, in order.
+
+  Example:
+    >>> from dlion_jax import _message
+    >>> _message.buckets([0, 1, 2, 3], [40, 30, 30, 50], 60)
+    [[3], [1, 2], [0]]
+  """
+  if not indices:              # nothing voted: no message at all
+    return []
+  if bucket_bytes is None:
+    return [list(indices)]
+  out, total = [], 0
+  for i in reversed(indices):
+    if out and total + nbytes[i] <= bucket_bytes:
+      out[-1].append(i)
+      total += nbytes[i]
+    else:
+      out.append([i])
+      total = nbytes[i]
+  return [sorted(bucket) for bucket in out]

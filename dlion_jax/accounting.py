@@ -16,9 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from dlion_jax import _checks
+from dlion_jax import _deprecations
 from dlion_jax import _message
 from dlion_jax import _quantize
 from dlion_jax import sync
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 def cheapest_comm(num_workers: int, *, aggregation: str = "mavo",
                   vote: str = "binary", quantizer: str = "sign",

@@ -93,7 +93,7 @@ def _state_type(error_feedback: bool, abstain_nonfinite: bool):
               error_feedback, abstain_nonfinite]
 
 
-def all_finite(tree: Any) -> jax.Array:
+def _all_finite(tree: Any) -> jax.Array:
   """Whether every element of every leaf of ``tree`` is finite (a bool
   scalar; True for a tree with no leaves)."""
   return jnp.all(jnp.array([jnp.all(jnp.isfinite(x))
@@ -415,7 +415,7 @@ def scale_by_distributed_lion(
       _drift.check_local_gradients(updates, axis_name)
     ok = abstained = None
     if abstain_nonfinite:
-      ok = all_finite(updates)
+      ok = _all_finite(updates)
       abstained = (~ok).astype(jnp.int32)
       if num_workers > 1:
         abstained = _collectives.psum(abstained, axis_name)

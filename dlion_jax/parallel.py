@@ -53,6 +53,7 @@ from jax.sharding import Mesh
 
 from dlion_jax import _collectives
 from dlion_jax import _core
+from dlion_jax import _deprecations
 from dlion_jax import _grads_first
 from dlion_jax import _mesh
 from dlion_jax import _per_worker
@@ -64,6 +65,9 @@ from dlion_jax._core import init_worker_states  # noqa: F401
 from dlion_jax._core import state_shardings  # noqa: F401
 from dlion_jax._per_worker import per_worker  # noqa: F401
 from dlion_jax import _checks
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -357,6 +361,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
           check_vma=check_vma, check_replicated=False)
 
     def checked_step(params, state, batch):
+      _core.check_batch_rows(batch, n, axis_name)
       _core.check_worker_states(state, n, mesh.devices.size)
       _check_params_layout(params, state, n, params_per_worker)
       return step(params, state, batch)

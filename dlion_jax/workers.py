@@ -226,13 +226,16 @@ def _row_groups(batch: Any, axis_name, rows_over) -> tuple[str, ...]:
     bad = [a for a in groups if a not in mesh.axis_names
            or a in _mesh.names(axis_name)]
     if bad:
+      others = [a for a in mesh.axis_names if a not in _mesh.names(
+          axis_name)]
       raise ValueError(
           f"rows_over={rows_over!r} names {bad[0]!r}, which is "
           + ("the workers' axis" if bad[0] in _mesh.names(axis_name) else
              "not an axis of the mesh")
           + f"; the mesh's axes are {tuple(mesh.axis_names)}. Name the "
-          "axes beside axis_name whose devices split a worker's rows "
-          "(e.g. rows_over=('fsdp',)), or rows_over=() for none.")
+          "axes beside axis_name whose devices split a worker's rows"
+          + (f" (here: rows_over={tuple(others)!r})" if others else "")
+          + ", or rows_over=() for none.")
   elif mesh.empty or mesh.are_all_axes_explicit:
     specs = [tuple(getattr(jax.typeof(x).sharding, "spec", None) or ())
              for x in jax.tree.leaves(batch)]
@@ -311,11 +314,11 @@ def update(tx, *, axis_name: str = "data",
       :func:`dlion_jax.local_steps` needs): apply them with
       ``dl.rounds.restart_at_anchor(optax.apply_updates(params, updates),
       state)``, which puts every worker exactly on the anchor at a round's
-      end. The outer optimizer must make the anchor one value by an
-      exchange over ``axis_name`` (``dl.distributed_lion``,
-      ``dl.rounds.nesterov_outer``): nothing here checks it, where
-      :func:`dlion_jax.parallel.make_train_step`'s step refuses an outer
-      step that sends nothing.
+      end (``params + updates`` misses it in the last bit, by another
+      bit on each worker). The outer optimizer must make the anchor one
+      value by an exchange over ``axis_name`` (``dl.distributed_lion``,
+      ``dl.rounds.nesterov_outer``): an outer step that sends nothing is
+      refused, as :func:`dlion_jax.parallel.make_train_step` refuses it.
 
   Returns:
     ``f(grads, state, params) -> (updates, state)``: ``grads`` and

@@ -127,12 +127,12 @@ def test_each_bucket_sends_the_message_of_its_own_leaves(comm):
 
 def test_buckets_are_taken_from_the_last_leaf_back():
   nbytes = [40, 30, 30, 50, 10]
-  assert exchange.buckets([0, 1, 2, 3, 4], nbytes, None) == [[0, 1, 2, 3, 4]]
-  assert exchange.buckets([0, 1, 2, 3, 4], nbytes, 60) == [
+  assert message.buckets([0, 1, 2, 3, 4], nbytes, None) == [[0, 1, 2, 3, 4]]
+  assert message.buckets([0, 1, 2, 3, 4], nbytes, 60) == [
       [3, 4], [1, 2], [0]]
-  assert exchange.buckets([0, 1, 2, 3, 4], nbytes, 1) == [
+  assert message.buckets([0, 1, 2, 3, 4], nbytes, 1) == [
       [4], [3], [2], [1], [0]]
-  assert exchange.buckets([1, 3], nbytes, 1000) == [[1, 3]]
+  assert message.buckets([1, 3], nbytes, 1000) == [[1, 3]]
 
 
 @pytest.mark.parametrize("bad", [0, -5, 2.5, True, "1MB"])

@@ -316,3 +316,18 @@ def test_nnx_dropout_in_the_plain_step_names_the_fix_and_the_fix_trains():
     losses = np.asarray(make_step(True)(model, optimizer, same_rows))
   # The same rows on every worker: only their own masks tell them apart.
   assert np.all(np.isfinite(losses)) and len(set(losses.tolist())) == 4
+
+
+def test_a_batch_the_workers_cannot_split_is_named_as_in_the_plain_door():
+  """make_train_step says what dl.workers.value_and_grad says (was: a
+  shard_map error about in_specs)."""
+  params, batch = problem(rows=6)
+  mesh, tx = mesh_of(4), dl.distributed_lion(LR, axis_name="data")
+  step = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
+  p = devices.replicate(params, mesh)
+  with pytest.raises(ValueError) as e:
+    step(p, parallel.init_worker_states(tx, p, mesh), batch)
+  assert_names(e, "batch leaf ['x']", "(6, 5)", "divisible by the 4 workers")
+  with jax.set_mesh(mesh), pytest.raises(ValueError) as e:
+    dl.workers.value_and_grad(loss_fn)(p, batch)
+  assert_names(e, "batch leaf ['x']", "(6, 5)", "divisible by the 4 workers")

@@ -88,6 +88,9 @@ class OptimizerConfig:
   sync_leaves: Optional[str] = None  # regex on leaf paths; None: all
   min_compress_size: Optional[int] = None
   error_feedback: bool = False
+  # dlion, signum: a worker whose gradients are not all finite abstains
+  # from the vote (dlion_jax.distributed_lion's abstain_nonfinite).
+  abstain_nonfinite: bool = False
   # dlion, signum: the vote in buckets of this many gradient bytes, each
   # exchanged on its own (overlaps the backward pass); None: one message.
   bucket_bytes: Optional[int] = None
@@ -138,6 +141,17 @@ class MeshConfig:
 
 
 @dataclasses.dataclass
+class FaultsConfig:
+  """Faulty workers, for the studies (dlion_jax.train.faults): the first
+  ``workers`` workers' gradients are sign-flipped, random, scaled by
+  ``scale`` or NaN on a share ``nan_rate`` of the steps."""
+  kind: str = "none"                # none | sign_flip | random | scale | nonfinite
+  workers: int = 0
+  scale: float = 1e6
+  nan_rate: float = 0.5
+
+
+@dataclasses.dataclass
 class Config:
   """A whole run. ``model`` holds ``name`` plus the model's keyword args."""
   name: str = "run"
@@ -150,6 +164,7 @@ class Config:
       default_factory=OptimizerConfig)
   train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
   mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  faults: FaultsConfig = dataclasses.field(default_factory=FaultsConfig)
 
   @property
   def run_path(self) -> pathlib.Path:
@@ -167,11 +182,12 @@ _CHOICES = {
     "optimizer.quantizer": ("sign", "ternary_l1", "pbit_l1"),
     "optimizer.sync_schedule": ("every", "growing"),
     "optimizer.outer": ("dlion", "nesterov"),
+    "faults.kind": ("none", "sign_flip", "random", "scale", "nonfinite"),
 }
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
              "train.steps", "train.log_every", "train.keep_checkpoints",
              "optimizer.local_steps")
-_NON_NEGATIVE = ("train.eval_every", "train.checkpoint_every",
+_NON_NEGATIVE = ("faults.workers", "train.eval_every", "train.checkpoint_every",
                  "optimizer.warmup_steps", "optimizer.learning_rate",
                  "optimizer.weight_decay", "optimizer.momentum_sync")
 
@@ -248,6 +264,10 @@ def validate(config: Config) -> Config:
   _validate_mesh(config)
   _validate_limits(config.data)
   _validate_local_steps(config)
+  if config.faults.workers > config.workers:
+    raise ConfigError(
+        f"faults.workers={config.faults.workers} is more than the "
+        f"workers={config.workers}.", key="faults.workers")
   return config
 
 

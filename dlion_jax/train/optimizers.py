@@ -73,7 +73,8 @@ def lion_cub_options(cfg: OptimizerConfig) -> dict:
   return dict(quantizer=cfg.quantizer, bits=cfg.bits,
               momentum_sync=sync_schedule(cfg), momentum_sync_mask=mask,
               min_compress_size=cfg.min_compress_size,
-              error_feedback=cfg.error_feedback)
+              error_feedback=cfg.error_feedback,
+              abstain_nonfinite=cfg.abstain_nonfinite)
 
 
 def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
@@ -93,7 +94,8 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
     return dl.distributed_lion(
         lr, b1=cfg.momentum, b2=cfg.momentum, weight_decay=cfg.weight_decay,
         axis_name=axis_name, aggregation="mavo", vote=cfg.vote,
-        comm=cfg.comm, bucket_bytes=cfg.bucket_bytes)
+        comm=cfg.comm, bucket_bytes=cfg.bucket_bytes,
+        abstain_nonfinite=cfg.abstain_nonfinite)
   return optax.chain(pmean_gradients(axis_name), _alone(cfg, lr))
 
 

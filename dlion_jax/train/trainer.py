@@ -40,6 +40,7 @@ from dlion_jax import elastic
 from dlion_jax import parallel
 from dlion_jax.train import checkpoint
 from dlion_jax.train import data as data_lib
+from dlion_jax.train import faults
 from dlion_jax.train import models
 from dlion_jax.train import optimizers
 from dlion_jax.train import report
@@ -300,6 +301,11 @@ def _setup(cfg: Config, mesh) -> _Run:
   graphdef, params = models.split_params(model)
   tx = optimizers.build_optimizer(cfg.optimizer,
                                   total_steps=cfg.train.steps, axis_name=AXIS)
+  if cfg.faults.kind != "none" and cfg.faults.workers:
+    tx = optax.chain(faults.faulty_workers(
+        cfg.faults.kind, cfg.faults.workers, axis_name=AXIS,
+        scale=cfg.faults.scale, nan_rate=cfg.faults.nan_rate,
+        seed=cfg.seed), tx)
   params = place_params(params, cfg, mesh)
   opt_state = parallel.init_worker_states(
       tx, params, mesh, axis_name=AXIS, shard_axis=step_shard_axis(cfg, mesh))
@@ -482,12 +488,17 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     if done % cfg.train.log_every == 0 or done == cfg.train.steps:
       elapsed = time.perf_counter() - tic
       rate = (done - last_step) * cfg.data.global_batch / max(elapsed, 1e-9)
+      abstained = abstentions(run.opt_state)
       writer.write({"step": done, "loss": loss,
                     "accuracy": float(aux["accuracy"]),
                     "learning_rate": float(schedule(step)),
-                    "examples_per_s": rate})
+                    "examples_per_s": rate,
+                    **({} if abstained is None else
+                       {"abstentions": abstained})})
       if bar is not None:
         bar.set_postfix(loss=f"{loss:.4f}", ex_s=f"{rate:,.0f}",
+                        **({} if abstained is None else
+                           {"abstained": abstained}),
                         refresh=False)     # shown at the next redraw
       tic, last_step = time.perf_counter(), done
     if bar is not None:
@@ -499,6 +510,19 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     if (cfg.train.checkpoint_every and done % cfg.train.checkpoint_every == 0
         and done < cfg.train.steps):
       _save(run, done, cfg)
+
+
+def abstentions(opt_state) -> int | None:
+  """How many times a worker abstained from the vote so far
+  (``optimizer.abstain_nonfinite``), or None where no vote abstains."""
+  kinds = (dl.AbstainingState, dl.AbstainingErrorFeedbackState)
+  found = [x for x in jax.tree.leaves(
+      opt_state, is_leaf=lambda x: isinstance(x, kinds))
+           if isinstance(x, kinds)]
+  if not found:
+    return None
+  return int(sum(np.asarray(jax.device_get(x.abstentions)).reshape(-1)[0]
+                 for x in found))
 
 
 def _load_data(cfg: Config):
