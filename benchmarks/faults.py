@@ -20,6 +20,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import pathlib
@@ -46,40 +47,45 @@ TASKS = {
     "cnn": ("fashion_mnist_cnn", {
         "D-Lion Avg": ("convergence.json", "fashion_mnist_cnn"),
         None: ("cnn_local_steps.json", "cnn_local_steps")}),
+    # Seconds a run, untuned: the smoke version the tests run.
+    "digits": ("digits", {}),
 }
 DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
 
 
 def tuned(task: str, row: str) -> dict:
   """The config overrides of ``row`` at its f = 0 pick on ``task``."""
-  conv_task, sources = TASKS[task]
-  name, study_task = sources.get(row, sources[None])
-  runs = json.loads((DATA / name).read_text())
+  sources = TASKS[task][1]
   base = "D-Lion MaVo" if row == NO_ABSTENTION else row
-  point = convergence.best_setting(runs, study_task, base)
-  axes = convergence.TASKS[study_task].axes(base)
-  overrides = {**convergence.ROWS[base],
-               **{axis.key: point[n] for n, axis in axes.items()}}
+  overrides = dict(convergence.ROWS[base])
+  if sources:
+    name, study_task = sources.get(row, sources[None])
+    runs = json.loads((DATA / name).read_text())
+    point = convergence.best_setting(runs, study_task, base)
+    axes = convergence.TASKS[study_task].axes(base)
+    overrides.update({axis.key: point[n] for n, axis in axes.items()})
   if row.startswith("D-Lion") and row != NO_ABSTENTION:
     overrides["optimizer.abstain_nonfinite"] = True
-  del conv_task
   return overrides
 
 
-def jobs(tasks, seeds) -> list[dict]:
+def jobs(tasks, seeds, *, rows=ROWS + (NO_ABSTENTION,), kinds=KINDS,
+         faulty=(1, 3, 2)) -> list[dict]:
   """Every run of a task, f = 0 first, then every fault at f = 1, 3 and
   2 (a study stopped early has the ends)."""
   out = []
+  clean = [r for r in ROWS if r in rows or (
+      r == ROWS[0] and NO_ABSTENTION in rows)]
   for task in tasks:
     for seed in seeds:
       out += [dict(task=task, row=row, kind="none", faulty=0, seed=seed)
-              for row in ROWS]
-    for f in (1, 3, 2):
-      for kind in KINDS:
-        rows = ROWS + ((NO_ABSTENTION,) if kind == "nonfinite" else ())
+              for row in clean]
+    for f in faulty:
+      for kind in kinds:
+        mine = [r for r in rows if r != NO_ABSTENTION or kind == "nonfinite"]
         for seed in seeds:
           out += [dict(task=task, row=row, kind=kind, faulty=f, seed=seed)
-                  for row in rows]
+                  for row in mine]
   return out
 
 
@@ -87,9 +93,9 @@ def _key(run) -> tuple:
   return tuple(run[k] for k in ("task", "row", "kind", "faulty", "seed"))
 
 
-def run_all(tasks, seeds, json_path, runs) -> list[dict]:
+def run_all(tasks, seeds, json_path, runs, **which) -> list[dict]:
   done = {_key(r) for r in runs}
-  todo = [j for j in jobs(tasks, seeds) if _key(j) not in done]
+  todo = [j for j in jobs(tasks, seeds, **which) if _key(j) not in done]
   try:
     from tqdm import tqdm   # pylint: disable=g-import-not-at-top
     todo_iter = tqdm(todo, desc="fault study", unit="run")
@@ -97,6 +103,8 @@ def run_all(tasks, seeds, json_path, runs) -> list[dict]:
     todo_iter = todo
   for job in todo_iter:
     conv_task = convergence.TASKS[TASKS[job["task"]][0]].task
+    if job["task"] == "digits":
+      conv_task = dataclasses.replace(conv_task, local_batch=8)
     overrides = tuned(job["task"], job["row"])
     if job["faulty"]:
       overrides.update({"faults.kind": job["kind"],
@@ -188,8 +196,13 @@ def report(runs) -> str:
 
 def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  parser.add_argument("--tasks", nargs="+", default=list(TASKS),
+  parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"],
                       choices=list(TASKS))
+  parser.add_argument("--rows", nargs="+", default=ROWS + (NO_ABSTENTION,),
+                      choices=ROWS + (NO_ABSTENTION,))
+  parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+  parser.add_argument("--faulty", nargs="+", type=int, default=[1, 3, 2],
+                      choices=FAULTY, help="f: faulty workers of 8")
   parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
   parser.add_argument("--json", help="save every run here (after each run)")
   parser.add_argument("--resume", action="store_true",
@@ -207,7 +220,9 @@ def main(argv=None) -> None:
             if args.resume and args.json and pathlib.Path(args.json).exists()
             else [])
     devices.use_cpu_devices(WORKERS)
-    runs = run_all(args.tasks, args.seeds, args.json, runs)
+    runs = run_all(args.tasks, args.seeds, args.json, runs,
+                   rows=tuple(args.rows), kinds=tuple(args.kinds),
+                   faulty=tuple(args.faulty))
   text = report(runs)
   print(text)
   if args.out:

@@ -28,10 +28,11 @@ REQUIRES = {
     "multihost_tpu.md": (),
     "checkpoints.md": ("orbax.checkpoint", "flax"),
     "wire_bytes.md": (),
+    "faulty_workers.md": (),
 }
 
 
-def test_the_guides_are_the_eight_expected():
+def test_the_guides_are_the_nine_expected():
   assert sorted(p.name for p in GUIDES.glob("*.md")) == sorted(REQUIRES)
 
 
