@@ -71,8 +71,8 @@ def tuned(task: str, row: str) -> dict:
 
 def jobs(tasks, seeds, *, rows=ROWS + (NO_ABSTENTION,), kinds=KINDS,
          faulty=(1, 3, 2)) -> list[dict]:
-  """Every run of a task, f = 0 first, then every fault at f = 1, 3 and
-  2 (a study stopped early has the ends)."""
+  """Every run of a task: f = 0 first, then a seed at a time every fault
+  at f = 1, 3 and 2 (a study stopped early has the ends at one seed)."""
   out = []
   clean = [r for r in ROWS if r in rows or (
       r == ROWS[0] and NO_ABSTENTION in rows)]
@@ -80,12 +80,12 @@ def jobs(tasks, seeds, *, rows=ROWS + (NO_ABSTENTION,), kinds=KINDS,
     for seed in seeds:
       out += [dict(task=task, row=row, kind="none", faulty=0, seed=seed)
               for row in clean]
-    for f in faulty:
-      for kind in kinds:
-        mine = [r for r in rows if r != NO_ABSTENTION or kind == "nonfinite"]
-        for seed in seeds:
+    for seed in seeds:
+      for f in faulty:
+        for kind in kinds:
           out += [dict(task=task, row=row, kind=kind, faulty=f, seed=seed)
-                  for row in mine]
+                  for row in rows
+                  if row != NO_ABSTENTION or kind == "nonfinite"]
   return out
 
 

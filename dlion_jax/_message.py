@@ -305,7 +305,7 @@ def _total(num_workers: int, strategy: _strategies.Strategy, up, down):
 def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
                   aggregation: str = "mavo",
                   spec: _quantize.VoteSpec = _quantize.BINARY, comm: str,
-                  min_compress_size: int = 0) -> float:
+                  min_compress_size: int = 0, ties: bool = False) -> float:
   """Exact bytes each worker sends for leaves of ``leaf_sizes``.
 
   The voted leaves' :class:`MessageLayout`, plus the exact float32
@@ -317,7 +317,7 @@ def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
   voted = [s for s in leaf_sizes if s >= min_compress_size]
   exact_bytes = 2 * (n - 1) / n * 4 * exact if n > 1 else 0.0
   return exact_bytes + MessageLayout(tuple(voted), n, spec, aggregation,
-                                     comm).sent_bytes()
+                                     comm, ties=ties).sent_bytes()
 
 
 def choose_comm(num_workers: int, *, aggregation: str,

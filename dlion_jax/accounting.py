@@ -133,7 +133,8 @@ def wire_bits(num_workers: int, *,
               bits: int | None = None,
               momentum_sync=None, steps: int | None = None,
               mu_dtype=jnp.float32, synced_fraction: float = 1.0,
-              leaf_sizes: Sequence[int] | None = None) -> float:
+              leaf_sizes: Sequence[int] | None = None,
+              abstain_nonfinite: bool = False) -> float:
   """Bits each worker sends per parameter per step.
 
   Without ``leaf_sizes`` the figure of a large model (padding to whole
@@ -163,6 +164,9 @@ def wire_bits(num_workers: int, *,
     leaf_sizes: the number of entries of each leaf of the model, for its
       exact figure (``comm='auto'`` then takes the strategy that sends the
       fewest bytes for these sizes, as the transform does).
+    abstain_nonfinite: as the transform's option: the abstainers' count
+      (an int32 all-reduce a step, counted with ``leaf_sizes``), and a
+      binary MaVo's ``alltoall`` results at odd N in radix 3.
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -190,16 +194,20 @@ def wire_bits(num_workers: int, *,
                                  synced_fraction=synced_fraction)
   if n == 1:
     return 0.0
+  ties = _checks.flag("abstain_nonfinite", abstain_nonfinite,
+                      "whether a worker with a non-finite gradient abstains")
   if comm == "auto":
     comm = _message.choose_comm(n, aggregation=aggregation, spec=spec,
-                                leaf_sizes=leaf_sizes)
+                                leaf_sizes=leaf_sizes, ties=ties)
   if leaf_sizes is not None:
     size = sum(leaf_sizes)
-    sent = _message.message_bytes(leaf_sizes, n, aggregation=aggregation,
-                                  spec=spec, comm=comm)
+    count = 2 * (n - 1) / n * 4 if ties else 0.0   # the int32 psum
+    sent = count + _message.message_bytes(
+        leaf_sizes, n, aggregation=aggregation, spec=spec, comm=comm,
+        ties=ties)
     return (8 * sent / size if size else 0.0) + sync_bits
-  return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
-          + sync_bits)
+  return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm,
+                             ties=ties) + sync_bits)
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:

@@ -276,3 +276,26 @@ def test_a_bad_value_names_the_argument():
   with pytest.raises(ValueError, match="abstain_nonfinite must be True or "
                      "False .*abstain_nonfinite='yes'"):
     dl.distributed_lion(LR, abstain_nonfinite="yes")
+
+
+@pytest.mark.parametrize("n,comm", [(8, "alltoall"), (7, "alltoall"),
+                                    (5, "psum"), (7, "auto")])
+def test_the_byte_model_reads_what_the_compiled_step_sends(n, comm):
+  """dl.wire_bits(..., abstain_nonfinite=True) with a model's leaf sizes
+  equals dl.collective_bytes of its compiled step (the count's all-reduce
+  and, at odd N, alltoall's results in radix 3 included)."""
+  mesh = devices.data_mesh(n, axis_name="data")
+  params = {"w": jnp.zeros((300, 70)), "b": jnp.zeros(70)}
+  tx = dl.distributed_lion(LR, axis_name="data", comm=comm,
+                           abstain_nonfinite=True)
+  p = devices.replicate(params, mesh)
+  s = parallel.init_worker_states(tx, p, mesh)
+  step = parallel.make_train_step(
+      lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, mesh,
+      donate=False)
+  compiled = step.lower(p, s, devices.shard_batch(jnp.ones((n, 300)),
+                                                  mesh)).compile()
+  model = dl.wire_bits(n, comm=comm, leaf_sizes=[70, 21000],
+                       abstain_nonfinite=True) * 21070 / 8
+  loss_mean = 2 * (n - 1) / n * 4      # the step's pmean of the loss
+  assert dl.collective_bytes(compiled) == pytest.approx(model + loss_mean)
