@@ -84,6 +84,12 @@ def local_steps(inner: optax.GradientTransformation,
   decay belongs to ``inner``: give ``dl.distributed_lion`` as ``outer``
   ``weight_decay=0.0`` (its default, 1e-3, would decay the anchor again).
 
+  A worker whose params turned NaN or Inf in a round restarts at the
+  anchor with the float leaves of its inner state fresh, its counts
+  kept: with ``dl.distributed_lion(..., abstain_nonfinite=True)`` as
+  ``outer`` it abstains from that round's vote and votes again in the
+  next.
+
   ``params + update`` is the new anchor up to the rounding of the
   subtraction that made the update: the steps of
   :func:`dlion_jax.parallel.make_train_step` put every worker exactly on it
@@ -143,7 +149,7 @@ def local_steps(inner: optax.GradientTransformation,
     count = optax.safe_int32_increment(state.count)
     restart = count % every == 0
 
-    def outer_step(anchor, outer_state):
+    def outer_step(anchor, outer_state, inner_state):
       trained = optax.apply_updates(params, inner_updates)
       delta = jax.tree.map(jnp.subtract, anchor, trained)
       outer_updates, new_state = outer.update(delta, outer_state, anchor)
@@ -153,17 +159,33 @@ def local_steps(inner: optax.GradientTransformation,
       anchor = optax.apply_updates(anchor, outer_updates)
       to_anchor = jax.tree.map(lambda a, p, u: (a - p).astype(u.dtype),
                                anchor, params, inner_updates)
-      return to_anchor, anchor, outer_state
+      return to_anchor, anchor, outer_state, _fresh_if_lost(
+          inner, inner_state, delta, anchor)
 
-    def inner_step(anchor, outer_state):
-      return inner_updates, anchor, outer_state
+    def inner_step(anchor, outer_state, inner_state):
+      return inner_updates, anchor, outer_state, inner_state
 
-    new_updates, anchor, outer_state = lax.cond(
-        restart, outer_step, inner_step, state.anchor, state.outer_state)
+    new_updates, anchor, outer_state, inner_state = lax.cond(
+        restart, outer_step, inner_step, state.anchor, state.outer_state,
+        inner_state)
     return new_updates, LocalStepsState(count, anchor, inner_state,
                                         outer_state, restart)
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _fresh_if_lost(inner, inner_state, delta, anchor):
+  """``inner_state``, with its float leaves fresh where this worker's round
+  ended with a non-finite pseudo-gradient: a NaN or Inf in its params
+  would stay in its inner momenta for good, and the worker would send
+  nothing of use (or abstain, ``abstain_nonfinite=True``) in every round
+  after. Its step counts are kept (a schedule goes on where it was)."""
+  finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(d))
+                              for d in jax.tree.leaves(delta)] + [True]))
+  fresh = optax.tree_utils.tree_cast_like(inner.init(anchor), inner_state)
+  return jax.tree.map(
+      lambda old, new: jnp.where(finite, old, new) if jnp.issubdtype(
+          old.dtype, jnp.inexact) else old, inner_state, fresh)
 
 
 def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,

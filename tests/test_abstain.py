@@ -299,3 +299,32 @@ def test_the_byte_model_reads_what_the_compiled_step_sends(n, comm):
                        abstain_nonfinite=True) * 21070 / 8
   loss_mean = 2 * (n - 1) / n * 4      # the step's pmean of the loss
   assert dl.collective_bytes(compiled) == pytest.approx(model + loss_mean)
+
+
+def test_a_worker_nan_for_one_round_votes_again_in_the_next():
+  """Local steps: worker 1's gradients NaN in round 1 only; it abstains
+  from that outer vote, restarts with a fresh inner state and votes in
+  round 2 (a NaN inner momentum kept would make it abstain for good)."""
+  n, every = 4, 2
+  tx = dl.local_steps(optax.lion(1e-2), dl.distributed_lion(
+      0.1, axis_name="data", weight_decay=0.0, abstain_nonfinite=True),
+      every=every)
+  params = {"w": np.linspace(-1, 1, 12, dtype=np.float32)}
+  rng = np.random.default_rng(0)
+  seq = [{"w": rng.normal(size=(n, 12)).astype(np.float32)}
+         for _ in range(2 * every)]
+  seq[0]["w"][1, 3] = np.nan
+
+  def worker(p, g_seq):
+    state, counts = tx.init(p), []
+    for t in range(2 * every):
+      u, state = tx.update({"w": g_seq["w"][t]}, state, p)
+      p = dl.rounds.restart_at_anchor(optax.apply_updates(p, u), state)
+      counts.append(state.outer_state[0].abstained)
+    return p, jnp.stack(counts), state.inner_state
+  stacked = jax.tree.map(lambda *g: jnp.stack(g, 1), *seq)
+  p, counts, inner = jax.vmap(worker, axis_name="data")(
+      {"w": np.broadcast_to(params["w"], (n, 12))}, stacked)
+  np.testing.assert_array_equal(counts[0], [0, 1, 1, 0])   # rounds end 2, 4
+  assert np.isfinite(p["w"]).all()
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(inner))

@@ -107,3 +107,22 @@ def test_a_fast_fault_study(tmp_path):
   text = (tmp_path / "faults.md").read_text()
   assert "| global Lion |" in text and "diverged (1/1)" in text
   assert (tmp_path / "f.png").stat().st_size > 10_000
+
+
+def test_local_steps_with_a_nan_worker_go_on_and_keep_a_finite_anchor(
+    tmp_path, capsys):
+  """A worker whose own params turn NaN inside a round abstains from the
+  outer vote; its loss is NaN, the run warns once and goes on (without
+  abstain_nonfinite a non-finite loss stops it)."""
+  run_dir = tmp_path / "run"
+  code = cli.main(["--no-progress", *[a for s in (
+      "train.steps=8", "train.log_every=4", "train.eval_every=0",
+      "model.hidden=[8]", "optimizer.warmup_steps=0",
+      "optimizer.local_steps=4", "optimizer.abstain_nonfinite=true",
+      "faults.kind=nonfinite", "faults.workers=1", "faults.nan_rate=1.0",
+      f"run_dir={run_dir}") for a in ("--set", s)]])
+  err = capsys.readouterr().err
+  assert code == 0
+  assert err.count("a worker's loss is not finite") == 1
+  final = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+  assert np.isfinite(final["test_loss"])

@@ -288,6 +288,7 @@ class _Run:
   wire_before: tuple[float, float] | None = (0.0, 0.0)
   since: int = 0
   wire_per_step: tuple[float, float] = (0.0, 0.0)
+  warned_nonfinite: bool = False    # a worker's loss was not finite
 
   def wire_done(self, step: int) -> tuple[float, float]:
     """Bytes sent, and an fp32 all-reduce's, over steps 1..``step``."""
@@ -482,9 +483,17 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     loss = float(loss)   # read every step: a NaN stops the run at once
     done = run.step = step + 1
     if not math.isfinite(loss):
-      raise FloatingPointError(
-          f"loss became {loss} at step {done}; lower optimizer.learning_rate "
-          f"(now {cfg.optimizer.learning_rate}).")
+      if not cfg.optimizer.abstain_nonfinite:
+        raise FloatingPointError(
+            f"loss became {loss} at step {done}; lower optimizer."
+            f"learning_rate (now {cfg.optimizer.learning_rate}).")
+      if not run.warned_nonfinite:
+        run.warned_nonfinite = True
+        print(f"warning: the mean loss over workers is {loss} at step "
+              f"{done}: a worker's loss is not finite. With optimizer."
+              "abstain_nonfinite a worker with non-finite gradients "
+              "abstains and the run goes on (logged losses may be nan).",
+              file=sys.stderr, flush=True)
     if done % cfg.train.log_every == 0 or done == cfg.train.steps:
       elapsed = time.perf_counter() - tic
       rate = (done - last_step) * cfg.data.global_batch / max(elapsed, 1e-9)
