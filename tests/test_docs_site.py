@@ -181,7 +181,7 @@ def test_the_readme_links_every_guide_and_only_files_that_exist():
   links = re.findall(r"\]\(([^)#:]+)\)", (root / "README.md").read_text())
   assert not [link for link in links if not (root / link).exists()]
   guides = {f"docs/guides/{p.name}" for p in (DOCS / "guides").glob("*.md")}
-  assert len(guides) == 8 and guides <= set(links)
+  assert len(guides) == 9 and guides <= set(links)
 
 
 def test_the_readme_gives_the_quickstart_figure_as_one_machines():
