@@ -63,8 +63,10 @@ MOVED: dict[str, tuple[str, str]] = {
                                    "the optimizer wrappers")
        for n in ("apply_if_finite", "pmean_gradients")},
     **{f"dlion_jax.{m}.{n}": (f"dlion_jax.processes.{n}", "process start-up")
-       for m in ("parallel", "devices") for n in (
-           "start_processes", "check_processes", "coordinator_problem")},
+       for m, n in (("parallel", "start_processes"),
+                    ("devices", "start_processes"),
+                    ("devices", "check_processes"),
+                    ("devices", "coordinator_problem"))},
     **{f"dlion_jax.accounting.{n}": (f"dlion_jax.hlo.{n}",
                                      "the HLO reader")
        for n in ("Collective", "collective_bytes", "collectives")},

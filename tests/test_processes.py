@@ -50,9 +50,11 @@ def test_import_dlion_jax_imports_no_socket_or_threading_code():
     (devices, "coordinator_problem"),
     (parallel, "start_processes"),
 ], ids=lambda x: getattr(x, "__name__", x))
-def test_the_paths_deprecated_in_0_2_0_are_gone(module, name):
-  """Deprecated for a release (0.2.0), removed in 0.3.0 (CHANGELOG)."""
-  assert not hasattr(module, name)
+def test_the_paths_public_in_0_2_0_warn_and_work(module, name):
+  """Public in 0.2.0, deprecated since, removed in 0.4.0 (CHANGELOG)."""
+  with pytest.warns(DeprecationWarning,
+                    match=f"use dlion_jax.processes.{name} .*0.4.0"):
+    assert getattr(module, name) is getattr(processes, name)
 
 
 def test_other_missing_names_are_still_attribute_errors():
