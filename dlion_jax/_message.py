@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
+import math
 from typing import Literal, Sequence, get_args
 
 import jax
@@ -69,8 +70,10 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
   """
   if not _strategies.STRATEGIES[comm].sends_back:
     return 1
-  return num_workers * _packing.digits_per_word(_strategies.alltoall_down_radix(
-      num_workers, aggregation=aggregation, spec=spec, ties=ties))
+  return num_workers * math.lcm(*[
+      _packing.digits_per_word(radix) for radix in
+      _strategies.alltoall_down_radices(num_workers, aggregation=aggregation,
+                                        spec=spec, ties=ties)])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,8 +176,7 @@ class MessageLayout:
   def down_radix(self) -> int:
     """Radix of the results a strategy sends back (``alltoall``)."""
     return _strategies.alltoall_down_radix(
-        self.num_workers, aggregation=self.aggregation, spec=self.spec,
-        ties=self.ties)
+        self.num_workers, aggregation=self.aggregation, spec=self.spec)
 
   @functools.cached_property
   def result_words(self) -> int:
@@ -264,10 +266,10 @@ class MessageLayout:
 
 
 def vote_bits(num_workers: int, *, aggregation: str, spec: _quantize.VoteSpec,
-              comm: str, ties: bool = False) -> float:
+              comm: str) -> float:
   """Bits per parameter a message costs as leaves grow (no padding)."""
   return _total(num_workers, _strategies.STRATEGIES[comm], *_digit_bits(
-      num_workers, aggregation=aggregation, spec=spec, comm=comm, ties=ties))
+      num_workers, aggregation=aggregation, spec=spec, comm=comm))
 
 
 def collective_bits(num_workers: int, *, aggregation: str,
@@ -282,12 +284,11 @@ def collective_bits(num_workers: int, *, aggregation: str,
 
 
 def _digit_bits(num_workers: int, *, aggregation: str,
-                spec: _quantize.VoteSpec, comm: str,
-                ties: bool = False) -> tuple[float, float]:
+                spec: _quantize.VoteSpec, comm: str) -> tuple[float, float]:
   """Bits of a vote a strategy sends, and of a result it sends back."""
   up = _strategies.STRATEGIES[comm].vote_bits(num_workers, spec)
   return up, _packing.bits_per_digit(_strategies.alltoall_down_radix(
-      num_workers, aggregation=aggregation, spec=spec, ties=ties))
+      num_workers, aggregation=aggregation, spec=spec))
 
 
 def _total(num_workers: int, strategy: _strategies.Strategy, up, down):
@@ -341,7 +342,7 @@ def choose_comm(num_workers: int, *, aggregation: str,
       return MessageLayout(tuple(leaf_sizes), num_workers, spec, aggregation,
                            comm, ties=ties).sent_bytes()
     return round(vote_bits(num_workers, aggregation=aggregation, spec=spec,
-                           comm=comm, ties=ties), 9)
+                           comm=comm), 9)
   return min(candidates, key=cost)
 
 

@@ -138,12 +138,21 @@ def mavo_has_ties(num_workers: int, spec: _quantize.VoteSpec) -> bool:
 
 
 def alltoall_down_radix(num_workers: int, *, aggregation: str,
-                        spec: _quantize.VoteSpec, ties: bool = False) -> int:
-  """Radix of the per-parameter result that ``alltoall`` all-gathers.
-  ``ties``: a majority may tie whatever N (workers may abstain)."""
+                        spec: _quantize.VoteSpec) -> int:
+  """Radix of the per-parameter result that ``alltoall`` all-gathers."""
   if aggregation == "avg":
     return psum_radix(num_workers, spec)
-  return 3 if ties or mavo_has_ties(num_workers, spec) else 2
+  return 3 if mavo_has_ties(num_workers, spec) else 2
+
+
+def alltoall_down_radices(num_workers: int, *, aggregation: str,
+                          spec: _quantize.VoteSpec,
+                          ties: bool = False) -> tuple[int, ...]:
+  """The radices ``alltoall``'s results may go back in: with ``ties`` (a
+  majority may tie at any N: workers abstain) a binary MaVo at odd N
+  sends radix 2 where no tie can occur and 3 where one can."""
+  down = alltoall_down_radix(num_workers, aggregation=aggregation, spec=spec)
+  return (2, 3) if ties and aggregation == "mavo" and down == 2 else (down,)
 
 
 def int_container(num_workers: int,
@@ -238,64 +247,75 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   into ``planes(first, size)`` of the outcome of every digit of the
   message; ``tally_with(mine)`` (of :func:`dlion_jax.fused.vote_shard`), if
   given, votes a shard into those words in place of XLA. ``abstained``
-  (or None) as in :func:`signed_sum`, the same on every worker.
+  (or None) as in :func:`signed_sum`, the same on every worker: a binary
+  majority at odd N can then tie, where an odd number abstained, and the
+  results of such a step go back in radix 3 (a ``lax.cond``; the other
+  steps' in radix 2, as without abstention).
   """
   n = num_workers
-  up_radix = spec.radix
-  down_radix = alltoall_down_radix(n, aggregation=aggregation, spec=spec,
-                                   ties=abstained is not None)
 
-  def tally(mine, abstained=abstained):
-    """The packed results of a shard, from every worker's words of it."""
-    down = alltoall_result(_packing.sum_planes(mine, up_radix), n, spec,
-                           aggregation, down_radix, abstained).astype(
-                               _packing.digit_dtype(down_radix))
-    if result_words:
-      down = _packing.pad_to_multiple(down, _packing.digits_per_word(
-          down_radix) * result_words)
-    # Each place's results of the shard fill whole words of the result's
-    # radix (MessageLayout.word_multiple), planar in its own words, the
-    # same words as packing them all together: gathered, every worker's
-    # words of one place are transposed (a fifth of the digits' bytes for
-    # radix 3), not the digits, and unpack straight into the message's
-    # order.
-    return _packing.pack_digits(down, down_radix, planar=True)
+  def results(message, abstained, down_radix):
+    def tally(mine, abstained=abstained):
+      """The packed results of a shard, from every worker's words of it."""
+      down = alltoall_result(_packing.sum_planes(mine, spec.radix), n, spec,
+                             aggregation, down_radix, abstained).astype(
+                                 _packing.digit_dtype(down_radix))
+      if result_words:
+        down = _packing.pad_to_multiple(down, _packing.digits_per_word(
+            down_radix) * result_words)
+      # Each place's results of the shard fill whole words of the result's
+      # radix (MessageLayout.word_multiple), planar in its own words, the
+      # same words as packing them all together: gathered, every worker's
+      # words of one place are transposed (a fifth of the digits' bytes
+      # for radix 3), not the digits, and unpack straight into the
+      # message's order.
+      return _packing.pack_digits(down, down_radix, planar=True)
 
-  vote = tally_with or tally
+    vote = tally_with or tally
 
-  def manual(message):
-    up = _lane_rows(message.reshape(n, -1))  # MessageLayout.word_multiple
-    mine = lax.all_to_all(up, axis_name, 0, 0).reshape(n, -1)
-    return _gather_words(vote(mine), axis_name, n)
+    def manual(x):
+      up = _lane_rows(x[0].reshape(n, -1))  # MessageLayout.word_multiple
+      mine = lax.all_to_all(up, axis_name, 0, 0).reshape(n, -1)
+      return _gather_words(vote(mine), axis_name, n)
 
-  def stacked(messages):
-    # [worker, shard, words]: each device takes its shard of every worker's.
-    mine = _mesh.place(messages.reshape(n, n, -1),
-                         P(None, axis_name, None))
-    return _mesh.place(jax.vmap(vote, in_axes=1)(mine), P())
+    def stacked(x):
+      # [worker, shard, words]: each device takes its shard of every
+      # worker's (the count, one row a worker, is the same in every row).
+      mine = _mesh.place(x[0].reshape(n, n, -1), P(None, axis_name, None))
+      count = None if x[1] is None else x[1][0]
+      return _mesh.place(jax.vmap(lambda m: vote(m, count) if tally_with is
+                                  None else vote(m), in_axes=1)(mine), P())
 
-  if abstained is None:
-    words = _collectives.exchanged(manual, stacked, axis_name)(message)
-  else:   # the count goes in, one row a worker where they are stacked
-    words = _collectives.exchanged(
-        lambda x: manual(x[0]),
-        lambda x: _mesh.place(jax.vmap(tally, in_axes=(1, None))(
-            _mesh.place(x[0].reshape(n, n, -1), P(None, axis_name, None)),
-            x[1][0]), P()), axis_name)((message, abstained))
+    return _collectives.exchanged(manual, stacked, axis_name)(
+        (message, abstained))
+
+  def unpacked(words, down_radix):
+    return _packing.unpack_digits(words.swapaxes(0, 1), down_radix,
+                                  planar=True).reshape(words.shape[1], -1)
+
+  def decode_with_radix(down_radix):
+    def decode(digits):
+      digits = digits.astype(jnp.int32)
+      if aggregation == "avg":
+        return signed_sum(digits, n, spec, abstained)
+      return 2 * digits - 1 if down_radix == 2 else digits - 1
+    return decode
+
+  planes_of = lambda outcome: (lambda first, size: lax.slice_in_dim(
+      outcome, first, first + size, axis=1))
+  if len(alltoall_down_radices(n, aggregation=aggregation, spec=spec,
+                               ties=abstained is not None)) > 1:
+    branches = [lambda m, a, r=r: decode_with_radix(r)(unpacked(
+        results(m, a, r), r)).astype(jnp.int8) for r in (2, 3)]
+    outcome = lax.cond(abstained % 2 == 0, *branches, message, abstained)
+    return planes_of(outcome), (lambda outcome: outcome), None
+  down_radix = alltoall_down_radix(n, aggregation=aggregation, spec=spec)
+  words = results(message, abstained, down_radix)
   if decode_with is not None:
     return decode_with(words, message.shape[-1] // n), (
         lambda outcome: outcome), None
-  places = words.shape[1]
-  result = _packing.unpack_digits(words.swapaxes(0, 1), down_radix,
-                                 planar=True).reshape(places, -1)
-
-  def decode(digits):
-    digits = digits.astype(jnp.int32)
-    if aggregation == "avg":
-      return signed_sum(digits, n, spec, abstained)
-    return 2 * digits - 1 if down_radix == 2 else digits - 1
-  return (lambda first, size: lax.slice_in_dim(result, first, first + size,
-                                               axis=1)), decode, None
+  return (planes_of(unpacked(words, down_radix)),
+          decode_with_radix(down_radix), None)
 
 
 def _lane_rows(words: jax.Array) -> jax.Array:

@@ -165,8 +165,9 @@ def wire_bits(num_workers: int, *,
       exact figure (``comm='auto'`` then takes the strategy that sends the
       fewest bytes for these sizes, as the transform does).
     abstain_nonfinite: as the transform's option: the abstainers' count
-      (an int32 all-reduce a step, counted with ``leaf_sizes``), and a
-      binary MaVo's ``alltoall`` results at odd N in radix 3.
+      (an int32 all-reduce a step, counted with ``leaf_sizes``), on a step
+      where no majority can tie (binary MaVo at odd N: none or an even
+      number abstained; ``alltoall`` sends radix-3 results on the others).
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -206,8 +207,8 @@ def wire_bits(num_workers: int, *,
         leaf_sizes, n, aggregation=aggregation, spec=spec, comm=comm,
         ties=ties)
     return (8 * sent / size if size else 0.0) + sync_bits
-  return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm,
-                             ties=ties) + sync_bits)
+  return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
+          + sync_bits)
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:

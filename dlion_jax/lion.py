@@ -236,8 +236,9 @@ def scale_by_distributed_lion(
   finite the update and the state are the default's, bit for bit; with
   :math:`a` abstainers it is the run of the others alone. Where all
   abstain, :math:`D = 0` and the state is unchanged. A binary MaVo
-  over ``alltoall`` at odd :math:`N` then sends its results in radix 3 (a
-  tie is possible); the fused kernels are not used.
+  over ``alltoall`` at odd :math:`N` sends its results in radix 3 on a
+  step where an odd number abstained (the present may tie); the fused
+  kernels are not used.
 
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
   the update is typed per-worker (there is no collective to make it
