@@ -331,6 +331,11 @@ def scale_by_distributed_lion(
   abstain_nonfinite = _checks.flag(
       "abstain_nonfinite", abstain_nonfinite,
       "whether a worker with a non-finite gradient abstains")
+  if abstain_nonfinite and kernels == "pallas":
+    raise ValueError(
+        "kernels='pallas' cannot run with abstain_nonfinite=True: the fused "
+        "kernels' tallies do not take the count of abstainers. Use "
+        "kernels='auto' (the XLA path there) or drop abstain_nonfinite.")
   state_type = _state_type(error_feedback, abstain_nonfinite)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)

@@ -341,3 +341,9 @@ def test_a_worker_nan_for_one_round_votes_again_in_the_next():
   np.testing.assert_array_equal(counts[0], [0, 1, 1, 0])   # rounds end 2, 4
   assert np.isfinite(p["w"]).all()
   assert all(np.isfinite(x).all() for x in jax.tree.leaves(inner))
+
+
+def test_forced_kernels_are_refused_with_the_fix():
+  with pytest.raises(ValueError, match="kernels='pallas' cannot run with "
+                     "abstain_nonfinite=True.*kernels='auto'"):
+    dl.distributed_lion(LR, kernels="pallas", abstain_nonfinite=True)
