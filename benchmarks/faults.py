@@ -178,8 +178,10 @@ def plot(runs, path: str) -> None:
       ax.set_xticks([0, *FAULTY])
       if j == 0:
         ax.set_ylabel("test accuracy % (diverged: 10)")
-  axes[0][0].legend(fontsize=7)
-  fig.tight_layout()
+  handles, labels = axes[0][-1].get_legend_handles_labels()   # every row
+  fig.legend(handles, labels, loc="lower center", ncol=len(labels),
+             fontsize=8)
+  fig.tight_layout(rect=(0, 0.05, 1, 1))
   fig.savefig(path, dpi=110)
 
 
