@@ -56,13 +56,13 @@ def test_nonfinite_strikes_on_a_share_of_the_steps():
 
   def steps(g):
     state, hit = tx.init(g), []
-    for _ in range(200):
+    for _ in range(100):
       out, state = tx.update(g, state)
       hit.append(jnp.isnan(out).any())
     return jnp.stack(hit)
   hits = np.asarray(jax.vmap(steps, axis_name="data")(g))
   assert not hits[1].any()
-  assert 0.2 < hits[0].mean() < 0.4
+  assert 0.15 < hits[0].mean() < 0.45
 
 
 @pytest.mark.parametrize("setting,named", [
