@@ -18,6 +18,15 @@ def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
         f"{', '.join(repr(v) for v in valid)}.")
 
 
+def all_finite(tree: Any) -> jax.Array:
+  """Whether every element of every leaf of ``tree`` is finite: a traced
+  bool scalar (True for a tree with no leaves), the test of a worker's
+  gradients that :func:`dlion_jax.apply_if_finite`, abstention and local
+  steps' restart share."""
+  return jnp.all(jnp.array([jnp.all(jnp.isfinite(x))
+                            for x in jax.tree.leaves(tree)] + [True]))
+
+
 def check_float_leaves(tree: Any, what: str) -> None:
   """Raises a TypeError naming the first leaf that is not floating point."""
   for path, leaf in jax.tree_util.tree_leaves_with_path(tree):

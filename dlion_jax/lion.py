@@ -93,13 +93,6 @@ def _state_type(error_feedback: bool, abstain_nonfinite: bool):
               error_feedback, abstain_nonfinite]
 
 
-def _all_finite(tree: Any) -> jax.Array:
-  """Whether every element of every leaf of ``tree`` is finite (a bool
-  scalar; True for a tree with no leaves)."""
-  return jnp.all(jnp.array([jnp.all(jnp.isfinite(x))
-                            for x in jax.tree.leaves(tree)] + [True]))
-
-
 def _check_state(state, state_type):
   # Field names, not the class: optax's ScaleByLionState is accepted too.
   if getattr(state, "_fields", None) == state_type._fields:
@@ -421,7 +414,7 @@ def scale_by_distributed_lion(
       _drift.check_local_gradients(updates, axis_name)
     ok = abstained = None
     if abstain_nonfinite:
-      ok = _all_finite(updates)
+      ok = _checks.all_finite(updates)
       abstained = (~ok).astype(jnp.int32)
       if num_workers > 1:
         abstained = _collectives.psum(abstained, axis_name)

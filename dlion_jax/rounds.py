@@ -180,8 +180,7 @@ def _fresh_if_lost(inner, inner_state, delta, anchor):
   would stay in its inner momenta for good, and the worker would send
   nothing of use (or abstain, ``abstain_nonfinite=True``) in every round
   after. Its step counts are kept (a schedule goes on where it was)."""
-  finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(d))
-                              for d in jax.tree.leaves(delta)] + [True]))
+  finite = _checks.all_finite(delta)
   fresh = optax.tree_utils.tree_cast_like(inner.init(anchor), inner_state)
   return jax.tree.map(
       lambda old, new: jnp.where(finite, old, new) if jnp.issubdtype(

@@ -14,6 +14,7 @@ import optax
 from jax import lax
 
 from dlion_jax import _blocks
+from dlion_jax import _checks
 from dlion_jax import _collectives
 
 
@@ -108,8 +109,7 @@ def apply_if_finite(inner: optax.GradientTransformation,
         inner_state=inner.init(params))
 
   def update_fn(updates, state, params=None, **extra_args):
-    local_ok = jnp.all(jnp.array(
-        [jnp.all(jnp.isfinite(u)) for u in jax.tree.leaves(updates)]))
+    local_ok = _checks.all_finite(updates)
     _check_bound(axis_name, "dl.apply_if_finite",
                  "dl.apply_if_finite(tx, 5, axis_name='batch') for "
                  "dl.distributed_lion(lr, axis_name='batch')")
