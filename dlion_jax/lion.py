@@ -451,14 +451,17 @@ def scale_by_distributed_lion(
     if done is not None and not _mesh.on_tpu():
       mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
+    voted = True
     if abstained is not None:   # a step no worker voted in is skipped
-      count = jnp.where(abstained < num_workers, count, state.count)
+      voted = abstained < num_workers
+      count = jnp.where(voted, count, state.count)
       extra.update(abstained=abstained,
                    abstentions=state.abstentions + abstained)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
       mu = sync.sync_momenta(
-          mu, flags, schedule(_collectives.alike(count, axis_name)), axis_name)
+          mu, flags, schedule(_collectives.alike(count, axis_name)) & voted,
+          axis_name)
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)

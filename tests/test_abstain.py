@@ -358,3 +358,23 @@ def test_forced_kernels_are_refused_with_the_fix():
   with pytest.raises(ValueError, match="kernels='pallas' cannot run with "
                      "abstain_nonfinite=True.*kernels='auto'"):
     dl.distributed_lion(LR, kernels="pallas", abstain_nonfinite=True)
+
+
+def test_a_skipped_step_does_not_sync_the_momenta_again():
+  """momentum_sync=1: the step after a sync that every worker abstains
+  from leaves the momenta as they were (its count, unchanged, still names
+  a sync step; averaging the synced momenta again may round them)."""
+  n = 3
+  tx = dl.scale_by_distributed_lion(axis_name="data", momentum_sync=1,
+                                    abstain_nonfinite=True)
+  rng = np.random.default_rng(0)
+  g = rng.normal(size=(n, 101)).astype(np.float32) * np.float32(1 / 3)
+
+  def worker(g):
+    state = tx.init(g)
+    _, state = tx.update(g, state)
+    _, after = tx.update(jnp.full_like(g, jnp.nan), state)
+    return state.mu, after.mu, after.count
+  before, after, count = jax.vmap(worker, axis_name="data")(g)
+  np.testing.assert_array_equal(after, before)
+  np.testing.assert_array_equal(count, 1)
