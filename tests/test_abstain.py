@@ -24,7 +24,7 @@ from dlion_jax import devices
 from dlion_jax import parallel
 from harness import run_on_mesh
 from reference import DistributedLionReference
-from test_doors import DOORS, loss_fn, mesh_of, run
+from test_doors import DOORS, mesh_of, run
 
 LR = 1e-2
 SHAPES = {"w": (37, 5), "b": (13,)}     # not multiples of 8 N

@@ -11,7 +11,6 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType
 
-from dlion_jax import _exchange as exchange
 from dlion_jax import _message as message
 from dlion_jax import devices
 from dlion_jax import hlo

@@ -145,7 +145,7 @@ class FaultsConfig:
   """Faulty workers, for the studies (dlion_jax.train.faults): the first
   ``workers`` workers' gradients are sign-flipped, random, scaled by
   ``scale`` or NaN on a share ``nan_rate`` of the steps."""
-  kind: str = "none"                # none | sign_flip | random | scale | nonfinite
+  kind: str = "none"       # none | sign_flip | random | scale | nonfinite
   workers: int = 0
   scale: float = 1e6
   nan_rate: float = 0.5
@@ -187,7 +187,8 @@ _CHOICES = {
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
              "train.steps", "train.log_every", "train.keep_checkpoints",
              "optimizer.local_steps")
-_NON_NEGATIVE = ("faults.workers", "train.eval_every", "train.checkpoint_every",
+_NON_NEGATIVE = ("faults.workers", "train.eval_every",
+                 "train.checkpoint_every",
                  "optimizer.warmup_steps", "optimizer.learning_rate",
                  "optimizer.weight_decay", "optimizer.momentum_sync")
 
