@@ -61,6 +61,20 @@ from dlion_jax import devices
 from dlion_jax.bench import reporting
 
 LOCAL_STEPS = (8, 32, 128)
+_VOTED = {"optimizer.outer_momentum": 0.0}
+VOTED_ROWS = {
+    "EF vote": _VOTED,
+    "EF vote, Nesterov": {"optimizer.outer_momentum": 0.9},
+    "EF vote, Lion": {"optimizer.outer_step": "lion",
+                      "optimizer.outer_momentum": 0.95,
+                      "optimizer.outer_b2": 0.98},
+    "vote, no EF": {**_VOTED, "optimizer.outer_error_feedback": False},
+    "EF vote, late": {**_VOTED, "optimizer.outer_late": True},
+    "EF vote, inner schedule": {**_VOTED,
+                                "optimizer.outer_schedule": "inner"},
+    "EF sparse 1/128": {**_VOTED, "optimizer.outer_sparse_chunk": 128},
+    "EF sparse 1/32": {**_VOTED, "optimizer.outer_sparse_chunk": 32},
+}
 # row -> config overrides on top of the task's config.
 ROWS = {
     "SGD momentum": {"optimizer.name": "sgd", "optimizer.momentum": 0.9},
@@ -85,9 +99,18 @@ ROWS = {
        for name, outer in (("D-Lion outer", "dlion"),
                            ("DiLoCo outer", "nesterov"))
        for h in LOCAL_STEPS},
+    # The workers' mean pseudo-gradient from error-fed 1-bit votes
+    # (dl.rounds.voted_outer), then an outer step: none, Nesterov's or
+    # Lion's; sparse: 1 entry of every 128 (or 32) votes.
+    **{f"{name}, H={h}": {"optimizer.name": "dlion",
+                          "optimizer.local_steps": h,
+                          "optimizer.outer": "voted", **options}
+       for name, options in VOTED_ROWS.items() for h in LOCAL_STEPS},
 }
 PAPER_ROWS = tuple(ROWS)[:6]
 LOCAL_ROWS = tuple(row for row in ROWS if ", H=" in row)
+VOTED_LOCAL_ROWS = tuple(row for row in LOCAL_ROWS
+                         if row.split(", H=")[0] in VOTED_ROWS)
 # The values a tuned setting may take, in order. A row's grid starts on a
 # slice of each ladder and steps one rung past any edge pick (:func:`tune`);
 # a ladder's ends are the bounds a pick may stop at.
@@ -98,6 +121,7 @@ L2S = (0.0, 5e-4, 5e-3, 5e-2)            # SGD: added to the gradient
 B2S = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 SIGN_OUTER_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
 NESTEROV_OUTER_LRS = (0.01, 0.03, 0.1, 0.3, 0.7, 1.0, 1.4)
+VOTED_OUTER_LRS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +158,15 @@ AXES = {
     **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, NESTEROV_OUTER_LRS,
                                        (0.3, 0.7))}
        for row in LOCAL_ROWS if row.startswith("DiLoCo")},
+    # The voted means tune the outer rate alone (:attr:`ConvergenceTask.
+    # inner_lr`): a sign step's as D-Lion's outer vote, the others'
+    # around SparseLoCo's 1 (DiLoCo's 0.7 with Nesterov).
+    **{row: {**_SIGN, "outer_lr": Axis(
+        OUTER_LR, SIGN_OUTER_LRS if "Lion" in row else VOTED_OUTER_LRS,
+        (0.01, 0.03) if "Lion" in row else (0.3, 0.7) if "Nesterov" in row
+        else (0.5, 1.0))}
+       for row in LOCAL_ROWS if row.split(",")[0] in (
+           "EF vote", "vote", "EF sparse 1/128", "EF sparse 1/32")},
 }
 LION_ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion")
 SETTINGS = ("lr", "wd", "b2", "outer_lr")
@@ -152,12 +185,17 @@ class ConvergenceTask:
   # their picks) at every N: a comparison at equal learning rates.
   matched_lrs: tuple = ()
   matched_rows: tuple = ("global Lion", "D-Lion MaVo")
+  # The inner learning rate of the voted-mean rows, which tune their outer
+  # one alone: the inner Lion's pick of the D-Lion and DiLoCo outer rows.
+  inner_lr: float | None = None
 
   def axes(self, row: str) -> dict[str, Axis]:
     """The settings ``row`` tunes on this task."""
     axes = dict(AXES[row])
     if self.start_lrs and row != "SGD momentum":
       axes["lr"] = dataclasses.replace(axes["lr"], start=self.start_lrs)
+    if self.inner_lr and row in VOTED_LOCAL_ROWS:
+      axes["lr"] = Axis(LR, (self.inner_lr,), (self.inner_lr,))
     if not self.tune_decay:
       axes["wd"] = axes["wd"].fixed()
     if self.b2s and row in LION_ROWS:
@@ -167,7 +205,8 @@ class ConvergenceTask:
 
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
 _LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
-                "D-Lion outer, H=32", "DiLoCo outer, H=32")
+                "D-Lion outer, H=32", "DiLoCo outer, H=32",
+                *(f"{row}, H=32" for row in VOTED_ROWS))
 # Tasks that more than one study runs (each study its own rows).
 _CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
 # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
@@ -224,22 +263,24 @@ TASKS = {
     # global optimizers, at N = 8 (--plot-bits: the metric against bits).
     "mlp_local_steps": ConvergenceTask(
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=3),
-        workers=(8,), tune_decay=False,
+        workers=(8,), tune_decay=False, inner_lr=1e-3,
         rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
     # ... the CNN (about 60 s a run here) and the GPT of charlm, at H = 32.
     "cnn_local_steps": ConvergenceTask(_CNN, workers=(8,), tune_decay=False,
-                                       rows=_LOCAL_AT_32),
+                                       inner_lr=0.01, rows=_LOCAL_AT_32),
     "charlm_local_steps": ConvergenceTask(
-        _CHARLM, workers=(8,), tune_decay=False, rows=_LOCAL_AT_32),
+        _CHARLM, workers=(8,), tune_decay=False, inner_lr=3e-3,
+        rows=_LOCAL_AT_32),
     # ... and charlm_long's GPT (1,500 steps, 46 rounds), without its b2 grid.
     "charlm_long_local_steps": ConvergenceTask(
         _CHARLM_LONG, workers=(8,), tune_decay=False,
-        start_lrs=(3e-4, 1e-3), rows=_LOCAL_AT_32),
+        start_lrs=(3e-4, 1e-3), inner_lr=3e-3, rows=_LOCAL_AT_32),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
-        workers=(4,), tune_decay=False,
-        rows=("D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8")),
+        workers=(4,), tune_decay=False, inner_lr=1e-3,
+        rows=("D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8",
+              "EF vote, H=8", "EF sparse 1/32, H=8")),
 }
 DEFAULT_TASKS = ("fashion_mnist_mlp", "fashion_mnist_cnn", "charlm")
 

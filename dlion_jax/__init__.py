@@ -15,6 +15,7 @@ from dlion_jax import sync
 from dlion_jax import transforms
 from dlion_jax import workers
 from dlion_jax.accounting import allreduce_bits
+from dlion_jax.accounting import sparse_vote_bits
 from dlion_jax.accounting import wire_bits
 from dlion_jax.hlo import collective_bytes
 from dlion_jax.hlo import collective_bytes_by_axis
@@ -51,6 +52,7 @@ __all__ = (
     "parallel",
     "rounds",
     "scale_by_distributed_lion",
+    "sparse_vote_bits",
     "sync",
     "transforms",
     "wire_bits",

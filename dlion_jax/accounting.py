@@ -19,6 +19,7 @@ from dlion_jax import _checks
 from dlion_jax import _deprecations
 from dlion_jax import _message
 from dlion_jax import _quantize
+from dlion_jax import _sparse
 from dlion_jax import sync
 
 # Old paths (dlion_jax._deprecations.MOVED).
@@ -209,6 +210,26 @@ def wire_bits(num_workers: int, *,
     return (8 * sent / size if size else 0.0) + sync_bits
   return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
           + sync_bits)
+
+
+def sparse_vote_bits(num_workers: int, *, sparse_chunk: int = 128,
+                     sparse_keep: int = 1) -> float:
+  """Bits each worker receives per parameter in one sparse vote
+  (:func:`dlion_jax.rounds.scale_by_voted_mean` with ``sparse_chunk``):
+  the words of the ``N - 1`` others, one a kept entry (8 bits up to a
+  chunk of 128, else 16), its leaves' float32 scales aside. Divide by
+  ``H`` for an outer step every ``H`` steps.
+
+  Example:
+    >>> import dlion_jax as dl
+    >>> dl.sparse_vote_bits(8)               # 7 x 8 bits / 128
+    0.4375
+    >>> dl.sparse_vote_bits(8) / 32          # a round of 32 steps
+    0.013671875
+  """
+  n = _checks.positive_int("num_workers", num_workers)
+  return (n - 1) * _sparse.sparsity(sparse_chunk,
+                                    sparse_keep).bits_per_entry()
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:

@@ -45,6 +45,7 @@ from dlion_jax import _checks
 from dlion_jax import _core
 from dlion_jax import _mesh
 from dlion_jax import lion
+from dlion_jax import rounds
 from dlion_jax import _blocks
 
 RESIZE_POLICIES = ("mean", "all", "keep")
@@ -118,6 +119,11 @@ def describe(num_old: int, num_new: int, policy: str = "mean",
   return text
 
 
+# States whose ``error`` field holds each worker's error-feedback residual.
+_RESIDUAL_STATES = (lion.ErrorFeedbackState, lion.AbstainingErrorFeedbackState,
+                    rounds.VotedMeanState)
+
+
 def _kinds(tx, state: Any, params: Any, error: str) -> Any:
   """For each state leaf: ``"map"`` (a momentum or residual), ``"clear"``
   (an error-feedback residual, cleared) or ``"first"`` (alike on every
@@ -135,14 +141,13 @@ def _kinds(tx, state: Any, params: Any, error: str) -> Any:
     param_like = jax.tree.map(
         lambda leaf: np.shape(leaf)[1:] in shapes and jnp.issubdtype(
             jnp.result_type(leaf), jnp.inexact), state)
+  with_residual = lambda x: isinstance(x, _RESIDUAL_STATES)
   residual = jax.tree.map(
-      lambda node: node._replace(
-          count=jax.tree.map(lambda _: False, node.count),
-          mu=jax.tree.map(lambda _: False, node.mu),
-          error=jax.tree.map(lambda _: True, node.error))
-      if isinstance(node, lion.ErrorFeedbackState) else
-      jax.tree.map(lambda _: False, node), state,
-      is_leaf=lambda x: isinstance(x, lion.ErrorFeedbackState))
+      lambda node: type(node)(*[
+          jax.tree.map(lambda _, f=field: f == "error", value)
+          for field, value in zip(node._fields, node)])
+      if with_residual(node) else jax.tree.map(lambda _: False, node),
+      state, is_leaf=with_residual)
 
   def kind(mapped, is_residual, is_anchor):
     if error == "clear" and is_residual:

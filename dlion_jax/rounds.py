@@ -36,7 +36,12 @@ import optax
 from jax import lax
 
 from dlion_jax import _checks
+from dlion_jax import _collectives
 from dlion_jax import _deprecations
+from dlion_jax import _exchange
+from dlion_jax import _message
+from dlion_jax import _quantize
+from dlion_jax import _sparse
 from dlion_jax import transforms
 
 # Old paths (dlion_jax._deprecations.MOVED).
@@ -65,7 +70,8 @@ class LocalStepsState(NamedTuple):
 
 def local_steps(inner: optax.GradientTransformation,
                 outer: optax.GradientTransformation, *,
-                every: int) -> optax.GradientTransformation:
+                every: int, late: bool = False
+                ) -> optax.GradientTransformation:
   """``every`` steps of ``inner`` on each worker alone, then one ``outer``.
 
   On the steps inside a round the update is ``inner``'s, and nothing is
@@ -105,6 +111,14 @@ def local_steps(inner: optax.GradientTransformation,
       :func:`~dlion_jax.rounds.nesterov_outer`. Its update must be the same
       on every worker.
     every: ``H``, the steps of a round (1: an outer step every step).
+    late: the outer step one round late: the step that ends round ``r``
+      sends round ``r - 1``'s pseudo-gradients (kept in the state,
+      :class:`OneRoundLateState`: 4 bytes a parameter more) and moves the
+      anchor by their outer update, so that the exchange depends on the
+      state alone, not on this step's gradients, and may overlap them; the
+      first round moves nothing. Streaming DiLoCo's overlap (Douillard et
+      al., 2025) at a delay of a whole round; its cost is in
+      docs/training.md.
 
   Returns:
     An optax ``GradientTransformation`` whose ``update`` needs ``params``.
@@ -127,6 +141,9 @@ def local_steps(inner: optax.GradientTransformation,
            [-0.5]], dtype=float32)
   """
   every = _checks.positive_int("every", every)
+  late = _checks.flag("late", late, "whether the outer step is one round "
+                      "late")
+  late_outer = _one_round_late(outer) if late else None
 
   def init_fn(params):
     inner_state = inner.init(params)
@@ -137,7 +154,8 @@ def local_steps(inner: optax.GradientTransformation,
     return LocalStepsState(
         count=jnp.zeros([], jnp.int32),
         anchor=jax.tree.map(jnp.asarray, params), inner_state=inner_state,
-        outer_state=outer.init(params), restart=jnp.zeros([], bool))
+        outer_state=(late_outer or outer).init(params),
+        restart=jnp.zeros([], bool))
 
   def update_fn(updates, state, params=None):
     if params is None:
@@ -148,11 +166,19 @@ def local_steps(inner: optax.GradientTransformation,
                                               params)
     count = optax.safe_int32_increment(state.count)
     restart = count % every == 0
+    late_updates = late_state = None
+    if late:   # from the state alone, ahead of this step's round
+      late_updates, late_state = late_outer.update(
+          restart, state.outer_state, state.anchor)
 
     def outer_step(anchor, outer_state, inner_state):
       trained = optax.apply_updates(params, inner_updates)
       delta = jax.tree.map(jnp.subtract, anchor, trained)
-      outer_updates, new_state = outer.update(delta, outer_state, anchor)
+      if late:
+        outer_updates, new_state = late_updates, late_state._replace(
+            pending=delta, ready=jnp.ones([], bool))
+      else:
+        outer_updates, new_state = outer.update(delta, outer_state, anchor)
       # As it was (a trace of an int leaf would come back float): the
       # state of both branches of the cond.
       outer_state = optax.tree_utils.tree_cast_like(new_state, outer_state)
@@ -170,6 +196,32 @@ def local_steps(inner: optax.GradientTransformation,
         inner_state)
     return new_updates, LocalStepsState(count, anchor, inner_state,
                                         outer_state, restart)
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _one_round_late(outer: optax.GradientTransformation):
+  """``outer`` on the pseudo-gradients its state keeps from the last round
+  (:class:`OneRoundLateState`). Its ``update(restart, state, anchor)``
+  runs ``outer`` where ``restart`` and a pending round are, and returns
+  zero updates and the state as it was elsewhere; the caller stores the
+  new round's pseudo-gradients."""
+
+  def init_fn(params):
+    return OneRoundLateState(
+        pending=jax.tree.map(jnp.zeros_like, params),
+        ready=jnp.zeros([], bool), outer_state=outer.init(params))
+
+  def update_fn(restart, state, anchor):
+    def step(pending, outer_state):
+      updates, new_state = outer.update(pending, outer_state, anchor)
+      return updates, optax.tree_utils.tree_cast_like(new_state, outer_state)
+
+    def wait(pending, outer_state):
+      return jax.tree.map(jnp.zeros_like, pending), outer_state
+    updates, outer_state = lax.cond(restart & state.ready, step, wait,
+                                    state.pending, state.outer_state)
+    return updates, state._replace(outer_state=outer_state)
 
   return optax.GradientTransformation(init_fn, update_fn)
 
@@ -206,6 +258,233 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
   return optax.chain(transforms.pmean_gradients(axis_name),
                      optax.sgd(learning_rate, momentum=momentum,
                                nesterov=True))
+
+
+class VotedMeanState(NamedTuple):
+  """State of :func:`scale_by_voted_mean` on one worker.
+
+  Attributes:
+    error: this worker's residual ``e_i``, what its earlier votes could not
+      say (float32, float64 for float64 leaves); it differs from worker to
+      worker.
+  """
+  error: optax.Updates
+
+
+def scale_by_voted_mean(
+    *, axis_name: _exchange.AxisName = "data",
+    aggregation: _message.Aggregation = "mavo",
+    vote: _quantize.Vote = "binary", quantizer: _quantize.Quantizer = "sign",
+    bits: int | None = None, comm: _message.CommChoice = "auto",
+    error_feedback: bool = True, sparse_chunk: int | None = None,
+    sparse_keep: int = 1) -> optax.GradientTransformation:
+  r"""The workers' mean pseudo-gradient, each worker sending a few bits.
+
+  Worker :math:`i`, given :math:`\delta_i` (an outer step's pseudo-gradient),
+  says :math:`p_i = \delta_i + e_i` as a code :math:`q_i` of values in
+  :math:`[-1, 1]` and a scale :math:`s_i` a leaf, keeping what it could not
+  say (error feedback; Karimireddy et al., 2019):
+
+  .. math::
+
+    e_i \leftarrow p_i - s_i q_i
+
+  * dense (``sparse_chunk=None``): :math:`q_i` is Distributed Lion's vote
+    on :math:`p_i` (``vote``, ``quantizer``, ``bits`` as in
+    :func:`dlion_jax.scale_by_distributed_lion`; an L1 level :math:`l`
+    counts :math:`l / L`), :math:`s_i` the mean :math:`|p_i|` of the leaf,
+    and :math:`U = \bar s\, V`, with :math:`V = \mathrm{sign}(\sum_i
+    q_i)` (``'mavo'``) or :math:`\frac1N \sum_i q_i` (``'avg'``) exchanged
+    as Distributed Lion's votes are (``comm``) and :math:`\bar s` the
+    workers' mean scale (a float32 a leaf, all-reduced);
+  * sparse (``sparse_chunk=C``): :math:`q_i` is the sign of the
+    ``sparse_keep`` entries of largest :math:`|p_i|` in every chunk of
+    :math:`C` and 0 elsewhere, :math:`s_i` their mean magnitude, and
+    :math:`U = \frac1N \sum_i s_i q_i` from every worker's positions and
+    signs, one word an entry, gathered (``aggregation`` and ``comm`` do
+    not apply): at :math:`C = 128` a worker sends 8 bits for 128 entries.
+
+  Every worker returns the same :math:`U`, an estimate of the mean
+  :math:`\frac1N \sum_i \delta_i` (what DiLoCo all-reduces in fp32), to
+  feed an outer step (:func:`voted_outer`). With ``error_feedback=False``
+  there is no residual (:math:`e_i = 0`, no state). The residual costs
+  4 bytes a parameter a worker (8 for float64 leaves); a non-finite
+  entry of :math:`p_i` leaves 0 there.
+
+  Args:
+    axis_name: the workers' axis.
+    aggregation: ``'mavo'`` or ``'avg'`` (dense only).
+    vote: ``'binary'`` or ``'ternary'`` (dense, ``quantizer='sign'``).
+    quantizer: ``'sign'``, ``'ternary_l1'`` or ``'pbit_l1'`` (dense only).
+    bits: bits a vote for ``quantizer='pbit_l1'``.
+    comm: how the dense votes travel, as in
+      :func:`dlion_jax.scale_by_distributed_lion`.
+    error_feedback: carry each worker's residual into its next vote.
+    sparse_chunk: ``None`` (dense), or the chunk, a power of two up to
+      32768, of which ``sparse_keep`` entries vote.
+    sparse_keep: entries of every chunk that vote (sparse only).
+
+  Returns:
+    A :class:`optax.GradientTransformation` whose state is a
+    :class:`VotedMeanState` (:class:`optax.EmptyState` without error
+    feedback).
+
+  References:
+    Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient
+    Compression Schemes <https://arxiv.org/abs/1901.09847>`_, ICML 2019.
+    Sarfi et al., `SparseLoCo: Communication-Efficient LLM Training
+    <https://arxiv.org/abs/2508.15706>`_, 2025.
+  """
+  _checks.check_choice("aggregation", aggregation, _exchange.AGGREGATIONS)
+  _checks.check_choice("comm", comm, _exchange.COMM_CHOICES)
+  spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
+  error_feedback = _checks.flag("error_feedback", error_feedback,
+                                "whether each worker keeps its residual")
+  sparse = (None if sparse_chunk is None
+            else _sparse.sparsity(sparse_chunk, sparse_keep))
+  if sparse is not None and (spec != _quantize.BINARY or
+                             aggregation != "mavo" or comm != "auto"):
+    raise ValueError(
+        "scale_by_voted_mean: the sparse vote (sparse_chunk="
+        f"{sparse_chunk}) sends signs and positions, every worker's "
+        "gathered: leave aggregation, vote, quantizer, bits and comm at "
+        "their defaults, or set sparse_chunk=None for the dense vote.")
+
+  def init_fn(params):
+    _checks.check_float_leaves(params, "params")
+    if not error_feedback:
+      return optax.EmptyState()
+    return VotedMeanState(jax.tree.map(
+        lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)),
+        params))
+
+  def update_fn(updates, state, params=None):
+    del params
+    _checks.check_float_leaves(updates, "pseudo-gradient")
+    num_workers = _exchange.workers_along(axis_name)
+    leaves, treedef = jax.tree.flatten(updates)
+    wide = [d.astype(_quantize.scale_dtype(d.dtype)) for d in leaves]
+    if error_feedback:
+      wide = [p + e for p, e in zip(wide, treedef.flatten_up_to(
+          state.error))]
+    if sparse is not None:
+      means, said = _sparse.mean_of_votes(
+          wide, sparse, axis_name=axis_name, num_workers=num_workers)
+    else:
+      means, said = _dense_mean(wide, spec, axis_name=axis_name,
+                                num_workers=num_workers,
+                                aggregation=aggregation, comm=comm)
+    means = [u.astype(d.dtype) for u, d in zip(means, leaves)]
+    if not error_feedback:
+      return treedef.unflatten(means), state
+    error = [jnp.where(jnp.isfinite(r), r, 0) for r in (
+        p - s for p, s in zip(wide, said))]
+    return treedef.unflatten(means), VotedMeanState(treedef.unflatten(error))
+
+  return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
+  """A worker's vote on ``p`` as values in ``[-1, 1]``: what the vote's
+  codes say (:func:`dlion_jax._quantize.encode`)."""
+  if spec.scaled:
+    return _quantize.l1_levels(p, spec.max_level) / spec.max_level
+  if spec.radix == 2:
+    return jnp.where(p > 0, 1.0, -1.0).astype(p.dtype)
+  return jnp.sign(p)
+
+
+def _dense_mean(leaves, spec, *, axis_name, num_workers, aggregation, comm):
+  """:func:`scale_by_voted_mean`'s dense ``U`` of each leaf, and what this
+  worker said (``s_i q_i``)."""
+  scales = [_quantize.l1_scale(p) for p in leaves]
+  mean_scales = _collectives.pmean(scales, axis_name)
+  votes = _exchange.aggregate(
+      lambda p: p, leaves, axis_name=axis_name, num_workers=num_workers,
+      spec=spec, aggregation=aggregation, comm=comm)
+  means = [s * v.astype(s.dtype) for s, v in zip(mean_scales, votes)]
+  said = [s * _own_values(p, spec) for s, p in zip(scales, leaves)]
+  return means, said
+
+
+def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
+                axis_name: _exchange.AxisName = "data",
+                momentum: float = 0.0, lion: tuple[float, float] | None = None,
+                aggregation: _message.Aggregation = "mavo",
+                vote: _quantize.Vote = "binary",
+                quantizer: _quantize.Quantizer = "sign",
+                bits: int | None = None, comm: _message.CommChoice = "auto",
+                error_feedback: bool = True, sparse_chunk: int | None = None,
+                sparse_keep: int = 1) -> optax.GradientTransformation:
+  r"""An outer step on the workers' voted mean pseudo-gradient.
+
+  The mean :math:`U` of :func:`scale_by_voted_mean` (error-fed, dense or
+  sparse votes) takes the place of DiLoCo's fp32 all-reduce, then one of:
+
+  * ``momentum=0`` (the default; SparseLoCo's, whose error feedback
+    stands in for the momentum): :math:`\theta \leftarrow \theta - \eta U`;
+  * ``momentum=mu``: Nesterov SGD on :math:`U`, DiLoCo's outer step;
+  * ``lion=(b1, b2)``: a Lion step on :math:`U` (DSM-LS uses
+    ``(0.95, 0.98)``), :math:`\eta` then the size of a sign step.
+
+  The outer momentum, if any, is the same on every worker (it sees the
+  same :math:`U`): 4 bytes a parameter beside the residual's 4.
+
+  Args:
+    learning_rate: the outer learning rate :math:`\eta`, a float or a
+      schedule of the outer steps (rounds).
+    axis_name: the workers' axis.
+    momentum: Nesterov momentum in ``[0, 1)``; 0: none.
+    lion: ``None``, or Lion's ``(b1, b2)`` for a sign step (``momentum``
+      then 0).
+    aggregation, vote, quantizer, bits, comm, error_feedback, sparse_chunk,
+      sparse_keep: the vote, see :func:`scale_by_voted_mean`.
+
+  Returns:
+    An optax ``GradientTransformation``.
+
+  Example:
+    >>> import optax, dlion_jax as dl
+    >>> tx = dl.local_steps(optax.lion(1e-3), dl.rounds.voted_outer(
+    ...     1.0, axis_name="data"), every=32)
+  """
+  momentum = _checks.decay_rate("momentum", momentum,
+                                "the outer step's Nesterov momentum")
+  vote_tx = scale_by_voted_mean(
+      axis_name=axis_name, aggregation=aggregation, vote=vote,
+      quantizer=quantizer, bits=bits, comm=comm,
+      error_feedback=error_feedback, sparse_chunk=sparse_chunk,
+      sparse_keep=sparse_keep)
+  if lion is not None:
+    if momentum:
+      raise ValueError(
+          f"voted_outer: momentum={momentum} and lion={lion!r} are two outer "
+          "steps; give one (momentum=0 with lion).")
+    b1, b2 = lion
+    _checks.decay_rate("lion[0]", b1, "Lion's b1")
+    _checks.decay_rate("lion[1]", b2, "Lion's b2")
+    step = optax.scale_by_lion(b1=b1, b2=b2)
+  elif momentum:
+    step = optax.trace(decay=momentum, nesterov=True)
+  else:
+    step = optax.identity()
+  return optax.chain(vote_tx, step,
+                     optax.scale_by_learning_rate(learning_rate))
+
+
+class OneRoundLateState(NamedTuple):
+  """The outer state of :func:`local_steps` with ``late=True``.
+
+  Attributes:
+    pending: this worker's pseudo-gradient of the last round, which the
+      next outer step sends.
+    ready: whether ``pending`` holds one (bool scalar, the same on every
+      worker): False until the first round ends.
+    outer_state: the outer optimizer's state.
+  """
+  pending: optax.Updates
+  ready: jax.Array
+  outer_state: optax.OptState
 
 
 def _local_steps_states(state: Any) -> list[LocalStepsState]:

@@ -20,7 +20,7 @@ LAYERS = [
     ("the collectives both doors use", ["_collectives"]),
     ("blocks: a leaf's part on each device of the fast axes", ["_blocks"]),
     ("codec: vote codes, digits packed into words",
-     ["_quantize", "_packing"]),
+     ["_quantize", "_packing", "_sparse"]),
     ("codec: the comm strategies", ["_strategies"]),
     ("codec: the message, the fused kernels", ["_message", "_fused"]),
     ("codec: the vote over an axis", ["_exchange"]),

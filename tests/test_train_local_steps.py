@@ -33,16 +33,23 @@ def run(tmp_path, *overrides, resume=False):
   return out, lines
 
 
-@pytest.mark.parametrize("outer,bits", [("dlion", dl.wire_bits(8)),
-                                        ("nesterov", dl.allreduce_bits(8))])
-def test_the_outer_step_is_sent_once_a_round(tmp_path, outer, bits):
+@pytest.mark.parametrize("outer,bits,more", [
+    ("dlion", dl.wire_bits(8), []), ("nesterov", dl.allreduce_bits(8), []),
+    ("voted", dl.wire_bits(8), []),
+    ("voted", dl.sparse_vote_bits(8, sparse_chunk=32),
+     ["optimizer.outer_sparse_chunk=32"])],
+    ids=["dlion", "nesterov", "voted", "voted-sparse"])
+def test_the_outer_step_is_sent_once_a_round(tmp_path, outer, bits, more):
   out, lines = run(tmp_path, "optimizer.local_steps=8",
-                   f"optimizer.outer={outer}", "model.hidden=[128,128]")
+                   f"optimizer.outer={outer}", "model.hidden=[128,128]",
+                   *more)
   summary = out["summary"]
   # 8 rounds in 64 steps: the outer step's bits / 8, plus the loss's mean
   # and the padding of 26,122 params' message.
   assert summary["analytic_bits_per_param"] == pytest.approx(bits / 8)
-  assert summary["sent_bits_per_param"] == pytest.approx(bits / 8, rel=0.03)
+  # The sparse vote's six float32 scales, gathered, add 3 % more here.
+  assert summary["sent_bits_per_param"] == pytest.approx(
+      bits / 8, rel=0.06 if more else 0.03)
   assert summary["test_accuracy"] > 0.5          # it learns: 10 classes
   assert f"dlion alone for 8 steps then a {outer} outer step" in lines[0]
   # The model is the anchor, the same on every worker.
@@ -53,11 +60,15 @@ def test_the_outer_step_is_sent_once_a_round(tmp_path, outer, bits):
     np.testing.assert_array_equal(rows, np.broadcast_to(rows[0], rows.shape))
 
 
-def test_resume_in_the_middle_of_a_round_is_bit_for_bit(tmp_path):
+@pytest.mark.parametrize("outer", [[], [
+    "optimizer.outer=voted", "optimizer.outer_late=true",
+    "optimizer.outer_sparse_chunk=16"]], ids=["dlion", "voted-late"])
+def test_resume_in_the_middle_of_a_round_is_bit_for_bit(tmp_path, outer):
   """Rounds end at steps 3 and 6; the run resumes from step 4, each
-  worker's own params, the anchor and every state restored."""
+  worker's own params, the anchor and every state (the voted outer
+  step's residuals and the late one's pending round) restored."""
   flags = ["optimizer.local_steps=3", "train.steps=8",
-           "train.checkpoint_every=4"]
+           "train.checkpoint_every=4", *outer]
   straight, _ = run(tmp_path, *flags)
   shutil.rmtree(tmp_path / "checkpoints" / "8")     # as if killed after 4
   resumed, lines = run(tmp_path, *flags, resume=True)
@@ -131,6 +142,13 @@ def test_config_mistakes_name_the_key(tmp_path):
     load_config(quickstart, [*base, "optimizer.local_steps=0"])
   with pytest.raises(ConfigError, match="optimizer.outer='adam'"):
     load_config(quickstart, [*base, "optimizer.outer=adam"])
+  with pytest.raises(ConfigError) as e:
+    load_config(quickstart, [*base, "optimizer.local_steps=4",
+                             "optimizer.outer=voted",
+                             "optimizer.outer_sparse_chunk=100"])
+  assert_names(e, "optimizer.outer_sparse_chunk=100", "power of two")
+  with pytest.raises(ConfigError, match="optimizer.outer_step='adam'"):
+    load_config(quickstart, [*base, "optimizer.outer_step=adam"])
 
 
 def test_the_vote_steps_take_the_schedule_shape_at_each_round_end():

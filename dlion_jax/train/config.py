@@ -98,15 +98,31 @@ class OptimizerConfig:
   # of the optimizer above alone (lion for dlion, signum alone for signum:
   # nothing sent), then one outer step of the pseudo-gradients over the
   # workers: dlion (Distributed Lion's vote, with aggregation, vote, comm
-  # and the Lion Cub options above) or nesterov (DiLoCo's, an fp32
-  # all-reduce). 1: every step is an optimizer step over the workers.
+  # and the Lion Cub options above), nesterov (DiLoCo's, an fp32
+  # all-reduce) or voted (dlion_jax.rounds.voted_outer: the workers' mean
+  # pseudo-gradient from error-fed votes, dense with aggregation, vote,
+  # comm, quantizer and bits above, or sparse, then an SGD, Nesterov or
+  # Lion step). 1: every step is an optimizer step over the workers.
   local_steps: int = 1
-  outer: str = "dlion"              # dlion | nesterov
-  # nesterov: constant, null 0.7 (DiLoCo's); dlion: the peak, null 10 x
-  # learning_rate, shaped by the schedule above at each round's last step.
+  outer: str = "dlion"              # dlion | nesterov | voted
+  # nesterov, voted: constant, null 0.7 (DiLoCo's) and 1.0; dlion: the
+  # peak, null 10 x learning_rate, shaped by the schedule above at each
+  # round's last step (voted too with outer_schedule: inner).
   outer_learning_rate: Optional[float] = None
   outer_momentum: float = 0.9       # nesterov's momentum; dlion's b1
   outer_b2: float = 0.99            # dlion's b2
+  # voted: the step on the voted mean, sgd (Nesterov with outer_momentum
+  # above 0) or lion (b1 outer_momentum, b2 outer_b2); each worker's
+  # residual carried into its next vote; sparse: outer_sparse_keep entries
+  # of every outer_sparse_chunk vote (null: all, dense).
+  outer_step: str = "sgd"           # sgd | lion
+  outer_schedule: str = "constant"  # constant | inner
+  outer_error_feedback: bool = True
+  outer_sparse_chunk: Optional[int] = None
+  outer_sparse_keep: int = 1
+  # The outer step one round late, its exchange apart from the step's
+  # gradients (dlion_jax.local_steps's late).
+  outer_late: bool = False
 
 
 @dataclasses.dataclass
@@ -181,12 +197,14 @@ _CHOICES = {
     "optimizer.comm": ("auto", "alltoall", "allgather", "psum", "psum_int8"),
     "optimizer.quantizer": ("sign", "ternary_l1", "pbit_l1"),
     "optimizer.sync_schedule": ("every", "growing"),
-    "optimizer.outer": ("dlion", "nesterov"),
+    "optimizer.outer": ("dlion", "nesterov", "voted"),
+    "optimizer.outer_step": ("sgd", "lion"),
+    "optimizer.outer_schedule": ("constant", "inner"),
     "faults.kind": ("none", "sign_flip", "random", "scale", "nonfinite"),
 }
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
              "train.steps", "train.log_every", "train.keep_checkpoints",
-             "optimizer.local_steps")
+             "optimizer.local_steps", "optimizer.outer_sparse_keep")
 _NON_NEGATIVE = ("faults.workers", "train.eval_every",
                  "train.checkpoint_every",
                  "optimizer.warmup_steps", "optimizer.learning_rate",
@@ -289,6 +307,18 @@ def _validate_local_steps(config: Config) -> None:
     if not 0 <= getattr(opt, key) < 1:
       raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
                         "[0, 1).", key=f"optimizer.{key}")
+  chunk = opt.outer_sparse_chunk
+  if chunk is not None and (chunk < 2 or chunk & (chunk - 1)
+                            or chunk > 2**15):
+    raise ConfigError(
+        f"optimizer.outer_sparse_chunk={chunk} must be a power of two from "
+        "2 to 32768 (e.g. 128: one entry of every 128 votes), or null for "
+        "the dense vote.", key="optimizer.outer_sparse_chunk")
+  if chunk is not None and opt.outer_sparse_keep >= chunk:
+    raise ConfigError(
+        f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} must be below "
+        f"optimizer.outer_sparse_chunk={chunk}.",
+        key="optimizer.outer_sparse_keep")
   if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
     raise ConfigError(
         f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "

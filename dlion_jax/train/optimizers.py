@@ -29,6 +29,7 @@ GLOBAL_OPTIMIZERS = ("lion", "adamw", "sgd")
 # (Douillard et al., 2023); for dlion's sign steps, this many times the
 # inner learning rate (docs/training.md, "Local steps").
 NESTEROV_OUTER_LEARNING_RATE = 0.7
+VOTED_OUTER_LEARNING_RATE = 1.0
 DLION_OUTER_LEARNING_RATE_FACTOR = 10
 
 
@@ -83,7 +84,7 @@ def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
   lr = make_schedule(cfg, total_steps)
   if cfg.local_steps > 1:
     return dl.local_steps(_alone(cfg, lr), _outer(cfg, lr, axis_name),
-                          every=cfg.local_steps)
+                          every=cfg.local_steps, late=cfg.outer_late)
   if cfg.name == "dlion":
     return dl.distributed_lion(
         lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
@@ -128,15 +129,36 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
     return dl.rounds.nesterov_outer(
         _or(peak, NESTEROV_OUTER_LEARNING_RATE),
         momentum=cfg.outer_momentum, axis_name=axis_name)
-  peak = _or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate)
-  h = cfg.local_steps
-  lr = peak if not cfg.learning_rate else (
-      lambda rounds: peak * schedule((rounds + 1) * h - 1) / cfg.learning_rate)
+  if cfg.outer == "voted":
+    peak = _or(peak, VOTED_OUTER_LEARNING_RATE)
+    lion = cfg.outer_step == "lion"
+    return dl.rounds.voted_outer(
+        _shaped(peak, cfg, schedule) if cfg.outer_schedule == "inner"
+        else peak, axis_name=axis_name,
+        momentum=0.0 if lion else cfg.outer_momentum,
+        lion=(cfg.outer_momentum, cfg.outer_b2) if lion else None,
+        aggregation=cfg.aggregation, vote=cfg.vote, comm=cfg.comm,
+        quantizer=cfg.quantizer, bits=cfg.bits,
+        error_feedback=cfg.outer_error_feedback,
+        sparse_chunk=cfg.outer_sparse_chunk,
+        sparse_keep=cfg.outer_sparse_keep)
+  lr = _shaped(_or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate),
+               cfg, schedule)
   # The inner optimizer decays the weights: none in the outer step.
   return dl.distributed_lion(
       lr, b1=cfg.outer_momentum, b2=cfg.outer_b2, weight_decay=0.0,
       axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
       comm=cfg.comm, bucket_bytes=cfg.bucket_bytes, **lion_cub_options(cfg))
+
+
+def _shaped(peak: float, cfg: OptimizerConfig, schedule: optax.Schedule):
+  """``peak`` times the inner ``schedule``'s shape at each round's last
+  step (a schedule of rounds), or ``peak`` where the inner rate is 0."""
+  h = cfg.local_steps
+  if not cfg.learning_rate:
+    return peak
+  return lambda rounds: peak * schedule((rounds + 1) * h - 1) / (
+      cfg.learning_rate)
 
 
 def outer_steps(cfg: OptimizerConfig, steps: int) -> int:
@@ -155,6 +177,10 @@ def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
             else outer_steps(cfg, steps) / steps)
     if cfg.outer == "nesterov":
       return dl.allreduce_bits(num_workers) * rate
+    if cfg.outer == "voted" and cfg.outer_sparse_chunk:
+      return rate * dl.sparse_vote_bits(
+          num_workers, sparse_chunk=cfg.outer_sparse_chunk,
+          sparse_keep=cfg.outer_sparse_keep)
     return rate * dl.wire_bits(
         num_workers, aggregation=cfg.aggregation, vote=cfg.vote,
         comm=cfg.comm, quantizer=cfg.quantizer, bits=cfg.bits)

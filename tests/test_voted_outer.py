@@ -1,0 +1,386 @@
+"""The voted outer steps of local steps (dl.rounds.voted_outer) against
+numpy, in the steps users build.
+
+Each worker runs SGD alone for a round; at its end every worker's
+pseudo-gradient plus its residual is voted on (dense: Distributed Lion's
+codes with a scale a leaf; sparse: the largest entries of each chunk), the
+workers' mean is decoded, and an outer step (none, Nesterov's or Lion's)
+moves the anchor, with the residual of what each worker could not say
+carried into its next vote. The numpy reference is written from that
+description (tests/reference.py's votes); the outer step one round late
+(``late=True``) is checked the same way. Every comm agrees bit for bit;
+numpy agrees to float32 rounding (the workers' mean scale is an
+all-reduce, whose order of summation is XLA's).
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import optax
+import pytest
+
+import dlion_jax as dl
+from dlion_jax import _message as message
+from dlion_jax import devices
+from dlion_jax import elastic
+from dlion_jax import parallel
+from dlion_jax import rounds
+from messages import assert_names
+from reference import _l1_scale
+from reference import aggregate
+from reference import l1_vote
+from reference import max_level
+from reference import worker_vote
+from test_doors import DOORS
+from test_doors import mesh_of
+from test_doors import run as run_door
+from test_rounds import EVERY
+from test_rounds import INNER_LR
+from test_rounds import SHAPES
+from test_rounds import mean_loss
+from test_rounds import problem
+from test_rounds import run_step
+
+OUTER_LR = 0.75
+STEPS = 3 * EVERY + 1    # three rounds, and a step into the fourth
+
+
+class VotedMean:
+  """numpy's :func:`dl.rounds.scale_by_voted_mean`: each worker's residual
+  and the mean every worker decodes."""
+
+  def __init__(self, n, *, aggregation="mavo", vote="binary",
+               quantizer="sign", bits=None, sparse=None,
+               error_feedback=True):
+    self.n, self.aggregation, self.vote = n, aggregation, vote
+    self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
+    self.error_feedback, self.errors = error_feedback, None
+
+  def _dense(self, ps):
+    level = max_level(self.quantizer, self.bits)
+    if self.quantizer == "sign":
+      qs = [worker_vote(p, self.vote) for p in ps]
+    else:
+      qs = [l1_vote(p, level) for p in ps]
+    scales = [_l1_scale(p) for p in ps]
+    total = np.float32(0)
+    for s in scales:
+      total = np.float32(total + s)
+    mean_scale = np.float32(total / np.float32(self.n))
+    mean = mean_scale * aggregate(qs, self.aggregation, np.float32, level)
+    said = [s * (q.astype(np.float32) / np.float32(level))
+            for s, q in zip(scales, qs)]
+    return mean, said
+
+  def _sparse(self, ps):
+    chunk, keep = self.sparse
+    said = []
+    for p in ps:
+      rows = np.pad(p.ravel(), (0, -p.size % chunk)).reshape(-1, chunk)
+      size = np.where(np.isfinite(rows), np.abs(rows), 0)
+      where = np.argsort(-size, axis=1, kind="stable")[:, :keep]
+      top = np.take_along_axis(size, where, 1)
+      s = np.float32(top.sum(dtype=np.float64)) * np.float32(1 / top.size)
+      q = np.zeros_like(rows)
+      np.put_along_axis(q, where, np.where(
+          np.take_along_axis(rows, where, 1) > 0, s, -s), 1)
+      said.append(q.ravel()[:p.size].reshape(p.shape))
+    total = np.zeros_like(ps[0])
+    for s in said:
+      total = total + s
+    return total * np.float32(1 / self.n), said
+
+  def mean(self, deltas):
+    if self.errors is None:
+      self.errors = [{k: np.zeros(v.shape, np.float32) for k, v in d.items()}
+                     for d in deltas]
+    out = {}
+    for k in deltas[0]:
+      ps = [d[k].astype(np.float32) + (e[k] if self.error_feedback else 0)
+            for d, e in zip(deltas, self.errors)]
+      out[k], said = (self._sparse if self.sparse else self._dense)(ps)
+      for e, p, s in zip(self.errors, ps, said):
+        r = p - s
+        e[k] = np.where(np.isfinite(r), r, 0).astype(np.float32)
+    return out
+
+
+def outer_of(mean: VotedMean, step="sgd", *, momentum=0.9, b1=0.95,
+             b2=0.98):
+  """anchor, deltas -> the new anchor: ``step`` on the voted mean."""
+  state = {}
+
+  def outer(anchor, deltas):
+    u = mean.mean(deltas)
+    new = {}
+    for k, a in anchor.items():
+      m = state.get(k, np.zeros_like(u[k]))
+      if step == "nesterov":
+        state[k] = momentum * m + u[k]
+        d = momentum * state[k] + u[k]
+      elif step == "lion":
+        d = np.sign((1 - b1) * u[k] + b1 * m)
+        state[k] = b2 * m + (1 - b2) * u[k]
+      else:
+        d = u[k]
+      # As optax rounds: the update in the leaf's dtype, then the sum.
+      moved = (d.astype(a.dtype).astype(np.float32)
+               * np.float32(-OUTER_LR)).astype(a.dtype)
+      new[k] = (a.astype(np.float32) + moved.astype(np.float32)).astype(
+          a.dtype)
+    return new
+  return outer
+
+
+def numpy_rounds(params, grads, n, outer, *, late=False):
+  """Each worker's params after each step (SGD within a round), ``outer``
+  at a round's end on this round's pseudo-gradients, or (``late``) on
+  the last round's."""
+  anchor = {k: v.copy() for k, v in params.items()}
+  local = [{k: v.copy() for k, v in params.items()} for _ in range(n)]
+  pending, history = None, []
+  for t, g in enumerate(grads, start=1):
+    for i, p in enumerate(local):
+      for k in p:
+        p[k] = (p[k] - p[k].dtype.type(INNER_LR) * g[k][i]).astype(p[k].dtype)
+    if t % EVERY == 0:
+      deltas = [{k: anchor[k] - p[k] for k in p} for p in local]
+      if not late:
+        anchor = outer(anchor, deltas)
+      elif pending is not None:
+        anchor = outer(anchor, pending)
+      pending = deltas
+      local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
+    history.append({k: np.stack([p[k] for p in local]) for k in params})
+  return history
+
+
+def assert_close(got, want, what):
+  for t, (g, w) in enumerate(zip(got, want), start=1):
+    for k in SHAPES:
+      np.testing.assert_allclose(np.asarray(g[k], np.float32),
+                                 np.asarray(w[k], np.float32), rtol=2e-6,
+                                 atol=1e-6, err_msg=f"{what} step {t} {k}")
+
+
+def problem_apart(n, steps, dtype=np.float32, seed=0):
+  """test_rounds' problem, with each worker's gradient of one sign on
+  each entry for the whole run: a pseudo-gradient is never within
+  rounding of 0, where a binary vote would turn on the last bit of the
+  workers' mean scale (an all-reduce, summed in XLA's order)."""
+  params, grads = problem(n, steps, dtype, seed)
+  rng = np.random.default_rng(seed + 1)
+  signs = {k: rng.choice([-1, 1], (n,) + s) for k, s in SHAPES.items()}
+  return params, [{k: (signs[k] * (np.abs(g[k]) + 1)).astype(dtype)
+                   for k in g} for g in grads]
+
+
+def check(n, vote_options, *, step="sgd", late=False, comms=("auto",),
+          dtype=np.float32):
+  params, grads = problem_apart(n, STEPS, dtype)
+  options = {k: v for k, v in vote_options.items() if k != "sparse"}
+  if "sparse" in vote_options:
+    options.update(sparse_chunk=vote_options["sparse"][0],
+                   sparse_keep=vote_options["sparse"][1])
+  want = numpy_rounds(params, grads, n, outer_of(
+      VotedMean(n, **vote_options), step), late=late)
+  runs = {}
+  for comm in comms:
+    outer = rounds.voted_outer(
+        OUTER_LR, axis_name="data",
+        momentum=0.9 if step == "nesterov" else 0.0,
+        lion=(0.95, 0.98) if step == "lion" else None, comm=comm, **options)
+    tx = dl.local_steps(optax.sgd(INNER_LR), outer, every=EVERY, late=late)
+    runs[comm], state = run_step(tx, params, grads, n)
+    assert_close(runs[comm], want, comm)
+  for comm in comms[1:]:                 # the strategies agree bit for bit
+    for a, b in zip(runs[comms[0]], runs[comm]):
+      for k in SHAPES:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=comm)
+  # The outer step moved the anchor, and every worker holds the same one.
+  anchor = rounds.anchor(state)["w"]
+  assert not np.array_equal(anchor[0], params["w"])
+  assert (anchor == anchor[0]).all()
+  return state
+
+
+@pytest.mark.parametrize("n,options", [
+    (3, {}),
+    (8, {"aggregation": "avg"}),
+    (8, {"vote": "ternary"}),
+    (3, {"quantizer": "pbit_l1", "bits": 3, "aggregation": "avg"}),
+    (3, {"quantizer": "ternary_l1"}),
+], ids=["mavo-3", "avg-8", "ternary-8", "pbit3-avg-3", "ternary_l1-3"])
+def test_dense_vote_matches_numpy(n, options):
+  check(n, options)
+
+
+@pytest.mark.parametrize("n,aggregation", [(3, "mavo"), (8, "avg")])
+def test_every_comm_gives_the_same_steps(n, aggregation):
+  check(n, {"aggregation": aggregation}, comms=message.COMMS)
+
+
+@pytest.mark.parametrize("n,sparse", [(3, (8, 2)), (8, (16, 1))])
+def test_sparse_vote_matches_numpy(n, sparse):
+  check(n, {"sparse": sparse})
+
+
+@pytest.mark.parametrize("step", ["nesterov", "lion"])
+def test_outer_steps_on_the_voted_mean_match_numpy(step):
+  check(3, {}, step=step)
+
+
+def test_bf16_params_vote_their_float32_residuals():
+  state = check(3, {}, dtype=ml_dtypes.bfloat16)
+  error = state.outer_state[0].error["w"]
+  assert error.dtype == np.float32 and np.abs(error).max() > 0
+
+
+def test_without_error_feedback_nothing_is_kept():
+  state = check(3, {"error_feedback": False})
+  assert isinstance(state.outer_state[0], optax.EmptyState)
+
+
+@pytest.mark.parametrize("options", [{}, {"sparse": (8, 1)}],
+                         ids=["dense", "sparse"])
+def test_one_round_late_matches_numpy(options):
+  """The outer step of round r at the end of round r + 1; the first
+  round moves nothing."""
+  state = check(3, options, late=True)
+  assert bool(state.outer_state.ready.all())
+
+
+def test_one_round_late_nesterov_is_diloco_delayed():
+  params, grads = problem_apart(3, STEPS)
+
+  def nesterov(anchor, deltas, state={}):
+    new = {}
+    for k, a in anchor.items():
+      g = np.mean([d[k] for d in deltas], 0)
+      state[k] = 0.9 * state.get(k, 0) + g
+      new[k] = (a - np.float32(OUTER_LR) * (0.9 * state[k] + g)).astype(
+          a.dtype)
+    return new
+  want = numpy_rounds(params, grads, 3, nesterov, late=True)
+  tx = dl.local_steps(optax.sgd(INNER_LR), rounds.nesterov_outer(
+      OUTER_LR, momentum=0.9), every=EVERY, late=True)
+  assert_close(run_step(tx, params, grads, 3)[0], want, "nesterov")
+  # Without late, the first round already moves the anchor.
+  early = numpy_rounds(params, grads, 3, nesterov)
+  assert not np.array_equal(early[EVERY - 1]["w"], want[EVERY - 1]["w"])
+
+
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("options", [{}, {"sparse_chunk": 8}],
+                         ids=["dense", "sparse"])
+def test_both_doors_take_the_same_steps(door, options):
+  tx = dl.local_steps(optax.sgd(0.05), rounds.voted_outer(
+      0.5, axis_name="data", **options), every=2, late=True)
+  from test_doors import problem as door_problem
+  got = run_door(door, tx, mesh_of(4), *door_problem(), steps=6,
+                 params_per_worker=True)
+  other = run_door("plain" if door == "shard_map" else "shard_map", tx,
+                   mesh_of(4), *door_problem(), steps=6,
+                   params_per_worker=True)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(other)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("options", [{}, {"sparse": (8, 2)}],
+                         ids=["dense", "sparse"])
+def test_nodes_of_several_devices_vote_their_mean_across_nodes(options):
+  """A hybrid mesh: each node of 4 devices trains on their mean gradient
+  and the voted outer step crosses the nodes: numpy's rounds of the
+  nodes' mean gradients."""
+  nodes, per_node = 2, 4
+  rng = np.random.default_rng(3)
+  params, _ = problem(nodes, 0)
+  rows = [{k: rng.integers(-4, 5, (nodes * per_node,) + s).astype(
+      np.float32) for k, s in SHAPES.items()} for _ in range(STEPS)]
+  node_means = [{k: r[k].reshape((nodes, per_node) + SHAPES[k]).mean(1)
+                 for k in r} for r in rows]
+  want = numpy_rounds(params, node_means, nodes,
+                      outer_of(VotedMean(nodes, **options)))
+  mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
+  sparse = options.get("sparse")
+  tx = dl.local_steps(optax.sgd(INNER_LR), rounds.voted_outer(
+      OUTER_LR, axis_name="data",
+      **({"sparse_chunk": sparse[0], "sparse_keep": sparse[1]}
+         if sparse else {})), every=EVERY)
+  state = parallel.init_worker_states(tx, devices.replicate(params, mesh),
+                                      mesh)
+  ps = devices.stack_for_workers(params, mesh)
+  step = parallel.make_train_step(mean_loss, tx, mesh, params_per_worker=True)
+  got = []
+  for r in rows:
+    ps, state, _ = step(ps, state, devices.shard_batch(
+        r, mesh, axis_name=("data", "fsdp")))
+    got.append(jax.device_get(ps))
+  assert_close(got, want, "hybrid")
+
+
+@pytest.mark.parametrize("error", ["map", "clear"])
+def test_a_resize_maps_or_clears_the_residuals(error):
+  """8 workers to 4 mid-round: each new worker's residual is its pair's
+  mean (or 0 with error='clear'), the anchor kept."""
+  tx = dl.local_steps(optax.sgd(0.1), rounds.voted_outer(
+      0.5, axis_name="data"), every=2, late=True)
+  params, grads = problem_apart(8, 5)
+  _, state = run_step(tx, params, grads, 8)
+  mesh = devices.data_mesh(4)
+  new = elastic.resize_worker_states(
+      tx, state, devices.replicate(jax.tree.map(jnp.zeros_like, params),
+                                   mesh), mesh, error=error)
+  old_error = np.asarray(state.outer_state.outer_state[0].error["w"])
+  new_error = np.asarray(new.outer_state.outer_state[0].error["w"])
+  want = (old_error.reshape(4, 2, *SHAPES["w"]).mean(1) if error == "map"
+          else np.zeros((4, *SHAPES["w"])))
+  np.testing.assert_allclose(new_error, want, rtol=1e-6)
+  pending = np.asarray(new.outer_state.pending["w"])     # mapped as momenta
+  np.testing.assert_allclose(pending, np.asarray(
+      state.outer_state.pending["w"]).reshape(4, 2, *SHAPES["w"]).mean(1),
+      rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(new.anchor["w"])[0],
+                                np.asarray(state.anchor["w"])[0])
+
+
+def test_sparse_vote_bits():
+  assert dl.sparse_vote_bits(8) == 7 * 8 / 128
+  assert dl.sparse_vote_bits(8, sparse_chunk=256) == 7 * 16 / 256
+  assert dl.sparse_vote_bits(3, sparse_chunk=32, sparse_keep=2) == 2 * 16 / 32
+
+
+@pytest.mark.parametrize("call,named", [
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=100),
+     ["sparse_chunk=100", "power of two"]),
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=8, sparse_keep=8),
+     ["sparse_keep=8", "below sparse_chunk=8"]),
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=8, aggregation="avg"),
+     ["sparse_chunk=8", "aggregation", "sparse_chunk=None"]),
+    (lambda: rounds.voted_outer(1.0, momentum=0.9, lion=(0.9, 0.99)),
+     ["momentum=0.9", "lion=(0.9, 0.99)", "give one"]),
+    (lambda: rounds.voted_outer(1.0, momentum=1.0), ["momentum=1.0"]),
+    (lambda: rounds.voted_outer(1.0, error_feedback="yes"),
+     ["error_feedback='yes'"]),
+    (lambda: dl.local_steps(optax.sgd(0.1), rounds.nesterov_outer(0.7),
+                            every=2, late=1), ["late=1", "True or False"]),
+])
+def test_mistakes_are_named(call, named):
+  with pytest.raises(ValueError) as e:
+    call()
+  assert_names(e, *named)
+
+
+def test_sparse_words_say_position_and_sign():
+  """Position 2 * i + sign in a uint8 up to a chunk of 128, uint16 above;
+  ties go to the first position."""
+  from dlion_jax import _sparse
+  p = jnp.array([0.5, -2.0, 2.0, 0.25, 1.0, -1.0, 0.0, 3.0])
+  words, scale, said = _sparse.encode(p, _sparse.sparsity(4, 1))
+  assert words.dtype == jnp.uint8
+  np.testing.assert_array_equal(words, [[2 * 1 + 0], [2 * 3 + 1]])
+  assert scale == 2.5
+  np.testing.assert_array_equal(said, [0, -2.5, 0, 0, 0, 0, 0, 2.5])
+  words, _, _ = _sparse.encode(jnp.ones(300), _sparse.sparsity(256, 1))
+  assert words.dtype == jnp.uint16 and words.shape == (2, 1)
