@@ -627,22 +627,28 @@ def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
   for n in eval_workers(runs, task):
     every = _mean(runs, task, "D-Lion MaVo", n)
     for h in LOCAL_STEPS:
-      ours, theirs = f"D-Lion outer, H={h}", f"DiLoCo outer, H={h}"
-      m_ours, m_theirs = (_mean(runs, task, r, n) for r in (ours, theirs))
-      if m_ours is None or m_theirs is None:
+      theirs = f"DiLoCo outer, H={h}"
+      m_theirs = _mean(runs, task, theirs, n)
+      if m_theirs is None:
         continue
-      b_ours, b_theirs = (_mean_bits(runs, task, r, n)
-                          for r in (ours, theirs))
-      ahead = (m_ours - m_theirs) * better
-      line = (f"N={n}, H={h}: the 1-bit outer vote is {abs(ahead):.2f} "
-              f"{unit} {'ahead of' if ahead >= 0 else 'behind'} DiLoCo's "
-              f"Nesterov step ({m_ours:.2f} at {b_ours:.3f} bits/param/step "
-              f"against {m_theirs:.2f} at {b_theirs:.2f}, "
-              f"{b_theirs / b_ours:.0f}x the bits)")
-      if every is not None:
-        line += (f"; {(m_ours - every) * better:+.2f} {unit} against "
-                 "voting every step")
-      lines.append(line + ".")
+      b_theirs = _mean_bits(runs, task, theirs, n)
+      for ours in LOCAL_ROWS:
+        m_ours = _mean(runs, task, ours, n)
+        if (not ours.endswith(f", H={h}") or ours == theirs
+            or m_ours is None):
+          continue
+        b_ours = _mean_bits(runs, task, ours, n)
+        ahead = (m_ours - m_theirs) * better
+        name = ours.rpartition(", H=")[0]
+        line = (f"N={n}, H={h}: {name} is {abs(ahead):.2f} {unit} "
+                f"{'ahead of' if ahead >= 0 else 'behind'} DiLoCo's "
+                f"Nesterov step ({m_ours:.2f} at {b_ours:.3f} "
+                f"bits/param/step against {m_theirs:.2f} at "
+                f"{b_theirs:.2f}, {b_theirs / b_ours:.0f}x the bits)")
+        if every is not None:
+          line += (f"; {(m_ours - every) * better:+.2f} {unit} against "
+                   "voting every step")
+        lines.append(line + ".")
   return lines
 
 
@@ -748,7 +754,7 @@ def plot_bits(runs: list[dict], path: str) -> None:
   fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
   for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
     n = max(eval_workers(runs, task))
-    series = {"D-Lion outer": [], "DiLoCo outer": []}
+    series = {}
     for row in TASKS[task].rows:
       stats, bits = seed_stats(runs, task, row, n), _mean_bits(
           runs, task, row, n)
@@ -756,7 +762,7 @@ def plot_bits(runs: list[dict], path: str) -> None:
         continue
       point = (bits, stats[0], stats[1], row.rpartition("=")[2])
       if row in LOCAL_ROWS:
-        series[row.partition(",")[0]].append(point)
+        series.setdefault(row.rpartition(", H=")[0], []).append(point)
       else:
         ax.errorbar([bits], [stats[0]], yerr=[stats[1]], marker="s",
                     capsize=3, ls="none", label=f"{row} (every step)")

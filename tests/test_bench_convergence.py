@@ -335,7 +335,8 @@ def test_local_steps_rows_report_the_vote_against_diloco(monkeypatch,
                                                           tmp_path):
   """The local-steps task's rows train, send what their H says, and the
   report and plot compare them (each row at one point: its first values)."""
-  rows = ["D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8"]
+  rows = ["D-Lion MaVo", "D-Lion outer, H=8", "DiLoCo outer, H=8",
+          "EF sparse 1/32, H=8"]
   for row in rows:
     monkeypatch.setitem(convergence.AXES, row, {
         name: axis.fixed() for name, axis in convergence.AXES[row].items()})
@@ -349,5 +350,11 @@ def test_local_steps_rows_report_the_vote_against_diloco(monkeypatch,
   # loss's mean and padding of the 2,442-parameter message).
   assert every / 8 < vote < every / 6
   assert mean == pytest.approx(dl.allreduce_bits(4) / 8, rel=0.02)
-  assert "N=4, H=8: the 1-bit outer vote is" in text
+  sparse = float(table(text, "EF sparse 1/32, H=8")[2].split()[0])
+  # The words, and on this 2,442-parameter model the leaves' scales and
+  # the loss's mean weigh as much again.
+  words = dl.sparse_vote_bits(4, sparse_chunk=32) / 8
+  assert words < sparse < 2 * words
+  assert "N=4, H=8: D-Lion outer is" in text
+  assert "N=4, H=8: EF sparse 1/32 is" in text
   assert (tmp_path / "bits.png").stat().st_size > 10_000

@@ -146,10 +146,13 @@ def test_docs_quote_network_bench():
 
 def test_wire_local_steps_reads_a_round_off_the_compiled_step():
   """Odd N = 3, H = 4: the vote (and DiLoCo's all-reduce) once a round."""
-  for outer, bits in (("dlion", dl.wire_bits(3)),
-                      ("nesterov", dl.allreduce_bits(3))):
+  for outer, bits in (
+      ("dlion", dl.wire_bits(3)), ("voted", dl.wire_bits(3)),
+      ("sparse 1/32", dl.sparse_vote_bits(3, sparse_chunk=32)),
+      ("nesterov", dl.allreduce_bits(3))):
     measured, analytic = wire.local_steps_bits(3, outer, 4)
     assert analytic == bits / 4
-    assert measured == pytest.approx(analytic, rel=0.01)
+    # (the voted means' scales, a float32 a leaf, are under 1 %)
+    assert measured == pytest.approx(analytic, rel=0.01), outer
   text = wire.main(["--sizes", "3", "--local-steps", "1", "4"])
   assert "| 3 | 4 | " in text and "| 3 | 1 | " in text

@@ -142,15 +142,31 @@ def measure_allreduce(num_workers: int, dtype) -> Measurement:
                      lowered, dl.allreduce_bits(num_workers, dtype), ops)
 
 
+# The outer steps of the local-steps table: name -> (the outer optimizer,
+# the analytic bits of its exchange as a function of N).
+OUTER_CODES = {
+    "dlion": (lambda: dl.distributed_lion(1e-2, axis_name=AXIS),
+              dl.wire_bits),
+    "voted": (lambda: dl.rounds.voted_outer(1.0, axis_name=AXIS),
+              dl.wire_bits),
+    "sparse 1/32": (lambda: dl.rounds.voted_outer(
+        1.0, axis_name=AXIS, sparse_chunk=32), lambda n: dl.sparse_vote_bits(
+            n, sparse_chunk=32)),
+    "sparse 1/128": (lambda: dl.rounds.voted_outer(
+        1.0, axis_name=AXIS, sparse_chunk=128), dl.sparse_vote_bits),
+    "nesterov": (lambda: dl.rounds.nesterov_outer(0.7, axis_name=AXIS),
+                 dl.allreduce_bits),
+}
+
+
 def local_steps_bits(num_workers: int, outer: str, every: int
                      ) -> tuple[float, float]:
   """(measured, analytic) bits a worker sends per parameter per step,
   averaged over a round of ``every`` local steps, for the ``outer`` step
-  (``"dlion"`` or ``"nesterov"``)."""
+  (a key of :data:`OUTER_CODES`)."""
   mesh = devices.data_mesh(num_workers, axis_name=AXIS)
-  outer_tx = (dl.distributed_lion(1e-2, axis_name=AXIS) if outer == "dlion"
-              else dl.rounds.nesterov_outer(0.7, axis_name=AXIS))
-  tx = dl.local_steps(optax.lion(1e-3), outer_tx, every=every)
+  make, analytic_bits = OUTER_CODES[outer]
+  tx = dl.local_steps(optax.lion(1e-3), make(), every=every)
   params = {k: jnp.zeros(s) for k, s in SHAPES.items()}
   loss = lambda p, batch: sum(jnp.sum(p[k] * batch[k][0]) for k in p)
   step = parallel.make_train_step(loss, tx, mesh, params_per_worker=True)
@@ -162,30 +178,31 @@ def local_steps_bits(num_workers: int, outer: str, every: int
       devices.shard_batch(batch, mesh)).compile()
   always = hlo.collective_bytes(compiled, conditional=False)
   outer_bytes = hlo.collective_bytes(compiled) - always
-  analytic = (dl.wire_bits(num_workers) if outer == "dlion"
-              else dl.allreduce_bits(num_workers))
   return ((always + outer_bytes / every) * 8 / NUM_PARAMS,
-          analytic / every)
+          analytic_bits(num_workers) / every)
 
 
 def local_steps_report(sizes, hs) -> str:
-  """Markdown: per N and H, what a step with local steps sends."""
+  """Markdown: per N and H, what a step with local steps sends with each
+  outer step of :data:`OUTER_CODES`."""
   todo = list(itertools.product(sizes, hs))
   body = []
   for n, h in bench.progress(todo, len(todo), "compiling"):
-    ours, theirs = (local_steps_bits(n, outer, h)
-                    for outer in ("dlion", "nesterov"))
-    body.append([str(n), str(h), f"{ours[0]:.4f} ({ours[1]:.4f})",
-                 f"{theirs[0]:.3f} ({theirs[1]:.3f})",
-                 f"{theirs[0] / ours[0]:.1f}x",
-                 f"{dl.allreduce_bits(n) / ours[0]:.0f}x"])
+    bits = {outer: local_steps_bits(n, outer, h) for outer in OUTER_CODES}
+    body.append([str(n), str(h), *(
+        f"{measured:.4f} ({analytic:.4f})"
+        for measured, analytic in bits.values()),
+                 f"{bits['nesterov'][0] / bits['dlion'][0]:.1f}x"])
   return ("Bits each worker sends per parameter per step with local steps, "
           "averaged over a round, read off the compiled train step "
-          f"({NUM_PARAMS:,} parameters; analytic in parentheses):\n\n"
+          f"({NUM_PARAMS:,} parameters; analytic in parentheses): the "
+          "1-bit outer vote (`dl.distributed_lion`), the error-fed voted "
+          "mean (`dl.rounds.voted_outer`) dense and sparse, and DiLoCo's "
+          "fp32 mean:\n\n"
           + reporting.markdown_table(
-              ["N", "H", "D-Lion outer (1-bit vote)",
-               "DiLoCo outer (fp32 mean)", "DiLoCo / D-Lion",
-               "fp32 all-reduce every step / D-Lion"], body))
+              ["N", "H", "D-Lion outer (1-bit vote)", "voted mean",
+               "sparse 1/32", "sparse 1/128", "DiLoCo outer (fp32 mean)",
+               "DiLoCo / D-Lion"], body))
 
 
 def configs(sizes):
