@@ -109,8 +109,11 @@ class OptimizerConfig:
   # peak, null 10 x learning_rate, shaped by the schedule above at each
   # round's last step (voted too with outer_schedule: inner).
   outer_learning_rate: Optional[float] = None
-  outer_momentum: float = 0.9       # nesterov's momentum; dlion's b1
-  outer_b2: float = 0.99            # dlion's b2
+  # nesterov's momentum (null: 0.9); dlion's b1 (null: 0.9); voted's
+  # Nesterov momentum (null: 0, none) or, with outer_step: lion, its b1
+  # (null: 0.95).
+  outer_momentum: Optional[float] = None
+  outer_b2: Optional[float] = None  # dlion's b2 (0.99), voted lion's (0.98)
   # voted: the step on the voted mean, sgd (Nesterov with outer_momentum
   # above 0) or lion (b1 outer_momentum, b2 outer_b2); each worker's
   # residual carried into its next vote; sparse: outer_sparse_keep entries
@@ -304,7 +307,7 @@ def _validate_local_steps(config: Config) -> None:
         f"synced yet. Set optimizer.momentum_sync=0, {fix}.",
         key="optimizer.momentum_sync")
   for key in ("outer_momentum", "outer_b2"):
-    if not 0 <= getattr(opt, key) < 1:
+    if getattr(opt, key) is not None and not 0 <= getattr(opt, key) < 1:
       raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
                         "[0, 1).", key=f"optimizer.{key}")
   chunk = opt.outer_sparse_chunk

@@ -128,15 +128,16 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
   if cfg.outer == "nesterov":
     return dl.rounds.nesterov_outer(
         _or(peak, NESTEROV_OUTER_LEARNING_RATE),
-        momentum=cfg.outer_momentum, axis_name=axis_name)
+        momentum=_or(cfg.outer_momentum, 0.9), axis_name=axis_name)
   if cfg.outer == "voted":
     peak = _or(peak, VOTED_OUTER_LEARNING_RATE)
     lion = cfg.outer_step == "lion"
     return dl.rounds.voted_outer(
         _shaped(peak, cfg, schedule) if cfg.outer_schedule == "inner"
         else peak, axis_name=axis_name,
-        momentum=0.0 if lion else cfg.outer_momentum,
-        lion=(cfg.outer_momentum, cfg.outer_b2) if lion else None,
+        momentum=0.0 if lion else _or(cfg.outer_momentum, 0.0),
+        lion=(_or(cfg.outer_momentum, 0.95), _or(cfg.outer_b2, 0.98))
+        if lion else None,
         aggregation=cfg.aggregation, vote=cfg.vote, comm=cfg.comm,
         quantizer=cfg.quantizer, bits=cfg.bits,
         error_feedback=cfg.outer_error_feedback,
@@ -146,7 +147,8 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
                cfg, schedule)
   # The inner optimizer decays the weights: none in the outer step.
   return dl.distributed_lion(
-      lr, b1=cfg.outer_momentum, b2=cfg.outer_b2, weight_decay=0.0,
+      lr, b1=_or(cfg.outer_momentum, 0.9), b2=_or(cfg.outer_b2, 0.99),
+      weight_decay=0.0,
       axis_name=axis_name, aggregation=cfg.aggregation, vote=cfg.vote,
       comm=cfg.comm, bucket_bytes=cfg.bucket_bytes, **lion_cub_options(cfg))
 
