@@ -14,6 +14,8 @@ crosses the shaped link. Rows:
   outer Distributed Lion vote (``optimizer.local_steps``);
 * ``DiLoCo outer, H=...``: the same with DiLoCo's Nesterov step on the
   fp32 mean (``optimizer.outer=nesterov``);
+* ``EF vote, H=...`` and ``EF vote, late, H=...``: the error-fed voted
+  mean (``optimizer.outer=voted``), on time and one round late;
 * ``global Lion``: ``optax.lion`` on the fp32 all-reduced gradient.
 
 The CLI reads the loss every step, so a log interval's wall time holds
@@ -30,6 +32,7 @@ Usage::
   python -m benchmarks.time_to_loss [--procs 2 4] [--rates 10mbit 100mbit]
       [--steps 160] [--every 16] [--set model.hidden=[256,256] ...]
       [--json FILE] [--out docs/training.md] [--plot FILE.png]
+      [--rows 'EF vote, H=16' 'EF vote, late, H=16']
 """
 
 from __future__ import annotations
@@ -52,9 +55,12 @@ SMOOTH = 3                       # logged losses averaged
 def rows(every: int) -> dict[str, list[str]]:
   """Each row's CLI overrides."""
   local = [f"optimizer.local_steps={every}"]
+  voted = local + ["optimizer.outer=voted"]
   return {"D-Lion every step": [],
           f"D-Lion outer, H={every}": local + ["optimizer.outer=dlion"],
           f"DiLoCo outer, H={every}": local + ["optimizer.outer=nesterov"],
+          f"EF vote, H={every}": voted,
+          f"EF vote, late, H={every}": voted + ["optimizer.outer_late=true"],
           "global Lion": ["optimizer.name=lion"]}
 
 
@@ -95,12 +101,15 @@ def time_to(curve, target: float) -> tuple[int, float] | None:
 
 
 def measure(procs: int, rate: str, steps: int, every: int, root,
-            common: list[str]) -> dict:
-  """Every row on ``procs`` processes over a link shaped to ``rate``, each
-  with the ``common`` overrides."""
+            common: list[str], only=None) -> dict:
+  """Every row (of ``only``, where given; global Lion always) on ``procs``
+  processes over a link shaped to ``rate``, each with the ``common``
+  overrides."""
   out = {}
   with network.namespace(rate) as inside:
     for name, overrides in rows(every).items():
+      if only and name not in only and name != "global Lion":
+        continue
       run_dir = pathlib.Path(root) / f"{procs}-{rate}-{len(out)}"
       done = subprocess.run(inside + command(procs, run_dir, steps,
                                              common + overrides),
@@ -172,6 +181,9 @@ def main(argv=None) -> str:
   parser.add_argument("--out", help="write the report here (between its "
                       f"<!-- {MARKER} --> markers, if it has them)")
   parser.add_argument("--plot", help="loss against time, as a PNG")
+  parser.add_argument("--rows", nargs="+", metavar="ROW",
+                      help="only these rows (and global Lion, the "
+                      "baseline), e.g. 'EF vote, H=16'")
   args = parser.parse_args(argv)
   if args.from_json:
     results = json.loads(pathlib.Path(args.from_json).read_text())
@@ -186,7 +198,7 @@ def main(argv=None) -> str:
       for procs, rate in bench.progress(jobs, len(jobs), "links"):
         results.append({"procs": procs, "rate": rate, "steps": args.steps,
                         "rows": measure(procs, rate, args.steps, args.every,
-                                        root, common)})
+                                        root, common, args.rows)})
     reporting.write_json(args.json, results, indent=1)
   if args.plot:
     plot(results, args.plot)

@@ -208,7 +208,7 @@ def check(n, vote_options, *, step="sgd", late=False, comms=("auto",),
 @pytest.mark.parametrize("n,options", [
     (3, {}),
     (8, {"aggregation": "avg"}),
-    (8, {"vote": "ternary"}),
+    pytest.param(8, {"vote": "ternary"}, marks=pytest.mark.slow),
     (3, {"quantizer": "pbit_l1", "bits": 3, "aggregation": "avg"}),
     (3, {"quantizer": "ternary_l1"}),
 ], ids=["mavo-3", "avg-8", "ternary-8", "pbit3-avg-3", "ternary_l1-3"])
@@ -216,7 +216,8 @@ def test_dense_vote_matches_numpy(n, options):
   check(n, options)
 
 
-@pytest.mark.parametrize("n,aggregation", [(3, "mavo"), (8, "avg")])
+@pytest.mark.parametrize("n,aggregation", [
+    (3, "mavo"), pytest.param(8, "avg", marks=pytest.mark.slow)])
 def test_every_comm_gives_the_same_steps(n, aggregation):
   check(n, {"aggregation": aggregation}, comms=message.COMMS)
 
@@ -287,8 +288,9 @@ def test_both_doors_take_the_same_steps(door, options):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("options", [{}, {"sparse": (8, 2)}],
-                         ids=["dense", "sparse"])
+@pytest.mark.parametrize("options", [
+    {}, pytest.param({"sparse": (8, 2)}, marks=pytest.mark.slow)],
+    ids=["dense", "sparse"])
 def test_nodes_of_several_devices_vote_their_mean_across_nodes(options):
   """A hybrid mesh: each node of 4 devices trains on their mean gradient
   and the voted outer step crosses the nodes: numpy's rounds of the
