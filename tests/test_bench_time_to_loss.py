@@ -38,7 +38,7 @@ def test_time_is_the_sum_of_the_intervals_and_the_loss_is_smoothed(tmp_path):
 
 def test_the_target_is_the_worst_final_loss_and_every_row_reaches_it(
     tmp_path):
-  names = list(time_to_loss.rows(16))
+  names = [*list(time_to_loss.rows(16))[:3], "global Lion"]
   runs = {name: write_run(tmp_path / str(i), losses, rates, bits=bits)
           for i, (name, losses, rates, bits) in enumerate(zip(
               names, [[3, 2, 1], [3, 1.5, 1], [3, 2, 2], [3, 2, 1.5]],
@@ -71,9 +71,11 @@ def test_a_tiny_run_over_a_shaped_link_reports_every_row(tmp_path):
   text = time_to_loss.main([
       "--procs", "2", "--rates", "100mbit", "--steps", "16", "--every", "8",
       "--set", "model.hidden=[16]", "--json", str(raw),
-      "--plot", str(tmp_path / "ttl.png")])
+      "--plot", str(tmp_path / "ttl.png"), "--rows", "D-Lion outer, H=8",
+      "DiLoCo outer, H=8", "EF vote, late, H=8"])
   runs = json.loads(raw.read_text())[0]["rows"]
-  assert list(runs) == list(time_to_loss.rows(8))
+  assert list(runs) == ["D-Lion outer, H=8", "DiLoCo outer, H=8",
+                        "EF vote, late, H=8", "global Lion"]
   bits = {name: run["bits"] for name, run in runs.items()}
   # The outer vote once a round of 8, DiLoCo's fp32 mean, fp32 every step
   # (plus the loss's mean each step: a few hundredths).
@@ -82,6 +84,8 @@ def test_a_tiny_run_over_a_shaped_link_reports_every_row(tmp_path):
   assert bits["DiLoCo outer, H=8"] == pytest.approx(
       dl.allreduce_bits(2) / 8, abs=0.06)
   assert bits["global Lion"] == pytest.approx(dl.allreduce_bits(2), abs=0.1)
+  assert bits["EF vote, late, H=8"] == pytest.approx(
+      bits["D-Lion outer, H=8"], abs=0.02)      # the same vote, late
   for name in runs:
     assert f"| {name} |" in text
   assert (tmp_path / "ttl.png").read_bytes()[:4] == b"\x89PNG"
