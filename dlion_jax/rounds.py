@@ -17,7 +17,11 @@ Distributed Lion (Liu et al., NeurIPS 2024) on the pseudo-gradients: each
 worker keeps its own outer momentum and the workers exchange 1-bit
 majority votes, so a step costs ``wire_bits / H`` bits a parameter on
 average. :func:`nesterov_outer` is DiLoCo's own outer step, Nesterov SGD on
-the fp32 mean of the ``Δ_i`` (an all-reduce a round).
+the fp32 mean of the ``Δ_i`` (an all-reduce a round). :func:`voted_outer`
+steps on that mean voted in as many bits as Distributed Lion's vote (or a
+sparse vote, fewer), each worker carrying what its vote could not say
+into the next round (:func:`scale_by_voted_mean`); ``local_steps(...,
+late=True)`` applies each outer step one round late.
 
 The params each worker trains differ between outer steps, so a step holds
 them per worker (``make_train_step(..., params_per_worker=True)`` with
