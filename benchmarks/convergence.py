@@ -72,6 +72,8 @@ VOTED_ROWS = {
     "EF vote, late": {**_VOTED, "optimizer.outer_late": True},
     "EF vote, inner schedule": {**_VOTED,
                                 "optimizer.outer_schedule": "inner"},
+    "EF vote, Avg": {**_VOTED, "optimizer.aggregation": "avg"},
+    "EF vote, ternary_l1": {**_VOTED, "optimizer.quantizer": "ternary_l1"},
     "EF sparse 1/128": {**_VOTED, "optimizer.outer_sparse_chunk": 128},
     "EF sparse 1/32": {**_VOTED, "optimizer.outer_sparse_chunk": 32},
 }

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _blocks
 from dlion_jax import _checks
 from dlion_jax import _collectives
 from dlion_jax import _mesh
@@ -75,8 +76,15 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
   return jnp.pad(flat, (0, -flat.size % chunk)).reshape(-1, chunk)
 
 
-def encode(p: jax.Array, sparse: Sparsity):
+def encode(p: jax.Array, sparse: Sparsity,
+           shard: _blocks.LeafShard | None = None):
   """One worker's words of a leaf, its scale and what they say.
+
+  Args:
+    p: the values to vote on, one leaf (or, with ``shard``, this device's
+      part of one, cut in chunks of its own).
+    sparse: which entries vote.
+    shard: the leaf ``p`` is a part of: the scale is the whole leaf's.
 
   Returns:
     ``(words, scale, said)``: the ``[chunks, keep]`` words, the float32
@@ -90,7 +98,12 @@ def encode(p: jax.Array, sparse: Sparsity):
   top, where = lax.top_k(magnitude, sparse.keep)
   positive = jnp.take_along_axis(x, where, axis=1) > 0
   words = (2 * where + positive).astype(sparse.word)
-  scale = jnp.sum(top) * wide.type(1.0 / top.size)
+  total, kept = jnp.sum(top), top.size
+  if shard is not None:
+    total, kept = shard.sum(total), shard.sum(jnp.asarray(kept, wide))
+    scale = total / kept
+  else:
+    scale = total * wide.type(1.0 / kept)
   said = _decoded(words, scale, x.shape)[:p.size].reshape(p.shape)
   return words, scale, said
 
@@ -120,13 +133,33 @@ def mean_of_votes(leaves: list[jax.Array], sparse: Sparsity, *,
   """The sparse vote of one worker's ``leaves`` over ``axis_name``.
 
   Every leaf's words travel in one ``all_gather`` and the scales in a
-  second.
+  second. Where the mesh has axes the compiler owns beside ``axis_name``
+  (a hybrid or sharded step), each device votes on its own part of every
+  leaf, in chunks of its own, as the dense vote does
+  (``dlion_jax._blocks.on_own_shards``): it sends only that part's words.
 
   Returns:
     ``(means, said)``: per leaf, the decoded mean ``U`` (float32, the
     same on every worker) and this worker's own ``s q``.
   """
-  coded = [encode(p, sparse) for p in leaves]
+  axes = _blocks.compiler_axes(axis_name, leaves)
+  if not axes:
+    return _mean_of_votes(leaves, sparse, axis_name=axis_name,
+                          num_workers=num_workers)
+
+  def own_part(both, *, leaf_shards, constants):
+    del constants
+    return list(_mean_of_votes(both[0], sparse, axis_name=axis_name,
+                               num_workers=num_workers,
+                               shards=leaf_shards[:len(leaves)]))
+  # Two outputs a leaf, so the leaves twice: the mean and what was said.
+  means, said = _blocks.on_own_shards(own_part, ([leaves, leaves],), axes)
+  return means, said
+
+
+def _mean_of_votes(leaves, sparse, *, axis_name, num_workers, shards=None):
+  coded = [encode(p, sparse, shard) for p, shard in zip(
+      leaves, shards or [None] * len(leaves))]
   sizes = [w.size for w, _, _ in coded]
   words = _gathered(jnp.concatenate([w.ravel() for w, _, _ in coded]),
                     axis_name)

@@ -52,8 +52,9 @@ class VotedMean:
 
   def __init__(self, n, *, aggregation="mavo", vote="binary",
                quantizer="sign", bits=None, sparse=None,
-               error_feedback=True):
+               error_feedback=True, parts=1):
     self.n, self.aggregation, self.vote = n, aggregation, vote
+    self.parts = parts     # the sparse vote: a leaf's cut over a node
     self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
     self.error_feedback, self.errors = error_feedback, None
 
@@ -77,15 +78,26 @@ class VotedMean:
     chunk, keep = self.sparse
     said = []
     for p in ps:
-      rows = np.pad(p.ravel(), (0, -p.size % chunk)).reshape(-1, chunk)
-      size = np.where(np.isfinite(rows), np.abs(rows), 0)
-      where = np.argsort(-size, axis=1, kind="stable")[:, :keep]
-      top = np.take_along_axis(size, where, 1)
-      s = np.float32(top.sum(dtype=np.float64)) * np.float32(1 / top.size)
-      q = np.zeros_like(rows)
-      np.put_along_axis(q, where, np.where(
-          np.take_along_axis(rows, where, 1) > 0, s, -s), 1)
-      said.append(q.ravel()[:p.size].reshape(p.shape))
+      # Each device of a node its equal part of the flat leaf, in chunks.
+      width = -(-p.size // self.parts)
+      parts = np.pad(p.ravel(), (0, self.parts * width - p.size)).reshape(
+          self.parts, width)
+      rows = [np.pad(x, (0, -width % chunk)).reshape(-1, chunk)
+              for x in parts]
+      size = [np.where(np.isfinite(r), np.abs(r), 0) for r in rows]
+      where = [np.argsort(-m, axis=1, kind="stable")[:, :keep] for m in size]
+      tops = [np.take_along_axis(m, w, 1) for m, w in zip(size, where)]
+      total = np.float32(sum(t.sum(dtype=np.float64) for t in tops))
+      kept = sum(t.size for t in tops)
+      s = (total * np.float32(1 / kept) if self.parts == 1
+           else total / np.float32(kept))
+      q = []
+      for r, w in zip(rows, where):
+        part = np.zeros_like(r)
+        np.put_along_axis(part, w, np.where(
+            np.take_along_axis(r, w, 1) > 0, s, -s), 1)
+        q.append(part.ravel()[:width])
+      said.append(np.concatenate(q)[:p.size].reshape(p.shape))
     total = np.zeros_like(ps[0])
     for s in said:
       total = total + s
@@ -288,13 +300,34 @@ def test_both_doors_take_the_same_steps(door, options):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.parametrize("options", [{}, {"sparse_chunk": 8}],
+                         ids=["dense", "sparse"])
+def test_both_doors_take_the_same_steps_on_nodes(options):
+  """Two nodes of 4 devices: the shard_map door on the hybrid mesh (Auto
+  axes) and the plain step on Explicit ones, each device voting on its
+  block of every leaf."""
+  from jax.sharding import AxisType
+  from test_doors import problem as door_problem
+  tx = dl.local_steps(optax.sgd(0.05), rounds.voted_outer(
+      0.5, axis_name="data", **options), every=2)
+  auto = run_door("shard_map", tx, devices.hybrid_mesh(
+      2, devices=jax.devices()[:8]), *door_problem(), steps=4,
+                  params_per_worker=True)
+  explicit = run_door("plain", tx, jax.make_mesh(
+      (2, 4), ("data", "fsdp"), axis_types=(AxisType.Explicit,) * 2),
+                      *door_problem(), steps=4, params_per_worker=True)
+  for a, b in zip(jax.tree.leaves(auto), jax.tree.leaves(explicit)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 @pytest.mark.parametrize("options", [
     {}, pytest.param({"sparse": (8, 2)}, marks=pytest.mark.slow)],
     ids=["dense", "sparse"])
 def test_nodes_of_several_devices_vote_their_mean_across_nodes(options):
   """A hybrid mesh: each node of 4 devices trains on their mean gradient
-  and the voted outer step crosses the nodes: numpy's rounds of the
-  nodes' mean gradients."""
+  and the voted outer step crosses the nodes, each device voting on its
+  quarter of every leaf (the sparse vote in chunks of its quarter):
+  numpy's rounds of the nodes' mean gradients."""
   nodes, per_node = 2, 4
   rng = np.random.default_rng(3)
   params, _ = problem(nodes, 0)
@@ -303,7 +336,7 @@ def test_nodes_of_several_devices_vote_their_mean_across_nodes(options):
   node_means = [{k: r[k].reshape((nodes, per_node) + SHAPES[k]).mean(1)
                  for k in r} for r in rows]
   want = numpy_rounds(params, node_means, nodes,
-                      outer_of(VotedMean(nodes, **options)))
+                      outer_of(VotedMean(nodes, parts=per_node, **options)))
   mesh = devices.hybrid_mesh(nodes, devices=jax.devices()[:nodes * per_node])
   sparse = options.get("sparse")
   tx = dl.local_steps(optax.sgd(INNER_LR), rounds.voted_outer(
