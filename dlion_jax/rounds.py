@@ -450,7 +450,7 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
   Example:
     >>> import optax, dlion_jax as dl
     >>> tx = dl.local_steps(optax.lion(1e-3), dl.rounds.voted_outer(
-    ...     1.0, axis_name="data"), every=32)
+    ...     0.5, axis_name="data"), every=32)
   """
   momentum = _checks.decay_rate("momentum", momentum,
                                 "the outer step's Nesterov momentum")

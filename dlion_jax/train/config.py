@@ -105,7 +105,7 @@ class OptimizerConfig:
   # Lion step). 1: every step is an optimizer step over the workers.
   local_steps: int = 1
   outer: str = "dlion"              # dlion | nesterov | voted
-  # nesterov, voted: constant, null 0.7 (DiLoCo's) and 1.0; dlion: the
+  # nesterov, voted: constant, null 0.7 (DiLoCo's) and 0.5; dlion: the
   # peak, null 10 x learning_rate, shaped by the schedule above at each
   # round's last step (voted too with outer_schedule: inner).
   outer_learning_rate: Optional[float] = None

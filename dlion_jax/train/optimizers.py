@@ -29,7 +29,7 @@ GLOBAL_OPTIMIZERS = ("lion", "adamw", "sgd")
 # (Douillard et al., 2023); for dlion's sign steps, this many times the
 # inner learning rate (docs/training.md, "Local steps").
 NESTEROV_OUTER_LEARNING_RATE = 0.7
-VOTED_OUTER_LEARNING_RATE = 1.0
+VOTED_OUTER_LEARNING_RATE = 0.5
 DLION_OUTER_LEARNING_RATE_FACTOR = 10
 
 
