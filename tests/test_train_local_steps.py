@@ -79,17 +79,22 @@ def test_resume_in_the_middle_of_a_round_is_bit_for_bit(tmp_path, outer):
     np.testing.assert_array_equal(a, b)
 
 
-@pytest.mark.parametrize("old,new,line", [
-    (8, 4, "momenta averaged in pairs"),
-    (4, 8, "each momentum copied to 2 workers")])
+@pytest.mark.parametrize("old,new,line,outer", [
+    (8, 4, "momenta averaged in pairs", []),
+    (4, 8, "each momentum copied to 2 workers", []),
+    (8, 4, "momenta averaged in pairs", [
+        "optimizer.outer=voted", "optimizer.outer_late=true",
+        "optimizer.outer_sparse_chunk=16"])],
+    ids=["8-4", "4-8", "8-4-voted-late"])
 def test_resume_on_another_number_of_workers_keeps_the_anchor(
-    tmp_path, old, new, line):
+    tmp_path, old, new, line, outer):
   """8 workers to 4, or 4 to 8, in the middle of a round (rounds end at
-  steps 3 and 6, the resume is from step 4): the anchor of step 3 goes on,
-  the round ends with every worker on one anchor, and the run learns as
-  the uninterrupted one does."""
+  steps 3 and 6, the resume is from step 4): the anchor of step 3 goes on
+  (with the voted mean, each worker's residual and pending round mapped
+  as the momenta), the round ends with every worker on one anchor, and
+  the run learns as the uninterrupted one does."""
   flags = ["optimizer.local_steps=3", "train.steps=8",
-           "train.checkpoint_every=4"]
+           "train.checkpoint_every=4", *outer]
   straight, _ = run(tmp_path, *flags, f"workers={old}")
   shutil.rmtree(tmp_path / "checkpoints" / "8")
   resumed, lines = run(tmp_path, *flags, f"workers={new}", resume=True)
