@@ -117,7 +117,8 @@ def local_steps(inner: optax.GradientTransformation,
     every: ``H``, the steps of a round (1: an outer step every step).
     late: the outer step one round late: the step that ends round ``r``
       sends round ``r - 1``'s pseudo-gradients (kept in the state,
-      :class:`OneRoundLateState`: 4 bytes a parameter more) and moves the
+      :class:`~dlion_jax.rounds.OneRoundLateState`: 4 bytes a parameter
+      more) and moves the
       anchor by their outer update, so that the exchange depends on the
       state alone, not on this step's gradients, and may overlap them; the
       first round moves nothing. Streaming DiLoCo's overlap (Douillard et
@@ -441,8 +442,9 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     momentum: Nesterov momentum in ``[0, 1)``; 0: none.
     lion: ``None``, or Lion's ``(b1, b2)`` for a sign step (``momentum``
       then 0).
-    aggregation, vote, quantizer, bits, comm, error_feedback, sparse_chunk,
-      sparse_keep: the vote, see :func:`scale_by_voted_mean`.
+    aggregation: the vote's, as are ``vote``, ``quantizer``, ``bits``,
+      ``comm``, ``error_feedback``, ``sparse_chunk`` and ``sparse_keep``:
+      see :func:`scale_by_voted_mean`.
 
   Returns:
     An optax ``GradientTransformation``.
