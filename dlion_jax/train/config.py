@@ -97,14 +97,15 @@ class OptimizerConfig:
   # Local steps (dlion_jax.local_steps): each worker runs local_steps steps
   # of the optimizer above alone (lion for dlion, signum alone for signum:
   # nothing sent), then one outer step of the pseudo-gradients over the
-  # workers: dlion (Distributed Lion's vote, with aggregation, vote, comm
-  # and the Lion Cub options above), nesterov (DiLoCo's, an fp32
-  # all-reduce) or voted (dlion_jax.rounds.voted_outer: the workers' mean
+  # workers: voted (dlion_jax.rounds.voted_outer: the workers' mean
   # pseudo-gradient from error-fed votes, dense with aggregation, vote,
   # comm, quantizer and bits above, or sparse, then an SGD, Nesterov or
-  # Lion step). 1: every step is an optimizer step over the workers.
+  # Lion step; the best measured, docs/training.md), dlion (Distributed
+  # Lion's vote, with aggregation, vote, comm and the Lion Cub options
+  # above) or nesterov (DiLoCo's, an fp32 all-reduce). 1: every step is
+  # an optimizer step over the workers.
   local_steps: int = 1
-  outer: str = "dlion"              # dlion | nesterov | voted
+  outer: str = "voted"              # voted | dlion | nesterov
   # nesterov, voted: constant, null 0.7 (DiLoCo's) and 0.5; dlion: the
   # peak, null 10 x learning_rate, shaped by the schedule above at each
   # round's last step (voted too with outer_schedule: inner).

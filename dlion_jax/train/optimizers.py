@@ -11,8 +11,10 @@
 With ``local_steps: H`` above 1 each worker runs the optimizer alone
 (``dlion`` as Lion, ``signum`` as Signum: nothing sent) and every ``H``
 steps an ``outer`` step of the pseudo-gradients goes over the workers
-(:func:`dlion_jax.local_steps`): ``dlion``, Distributed Lion's vote with
-the options above, or ``nesterov``, DiLoCo's.
+(:func:`dlion_jax.local_steps`): ``voted``, the workers' mean from
+error-fed votes (:func:`dlion_jax.rounds.voted_outer`), ``dlion``,
+Distributed Lion's vote with the options above, or ``nesterov``,
+DiLoCo's.
 """
 
 from __future__ import annotations
