@@ -187,9 +187,10 @@ def test_config_mistakes_name_the_key(tmp_path):
 
 
 def test_the_vote_steps_take_the_schedule_shape_at_each_round_end():
-  """The dlion outer step. Zero gradients: no inner step moves, every pseudo-gradient is 0, which
-  the binary vote counts as -1, so the anchor rises by the outer learning
-  rate of each round: the peak times the cosine at the round's last step."""
+  """The dlion outer step. Zero gradients: no inner step moves, every
+  pseudo-gradient is 0, which the binary vote counts as -1, so the anchor
+  rises by the outer learning rate of each round: the peak times the
+  cosine at the round's last step."""
   from dlion_jax.train import optimizers    # pylint: disable=import-outside-toplevel
   cfg = load_config(cli.resolve_config("quickstart"), [
       "optimizer.local_steps=4", "train.steps=16", "optimizer.warmup_steps=0",
