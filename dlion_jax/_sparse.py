@@ -18,6 +18,11 @@ coincide with another's the sum runs in worker order (one scatter a
 worker, each to distinct positions), so every worker decodes the same
 bits on every backend.
 
+A chunk whose entries are all 0 still sends a word: its first entry at
+``-s``, as the binary vote counts 0 as ``-1``; error feedback takes it
+back in the next round. Params the inner optimizer never moves are best
+frozen in the outer step too (:func:`dlion_jax.local_steps`).
+
 SparseLoCo (Sarfi et al., 2025) sends top-k of 1-3 % of each chunk with
 2-bit values and error feedback; this sends the sign alone.
 """
