@@ -137,8 +137,13 @@ def decay_rate(name: str, value: Any, what: str) -> Any:
   """
   if isinstance(value, jax.core.Tracer):
     return value
-  if isinstance(value, (bool, np.bool_)) or np.ndim(value) or not (
-      np.issubdtype(jnp.result_type(value), np.number)):
+  try:
+    number = value is not None and not isinstance(
+        value, (bool, np.bool_, str)) and not np.ndim(
+        value) and np.issubdtype(jnp.result_type(value), np.number)
+  except TypeError:   # None, or an object with no dtype
+    number = False
+  if not number:
     raise ValueError(f"{name} must be a number in [0, 1) ({what}), got "
                      f"{name}={value!r}.")
   if not 0 <= float(value) < 1:

@@ -63,10 +63,10 @@ def sparsity(chunk: int, keep: int) -> Sparsity:
   """Checked options of the sparse vote."""
   chunk = _checks.positive_int("sparse_chunk", chunk)
   keep = _checks.positive_int("sparse_keep", keep)
-  if chunk > MAX_CHUNK or chunk & (chunk - 1):
+  if chunk < 2 or chunk > MAX_CHUNK or chunk & (chunk - 1):
     raise ValueError(
-        f"sparse_chunk={chunk} must be a power of two up to {MAX_CHUNK} (a "
-        "kept entry's position and sign fit one 8- or 16-bit word): e.g. "
+        f"sparse_chunk={chunk} must be a power of two from 2 to {MAX_CHUNK} "
+        "(a kept entry's position and sign fit one 8- or 16-bit word): e.g. "
         "128 (1 entry in 128, 0.78 %) or 64.")
   if keep >= chunk:
     raise ValueError(
@@ -108,7 +108,7 @@ def encode(p: jax.Array, sparse: Sparsity,
     total, kept = shard.sum(total), shard.sum(jnp.asarray(kept, wide))
     scale = total / kept
   else:
-    scale = total * wide.type(1.0 / kept)
+    scale = total * wide.type(1.0 / max(kept, 1))   # an empty leaf: 0
   said = _decoded(words, scale, x.shape)[:p.size].reshape(p.shape)
   return words, scale, said
 

@@ -90,7 +90,9 @@ def local_steps(inner: optax.GradientTransformation,
   never moves (frozen by :func:`optax.masked` or :func:`optax.set_to_zero`)
   has a zero one, which Distributed Lion's binary vote counts as -1 (as it
   counts ``c = 0``), so freeze it in ``outer`` too (the same
-  :func:`optax.multi_transform` around both) or vote ``"ternary"``. Weight
+  :func:`optax.multi_transform` around both) or vote ``"ternary"``
+  (:func:`voted_outer` leaves a wholly frozen leaf as it is: its scale is
+  0). Weight
   decay belongs to ``inner``: give ``dl.distributed_lion`` as ``outer``
   ``weight_decay=0.0`` (its default, 1e-3, would decay the anchor again).
 
@@ -110,15 +112,16 @@ def local_steps(inner: optax.GradientTransformation,
     inner: the optimizer each worker runs on its own params, e.g.
       ``optax.lion(lr)`` or ``optax.adamw(lr)``: one that sends nothing.
     outer: the optimizer of the pseudo-gradients over the workers' axis,
-      e.g. ``dl.distributed_lion(outer_lr, axis_name="data",
-      weight_decay=0.0)`` or
+      e.g. :func:`~dlion_jax.rounds.voted_outer` (the best measured,
+      docs/training.md), ``dl.distributed_lion(outer_lr,
+      axis_name="data", weight_decay=0.0)`` or
       :func:`~dlion_jax.rounds.nesterov_outer`. Its update must be the same
       on every worker.
     every: ``H``, the steps of a round (1: an outer step every step).
     late: the outer step one round late: the step that ends round ``r``
       sends round ``r - 1``'s pseudo-gradients (kept in the state,
-      :class:`~dlion_jax.rounds.OneRoundLateState`: 4 bytes a parameter
-      more) and moves the
+      :class:`~dlion_jax.rounds.OneRoundLateState`, in the params' dtype:
+      one more copy of the params) and moves the
       anchor by their outer update, so that the exchange depends on the
       state alone, not on this step's gradients, and may overlap them; the
       first round moves nothing. Streaming DiLoCo's overlap (Douillard et
@@ -345,15 +348,25 @@ def scale_by_voted_mean(
   spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   error_feedback = _checks.flag("error_feedback", error_feedback,
                                 "whether each worker keeps its residual")
-  sparse = (None if sparse_chunk is None
-            else _sparse.sparsity(sparse_chunk, sparse_keep))
-  if sparse is not None and (spec != _quantize.BINARY or
-                             aggregation != "mavo" or comm != "auto"):
-    raise ValueError(
-        "scale_by_voted_mean: the sparse vote (sparse_chunk="
-        f"{sparse_chunk}) sends signs and positions, every worker's "
-        "gathered: leave aggregation, vote, quantizer, bits and comm at "
-        "their defaults, or set sparse_chunk=None for the dense vote.")
+  if sparse_chunk is None:
+    if sparse_keep != 1:
+      raise ValueError(
+          f"sparse_keep={sparse_keep!r} needs sparse_chunk: the entries of "
+          "every chunk that vote in the sparse vote. Give sparse_chunk "
+          "(e.g. 128), or leave sparse_keep at 1 for the dense vote.")
+    sparse = None
+  else:
+    sparse = _sparse.sparsity(sparse_chunk, sparse_keep)
+    dense_only = {"aggregation": (aggregation, "mavo"),
+                  "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
+                  "bits": (bits, None), "comm": (comm, "auto")}
+    for name, (value, default) in dense_only.items():
+      if value != default:
+        raise ValueError(
+            f"{name}={value!r} does not apply to the sparse vote "
+            f"(sparse_chunk={sparse_chunk}), which sends signs and "
+            f"positions, every worker's gathered: leave {name} at "
+            f"{default!r}, or set sparse_chunk=None for the dense vote.")
 
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
@@ -433,7 +446,7 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     ``(0.95, 0.98)``), :math:`\eta` then the size of a sign step.
 
   The outer momentum, if any, is the same on every worker (it sees the
-  same :math:`U`): 4 bytes a parameter beside the residual's 4.
+  same :math:`U`), in the params' dtype, beside the residual's float32.
 
   Args:
     learning_rate: the outer learning rate :math:`\eta`, a float or a
@@ -456,21 +469,28 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
   """
   momentum = _checks.decay_rate("momentum", momentum,
                                 "the outer step's Nesterov momentum")
+  # A traced momentum (optax.inject_hyperparams) takes Nesterov's trace,
+  # which at 0 is the plain step.
+  traced = isinstance(momentum, jax.core.Tracer)
   vote_tx = scale_by_voted_mean(
       axis_name=axis_name, aggregation=aggregation, vote=vote,
       quantizer=quantizer, bits=bits, comm=comm,
       error_feedback=error_feedback, sparse_chunk=sparse_chunk,
       sparse_keep=sparse_keep)
   if lion is not None:
-    if momentum:
+    if traced or momentum:
       raise ValueError(
           f"voted_outer: momentum={momentum} and lion={lion!r} are two outer "
           "steps; give one (momentum=0 with lion).")
+    if not isinstance(lion, (tuple, list)) or len(lion) != 2:
+      raise ValueError(
+          f"lion must be Lion's (b1, b2), e.g. lion=(0.95, 0.98), or None "
+          f"for no Lion step, got lion={lion!r}.")
     b1, b2 = lion
     _checks.decay_rate("lion[0]", b1, "Lion's b1")
     _checks.decay_rate("lion[1]", b2, "Lion's b2")
     step = optax.scale_by_lion(b1=b1, b2=b2)
-  elif momentum:
+  elif traced or momentum:
     step = optax.trace(decay=momentum, nesterov=True)
   else:
     step = optax.identity()

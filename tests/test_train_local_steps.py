@@ -184,6 +184,20 @@ def test_config_mistakes_name_the_key(tmp_path):
   assert_names(e, "optimizer.outer_sparse_chunk=100", "power of two")
   with pytest.raises(ConfigError, match="optimizer.outer_step='adam'"):
     load_config(quickstart, [*base, "optimizer.outer_step=adam"])
+  local = [*base, "optimizer.local_steps=4"]
+  for overrides, named in [
+      (["optimizer.outer=nesterov", "optimizer.outer_sparse_chunk=128"],
+       ["optimizer.outer_sparse_chunk=128", "optimizer.outer=voted"]),
+      (["optimizer.outer=dlion", "optimizer.outer_step=lion"],
+       ["optimizer.outer_step='lion'", "not dlion"]),
+      (["optimizer.outer_sparse_keep=4"],
+       ["optimizer.outer_sparse_keep=4", "optimizer.outer_sparse_chunk"]),
+      (["optimizer.outer_sparse_chunk=128", "optimizer.aggregation=avg"],
+       ["optimizer.aggregation=avg", "optimizer.aggregation=mavo",
+        "drop optimizer.outer_sparse_chunk"])]:
+    with pytest.raises(ConfigError) as e:
+      load_config(quickstart, [*local, *overrides])
+    assert_names(e, *named)
 
 
 def test_the_vote_steps_take_the_schedule_shape_at_each_round_end():

@@ -392,10 +392,17 @@ def test_sparse_vote_bits():
     (lambda: rounds.voted_outer(1.0, sparse_chunk=8, sparse_keep=8),
      ["sparse_keep=8", "below sparse_chunk=8"]),
     (lambda: rounds.voted_outer(1.0, sparse_chunk=8, aggregation="avg"),
-     ["sparse_chunk=8", "aggregation", "sparse_chunk=None"]),
+     ["sparse_chunk=8", "aggregation='avg'", "sparse_chunk=None"]),
     (lambda: rounds.voted_outer(1.0, momentum=0.9, lion=(0.9, 0.99)),
      ["momentum=0.9", "lion=(0.9, 0.99)", "give one"]),
     (lambda: rounds.voted_outer(1.0, momentum=1.0), ["momentum=1.0"]),
+    (lambda: rounds.voted_outer(1.0, momentum="0.9"), ["momentum='0.9'"]),
+    (lambda: rounds.voted_outer(1.0, lion=0.9), ["lion=0.9", "(b1, b2)"]),
+    (lambda: rounds.voted_outer(1.0, sparse_keep=3),
+     ["sparse_keep=3", "needs sparse_chunk"]),
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=1), ["sparse_chunk=1"]),
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=8, quantizer="ternary_l1"),
+     ["quantizer='ternary_l1'", "sparse_chunk=8", "'sign'"]),
     (lambda: rounds.voted_outer(1.0, error_feedback="yes"),
      ["error_feedback='yes'"]),
     (lambda: dl.local_steps(optax.sgd(0.1), rounds.nesterov_outer(0.7),
@@ -419,3 +426,26 @@ def test_sparse_words_say_position_and_sign():
   np.testing.assert_array_equal(said, [0, -2.5, 0, 0, 0, 0, 0, 2.5])
   words, _, _ = _sparse.encode(jnp.ones(300), _sparse.sparsity(256, 1))
   assert words.dtype == jnp.uint16 and words.shape == (2, 1)
+
+
+def test_an_empty_leaf_and_injected_hyperparams_vote():
+  """A zero-size leaf beside the others (the sparse vote divided by its
+  kept count, 0), and optax.inject_hyperparams around voted_outer (its
+  momentum traced: Nesterov's trace, at 0 the plain step)."""
+  params = {"w": jnp.zeros((2, 3)), "empty": jnp.zeros((0,))}
+  deltas = jax.tree.map(lambda x: jnp.ones((2,) + x.shape), params)
+  for tx in (rounds.voted_outer(0.5, axis_name="data", sparse_chunk=128),
+             optax.inject_hyperparams(rounds.voted_outer)(
+                 0.5, axis_name="data"),
+             rounds.voted_outer(0.5, axis_name="data")):
+    u = jax.vmap(lambda d, tx=tx: tx.update(d, tx.init(params), params)[0],
+                 axis_name="data")(deltas)
+    assert u["empty"].shape == (2, 0)
+    assert np.all(np.isfinite(np.asarray(u["w"]))) and u["w"][0, 0, 0] < 0
+  plain, injected = (jax.vmap(
+      lambda d, tx=tx: tx.update(d, tx.init(params), params)[0],
+      axis_name="data")(deltas)["w"] for tx in (
+          rounds.voted_outer(0.5, axis_name="data"),
+          optax.inject_hyperparams(rounds.voted_outer)(
+              0.5, axis_name="data")))
+  np.testing.assert_array_equal(plain, injected)

@@ -311,7 +311,39 @@ def _validate_local_steps(config: Config) -> None:
     if getattr(opt, key) is not None and not 0 <= getattr(opt, key) < 1:
       raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
                         "[0, 1).", key=f"optimizer.{key}")
+  _validate_voted(opt)
+  _validate_outer_rate(opt)
+
+
+def _validate_voted(opt: OptimizerConfig) -> None:
+  """The voted outer step's keys: set only with it, in range, and the
+  sparse vote without the dense vote's options."""
+  voted_only = {"outer_step": "sgd", "outer_schedule": "constant",
+                "outer_error_feedback": True, "outer_sparse_chunk": None,
+                "outer_sparse_keep": 1}
+  for key, default in voted_only.items():
+    if getattr(opt, key) != default and opt.outer != "voted":
+      raise ConfigError(
+          f"optimizer.{key}={getattr(opt, key)!r} applies to "
+          f"optimizer.outer=voted, not {opt.outer}: set optimizer.outer="
+          f"voted, or drop optimizer.{key}.", key=f"optimizer.{key}")
   chunk = opt.outer_sparse_chunk
+  if chunk is None and opt.outer_sparse_keep != 1:
+    raise ConfigError(
+        f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} needs "
+        "optimizer.outer_sparse_chunk (e.g. 128): the entries of every "
+        "chunk that vote.", key="optimizer.outer_sparse_keep")
+  if chunk is not None:
+    dense_only = {"aggregation": "mavo", "vote": "binary",
+                  "quantizer": "sign", "comm": "auto"}
+    for key, default in dense_only.items():
+      if getattr(opt, key) != default:
+        raise ConfigError(
+            f"optimizer.{key}={getattr(opt, key)} does not apply to the "
+            f"sparse vote (optimizer.outer_sparse_chunk={chunk}), which "
+            f"sends signs and positions: set optimizer.{key}={default}, or "
+            "drop optimizer.outer_sparse_chunk for the dense vote.",
+            key=f"optimizer.{key}")
   if chunk is not None and (chunk < 2 or chunk & (chunk - 1)
                             or chunk > 2**15):
     raise ConfigError(
@@ -323,6 +355,9 @@ def _validate_local_steps(config: Config) -> None:
         f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} must be below "
         f"optimizer.outer_sparse_chunk={chunk}.",
         key="optimizer.outer_sparse_keep")
+
+
+def _validate_outer_rate(opt: OptimizerConfig) -> None:
   if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
     raise ConfigError(
         f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
