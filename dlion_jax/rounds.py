@@ -92,8 +92,9 @@ def local_steps(inner: optax.GradientTransformation,
   counts ``c = 0``), so freeze it in ``outer`` too (the same
   :func:`optax.multi_transform` around both) or vote ``"ternary"``
   (:func:`~dlion_jax.rounds.voted_outer` leaves a wholly frozen leaf as it
-  is: its scale is 0). Weight decay belongs to ``inner``: give ``dl.distributed_lion`` as ``outer``
-  ``weight_decay=0.0`` (its default, 1e-3, would decay the anchor again).
+  is: its scale is 0). Weight decay belongs to ``inner``: give
+  ``dl.distributed_lion`` as ``outer`` ``weight_decay=0.0`` (its default,
+  1e-3, would decay the anchor again).
 
   A worker whose params turned NaN or Inf in a round restarts at the
   anchor with the float leaves of its inner state fresh, its counts
