@@ -57,21 +57,26 @@ def run_step(tx, params, grads, num_workers):
   return history, state
 
 
-def numpy_rounds(params, grads, num_workers, outer):
+def numpy_rounds(params, grads, num_workers, outer, *, late=False):
   """Each worker's params after each step: SGD within a round, ``outer``
   (a function of the anchor and the workers' pseudo-gradients returning
-  the new anchor) at its end."""
+  the new anchor) at its end, on this round's pseudo-gradients or
+  (``late``) on the last round's."""
   anchor = {k: v.copy() for k, v in params.items()}
   local = [{k: v.copy() for k, v in params.items()}
            for _ in range(num_workers)]
-  history = []
+  pending, history = None, []
   for t, g in enumerate(grads, start=1):
     for i, p in enumerate(local):
       for k in p:
         p[k] = (p[k] - p[k].dtype.type(INNER_LR) * g[k][i]).astype(p[k].dtype)
     if t % EVERY == 0:
       deltas = [{k: anchor[k] - p[k] for k in p} for p in local]
-      anchor = outer(anchor, deltas)
+      if not late:
+        anchor = outer(anchor, deltas)
+      elif pending is not None:
+        anchor = outer(anchor, pending)
+      pending = deltas
       local = [{k: v.copy() for k, v in anchor.items()}
                for _ in range(num_workers)]
     history.append({k: np.stack([p[k] for p in local]) for k in params})

@@ -34,11 +34,13 @@ from reference import max_level
 from reference import worker_vote
 from test_doors import DOORS
 from test_doors import mesh_of
+from test_doors import problem as door_problem
 from test_doors import run as run_door
 from test_rounds import EVERY
 from test_rounds import INNER_LR
 from test_rounds import SHAPES
 from test_rounds import mean_loss
+from test_rounds import numpy_rounds
 from test_rounds import problem
 from test_rounds import run_step
 
@@ -143,29 +145,6 @@ def outer_of(mean: VotedMean, step="sgd", *, momentum=0.9, b1=0.95,
           a.dtype)
     return new
   return outer
-
-
-def numpy_rounds(params, grads, n, outer, *, late=False):
-  """Each worker's params after each step (SGD within a round), ``outer``
-  at a round's end on this round's pseudo-gradients, or (``late``) on
-  the last round's."""
-  anchor = {k: v.copy() for k, v in params.items()}
-  local = [{k: v.copy() for k, v in params.items()} for _ in range(n)]
-  pending, history = None, []
-  for t, g in enumerate(grads, start=1):
-    for i, p in enumerate(local):
-      for k in p:
-        p[k] = (p[k] - p[k].dtype.type(INNER_LR) * g[k][i]).astype(p[k].dtype)
-    if t % EVERY == 0:
-      deltas = [{k: anchor[k] - p[k] for k in p} for p in local]
-      if not late:
-        anchor = outer(anchor, deltas)
-      elif pending is not None:
-        anchor = outer(anchor, pending)
-      pending = deltas
-      local = [{k: v.copy() for k, v in anchor.items()} for _ in range(n)]
-    history.append({k: np.stack([p[k] for p in local]) for k in params})
-  return history
 
 
 def assert_close(got, want, what):
@@ -290,7 +269,6 @@ def test_one_round_late_nesterov_is_diloco_delayed():
 def test_both_doors_take_the_same_steps(door, options):
   tx = dl.local_steps(optax.sgd(0.05), rounds.voted_outer(
       0.5, axis_name="data", **options), every=2, late=True)
-  from test_doors import problem as door_problem
   got = run_door(door, tx, mesh_of(4), *door_problem(), steps=6,
                  params_per_worker=True)
   other = run_door("plain" if door == "shard_map" else "shard_map", tx,
@@ -307,7 +285,6 @@ def test_both_doors_take_the_same_steps_on_nodes(options):
   axes) and the plain step on Explicit ones, each device voting on its
   block of every leaf."""
   from jax.sharding import AxisType
-  from test_doors import problem as door_problem
   tx = dl.local_steps(optax.sgd(0.05), rounds.voted_outer(
       0.5, axis_name="data", **options), every=2)
   auto = run_door("shard_map", tx, devices.hybrid_mesh(

@@ -311,8 +311,12 @@ def _validate_local_steps(config: Config) -> None:
     if getattr(opt, key) is not None and not 0 <= getattr(opt, key) < 1:
       raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
                         "[0, 1).", key=f"optimizer.{key}")
+  if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
+    raise ConfigError(
+        f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
+        "positive (null: the outer optimizer's default).",
+        key="optimizer.outer_learning_rate")
   _validate_voted(opt)
-  _validate_outer_rate(opt)
 
 
 def _validate_voted(opt: OptimizerConfig) -> None:
@@ -333,36 +337,28 @@ def _validate_voted(opt: OptimizerConfig) -> None:
         f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} needs "
         "optimizer.outer_sparse_chunk (e.g. 128): the entries of every "
         "chunk that vote.", key="optimizer.outer_sparse_keep")
-  if chunk is not None:
-    dense_only = {"aggregation": "mavo", "vote": "binary",
-                  "quantizer": "sign", "comm": "auto"}
-    for key, default in dense_only.items():
-      if getattr(opt, key) != default:
-        raise ConfigError(
-            f"optimizer.{key}={getattr(opt, key)} does not apply to the "
-            f"sparse vote (optimizer.outer_sparse_chunk={chunk}), which "
-            f"sends signs and positions: set optimizer.{key}={default}, or "
-            "drop optimizer.outer_sparse_chunk for the dense vote.",
-            key=f"optimizer.{key}")
-  if chunk is not None and (chunk < 2 or chunk & (chunk - 1)
-                            or chunk > 2**15):
+  if chunk is None:
+    return
+  dense_only = {"aggregation": "mavo", "vote": "binary",
+                "quantizer": "sign", "comm": "auto"}
+  for key, default in dense_only.items():
+    if getattr(opt, key) != default:
+      raise ConfigError(
+          f"optimizer.{key}={getattr(opt, key)} does not apply to the "
+          f"sparse vote (optimizer.outer_sparse_chunk={chunk}), which "
+          f"sends signs and positions: set optimizer.{key}={default}, or "
+          "drop optimizer.outer_sparse_chunk for the dense vote.",
+          key=f"optimizer.{key}")
+  if chunk < 2 or chunk & (chunk - 1) or chunk > 2**15:
     raise ConfigError(
         f"optimizer.outer_sparse_chunk={chunk} must be a power of two from "
         "2 to 32768 (e.g. 128: one entry of every 128 votes), or null for "
         "the dense vote.", key="optimizer.outer_sparse_chunk")
-  if chunk is not None and opt.outer_sparse_keep >= chunk:
+  if opt.outer_sparse_keep >= chunk:
     raise ConfigError(
         f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} must be below "
         f"optimizer.outer_sparse_chunk={chunk}.",
         key="optimizer.outer_sparse_keep")
-
-
-def _validate_outer_rate(opt: OptimizerConfig) -> None:
-  if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
-    raise ConfigError(
-        f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
-        "positive (null: the outer optimizer's default).",
-        key="optimizer.outer_learning_rate")
 
 
 def schedule_warning(config: Config) -> str | None:
