@@ -33,10 +33,27 @@ MOVED: dict[str, tuple[str, str]] = {
     "dlion_jax.exchange.resolve_comm": ("dlion_jax._exchange.resolve_comm",
                                         _COMM),
     "dlion_jax.message.choose_comm": ("dlion_jax._message.choose_comm", _COMM),
+    # Names of the codec's modules that went to another private module.
+    **{f"dlion_jax.{m}.{n}": (f"dlion_jax.{new}", _CODEC) for m, n, new in (
+        *(("exchange", n, f"_strategies.{n}") for n in (
+            "exchange_allgather", "exchange_alltoall", "exchange_psum",
+            "exchange_psum_int8")),
+        ("exchange", "axis_size", "_exchange.workers_along"),
+        ("exchange", "buckets", "_message.buckets"),
+        *(("message", n, f"_strategies.{n}") for n in (
+            "psum_radix", "mavo_has_ties", "alltoall_down_radix",
+            "int_container", "signed_sum")),
+        ("message", "BINARY", "_quantize.BINARY"),
+        ("message", "VoteSpec", "_quantize.VoteSpec"),
+        *(("shards", n, f"_core.{n}") for n in ("axis_dim",
+                                                "node_mean_grads")),
+        *(("shards", n, f"_mesh.{n}") for n in ("on_tpu", "spec_axes",
+                                                "typed_like")))},
     **{f"dlion_jax.workers.{n}": ("dlion_jax._collectives." + n,
                                   "the collectives both doors use") for n in (
         "exchanged", "BLOCKS", "blockwise", "sum_over_blocks", "psum",
-        "pmean", "alike", "alike_state", "mapped_over_mesh")},
+        "pmean", "alike", "alike_state", "mapped_over_mesh",
+        "mapped_mesh_axes")},
     "dlion_jax.workers.place": ("dlion_jax._mesh.place", "spec arithmetic"),
     "dlion_jax.workers.worker_rows": ("dlion_jax._core.worker_rows",
                                       "the worker core"),
@@ -59,6 +76,8 @@ MOVED: dict[str, tuple[str, str]] = {
        for n in ("data_mesh", "global_array", "hybrid_mesh", "replicate",
                  "replicate_for_pmap", "shard_batch", "shard_params",
                  "stack_for_workers", "use_cpu_devices")},
+    "dlion_jax.bench.use_cpu_devices": ("dlion_jax.devices.use_cpu_devices",
+                                        "placement"),
     **{f"dlion_jax.parallel.{n}": (f"dlion_jax.transforms.{n}",
                                    "the optimizer wrappers")
        for n in ("apply_if_finite", "pmean_gradients")},
@@ -94,7 +113,7 @@ def _resolve(path: str) -> Any:
 
 def _warn(old: str, new: str, why: str) -> None:
   if _private(new):
-    advice = f"it is private from {DEPRECATED_IN} ({why})"
+    advice = f"it is private from {DEPRECATED_IN}, as {new} ({why})"
   else:
     module, _, name = new.rpartition(".")
     advice = (f"use {new} (from {module.rpartition('.')[0]} import "

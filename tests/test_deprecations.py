@@ -6,14 +6,63 @@ import importlib
 import subprocess
 import sys
 import types
+import warnings
 
 import pytest
 
 from dlion_jax import _deprecations
 import dlion_jax as dl
+import public_0_2
 
 NAMED = sorted(k for k in _deprecations.MOVED if not k.endswith(".*"))
 MODULES = sorted(k[:-2] for k in _deprecations.MOVED if k.endswith(".*"))
+PUBLIC_0_2 = public_0_2.listed()
+
+
+def _new_path(old):
+  """Where MOVED sends ``old``; None for a path that is public still."""
+  if old in _deprecations.MOVED:
+    return _deprecations.MOVED[old][0]
+  module, _, name = old.rpartition(".")
+  if f"{module}.*" in _deprecations.MOVED:
+    return f"{_deprecations.MOVED[module + '.*'][0]}.{name}"
+  return None
+
+
+def _resolve(path):
+  module, _, name = path.rpartition(".")
+  return getattr(importlib.import_module(module), name)
+
+
+@pytest.mark.skipif(not public_0_2.has_history(),
+                    reason="a clone without 0.2.0's commits")
+def test_the_list_of_0_2_0s_paths_is_its_sources():
+  """tests/data/public_0_2.txt is what tests/public_0_2.py reads off git."""
+  assert PUBLIC_0_2 == sorted(set().union(
+      *map(public_0_2.public_paths, public_0_2.REVS)))
+  assert len(PUBLIC_0_2) > 200
+
+
+@pytest.mark.parametrize("old", PUBLIC_0_2)
+def test_every_path_public_in_0_2_0_works_until_0_4_0(old):
+  """Each path 0.2.0 made public gives its object: a path that moved warns
+  once, naming the new path and the release that removes the old one,
+  and gives the object at the new path; a path public still, silently."""
+  module, _, name = old.rpartition(".")
+  new = _new_path(old)
+  with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    found = getattr(importlib.import_module(module), name)
+  said = [str(w.message) for w in caught
+          if issubclass(w.category, DeprecationWarning)]
+  if new is None:
+    assert not said
+    return
+  assert len(said) == 1, said
+  assert said[0].startswith(f"{old} is deprecated: "), said
+  assert new in said[0], said
+  assert said[0].endswith(f"goes in {_deprecations.REMOVED_IN}."), said
+  assert found is _resolve(new)
 
 
 @pytest.mark.parametrize("old", NAMED)

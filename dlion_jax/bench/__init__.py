@@ -33,6 +33,11 @@ from typing import Iterable
 
 import jax
 
+from dlion_jax import _deprecations
+
+# Old paths (dlion_jax._deprecations.MOVED).
+__getattr__ = _deprecations.old_paths(__name__)
+
 
 def require_examples(parser: argparse.ArgumentParser, module: str,
                      what: str) -> None:
