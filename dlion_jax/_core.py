@@ -101,8 +101,13 @@ def loss_and_grads(loss_fn, params, batch, has_aux, micro_batches):
   (value, grads), _ = lax.scan(body, first,
                                jax.tree.map(lambda x: x[1:], micro))
   mean = lambda x: x / micro_batches
+  # Each mean gradient fenced off from the update that follows: XLA folds
+  # 1/micro_batches into its constants (Lion's 1 - b2) where the update
+  # follows in one region (the shard_map door) but not across the plain
+  # door's region edge, and the momenta rounded apart.
   return jax.tree.map(mean, value), jax.tree.map(
-      lambda g: mean(g) if _differentiable(g) else g, grads)
+      lambda g: lax.optimization_barrier(mean(g)) if _differentiable(g)
+      else g, grads)
 
 
 def float_leaves(params: Any) -> list[int]:

@@ -213,12 +213,15 @@ def wire_bits(num_workers: int, *,
 
 
 def sparse_vote_bits(num_workers: int, *, sparse_chunk: int = 128,
-                     sparse_keep: int = 1) -> float:
+                     sparse_keep: int = 1, sparse_value_bits: int = 1,
+                     scale_chunk: int | None = None) -> float:
   """Bits each worker receives per parameter in one sparse vote
   (:func:`dlion_jax.rounds.scale_by_voted_mean` with ``sparse_chunk``):
-  the words of the ``N - 1`` others, one a kept entry (8 bits up to a
-  chunk of 128, else 16), its leaves' float32 scales aside. Divide by
-  ``H`` for an outer step every ``H`` steps.
+  the words of the ``N - 1`` others, one a kept entry (8 bits where its
+  position and ``sparse_value_bits`` fit, else 16), and with
+  ``scale_chunk`` their float32 scales (one a scale chunk, two with 2-bit
+  values); a leaf's scales aside. Divide by ``H`` for an outer step every
+  ``H`` steps.
 
   Example:
     >>> import dlion_jax as dl
@@ -228,8 +231,9 @@ def sparse_vote_bits(num_workers: int, *, sparse_chunk: int = 128,
     0.013671875
   """
   n = _checks.positive_int("num_workers", num_workers)
-  return (n - 1) * _sparse.sparsity(sparse_chunk,
-                                    sparse_keep).bits_per_entry()
+  return (n - 1) * _sparse.sparsity(
+      sparse_chunk, sparse_keep, sparse_value_bits,
+      scale_chunk).bits_per_entry()
 
 
 def allreduce_bits(num_workers: int, dtype=jnp.float32) -> float:

@@ -29,6 +29,7 @@ from typing import Any, Optional
 import yaml
 
 from dlion_jax import _quantize as quantize
+from dlion_jax import rounds
 
 
 
@@ -125,6 +126,14 @@ class OptimizerConfig:
   outer_sparse_chunk: Optional[int] = None
   outer_sparse_keep: int = 1
   # The outer step one round late, its exchange apart from the step's
+  # voted: each residual's weight in the next vote (SparseLoCo's decay),
+  # the entries that share a scale (null: a leaf), the dense vote on one
+  # entry in outer_fragments a round in turn, a sparse entry's bits (2:
+  # sign and a magnitude bit).
+  outer_error_decay: float = 1.0
+  outer_scale_chunk: Optional[int] = None
+  outer_fragments: int = 1
+  outer_sparse_value_bits: int = 1
   # gradients (dlion_jax.local_steps's late).
   outer_late: bool = False
 
@@ -324,7 +333,9 @@ def _validate_voted(opt: OptimizerConfig) -> None:
   sparse vote without the dense vote's options."""
   voted_only = {"outer_step": "sgd", "outer_schedule": "constant",
                 "outer_error_feedback": True, "outer_sparse_chunk": None,
-                "outer_sparse_keep": 1}
+                "outer_sparse_keep": 1, "outer_error_decay": 1.0,
+                "outer_scale_chunk": None, "outer_fragments": 1,
+                "outer_sparse_value_bits": 1}
   for key, default in voted_only.items():
     if getattr(opt, key) != default and opt.outer != "voted":
       raise ConfigError(
@@ -364,6 +375,8 @@ def _validate_voted(opt: OptimizerConfig) -> None:
 def schedule_warning(config: Config) -> str | None:
   """What is odd about the learning-rate schedule, if anything: a warmup
   as long as the run, or longer, so the rate never reaches its peak."""
+    if opt.outer == "voted":
+      _validate_vote_levers(opt)
   opt, steps = config.optimizer, config.train.steps
   if not opt.warmup_steps or opt.warmup_steps < steps:
     return None
@@ -385,6 +398,21 @@ def local_steps_warning(config: Config) -> str | None:
   if h == 1 or steps % h == 0:
     return None
   if steps < h:
+  _validate_vote_levers(opt)
+
+
+def _validate_vote_levers(opt: OptimizerConfig) -> None:
+  """The voted mean's levers as the library checks them, its errors named
+  by their keys."""
+  options = {name: getattr(opt, f"outer_{name}") for name in (
+      "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
+      "error_feedback", "sparse_chunk", "sparse_keep")}
+  try:
+    rounds.scale_by_voted_mean(**options)
+  except ValueError as e:
+    named = [f"optimizer.outer_{name}" for name in options
+             if f"{name}=" in str(e)] or ["optimizer.outer"]
+    raise ConfigError(f"{named[0]}: {e}", key=named[0]) from None
     return (f"train.steps={steps} is shorter than one round of "
             f"optimizer.local_steps={h}: no outer step runs, and the model "
             "evaluated and returned is the untrained one. Set train.steps to "
