@@ -76,6 +76,30 @@ VOTED_ROWS = {
     "EF vote, ternary_l1": {**_VOTED, "optimizer.quantizer": "ternary_l1"},
     "EF sparse 1/128": {**_VOTED, "optimizer.outer_sparse_chunk": 128},
     "EF sparse 1/32": {**_VOTED, "optimizer.outer_sparse_chunk": 32},
+    # The levers of issue 64: SparseLoCo's decayed residual, a scale a
+    # chunk, the outer momentum tuned, the dense vote in fragments (one
+    # entry in M a round); SparseLoCo's sparse values.
+    "EF vote, decay 0.9": {**_VOTED, "optimizer.outer_error_decay": 0.9},
+    "EF vote, chunk scales": {**_VOTED, "optimizer.outer_scale_chunk": 1024},
+    "EF vote, tuned momentum": {},
+    "EF vote, 1/4 fragments": {**_VOTED, "optimizer.outer_fragments": 4},
+    "EF vote, 1/4 fragments, decay 0.9": {
+        **_VOTED, "optimizer.outer_fragments": 4,
+        "optimizer.outer_error_decay": 0.9},
+    "EF sparse 1/128, chunk scales, decay 0.95": {
+        **_VOTED, "optimizer.outer_sparse_chunk": 128,
+        "optimizer.outer_scale_chunk": 4096,
+        "optimizer.outer_error_decay": 0.95},
+    "EF sparse 16/4096, 2-bit, decay 0.95": {
+        **_VOTED, "optimizer.outer_sparse_chunk": 4096,
+        "optimizer.outer_sparse_keep": 16,
+        "optimizer.outer_sparse_value_bits": 2,
+        "optimizer.outer_scale_chunk": 4096,
+        "optimizer.outer_error_decay": 0.95},
+}
+FP32_ROWS = {
+    "DiLoCo plain outer": {"optimizer.outer_momentum": 0.0},
+    "DiLoCo tuned momentum": {},
 }
 # row -> config overrides on top of the task's config.
 ROWS = {
@@ -108,11 +132,24 @@ ROWS = {
                           "optimizer.local_steps": h,
                           "optimizer.outer": "voted", **options}
        for name, options in VOTED_ROWS.items() for h in LOCAL_STEPS},
+    # The fp32 mean's fair baselines: a plain outer step (momentum 0, the
+    # voted mean's) and Nesterov with its momentum tuned, rates tuned on
+    # FP32_OUTER_LRS.
+    **{f"{name}, H={h}": {"optimizer.name": "dlion",
+                          "optimizer.local_steps": h,
+                          "optimizer.outer": "nesterov", **options}
+       for name, options in FP32_ROWS.items() for h in LOCAL_STEPS},
 }
 PAPER_ROWS = tuple(ROWS)[:6]
 LOCAL_ROWS = tuple(row for row in ROWS if ", H=" in row)
 VOTED_LOCAL_ROWS = tuple(row for row in LOCAL_ROWS
                          if row.split(", H=")[0] in VOTED_ROWS)
+# The fp32 outer rows: DiLoCo's Nesterov 0.9 and the fair baselines.
+FP32_LOCAL_ROWS = tuple(row for row in LOCAL_ROWS
+                        if row.startswith("DiLoCo"))
+# Rows that tune their outer step alone, at the task's inner_lr.
+OUTER_TUNED_ROWS = VOTED_LOCAL_ROWS + tuple(
+    row for row in LOCAL_ROWS if row.split(", H=")[0] in FP32_ROWS)
 # The values a tuned setting may take, in order. A row's grid starts on a
 # slice of each ladder and steps one rung past any edge pick (:func:`tune`);
 # a ladder's ends are the bounds a pick may stop at.
@@ -123,7 +160,9 @@ L2S = (0.0, 5e-4, 5e-3, 5e-2)            # SGD: added to the gradient
 B2S = (0.9, 0.95, 0.98, 0.99, 0.995, 0.999)
 SIGN_OUTER_LRS = (1e-4, 3e-4, 1e-3, 3e-3, 0.01, 0.03, 0.1, 0.3)
 NESTEROV_OUTER_LRS = (0.01, 0.03, 0.1, 0.3, 0.7, 1.0, 1.4)
-VOTED_OUTER_LRS = (0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
+VOTED_OUTER_LRS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
+FP32_OUTER_LRS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0, 1.4, 2.0, 3.0)
+OUTER_MOMENTA = (0.0, 0.5, 0.9)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,6 +187,7 @@ _SIGN = {"lr": Axis(LR, SIGN_LRS, (3e-4, 1e-3, 3e-3)),
          "wd": Axis(WD, DECAYS, (0.01, 0.1))}
 # row -> its tuned settings by name (the run records' keys).
 OUTER_LR = "optimizer.outer_learning_rate"
+OUTER_MOMENTUM = "optimizer.outer_momentum"
 AXES = {
     "SGD momentum": {"lr": Axis(LR, SGD_LRS, (0.01, 0.03, 0.1)),
                      "wd": Axis(WD, L2S, (0.0, 5e-4))},
@@ -166,12 +206,20 @@ AXES = {
     **{row: {**_SIGN, "outer_lr": Axis(
         OUTER_LR, SIGN_OUTER_LRS if "Lion" in row else VOTED_OUTER_LRS,
         (0.01, 0.03) if "Lion" in row else (0.3, 0.7) if "Nesterov" in row
-        else (0.5, 1.0))}
-       for row in LOCAL_ROWS if row.split(",")[0] in (
-           "EF vote", "vote", "EF sparse 1/128", "EF sparse 1/32")},
+        else (0.5, 1.0)), **({"outer_momentum": Axis(
+            OUTER_MOMENTUM, OUTER_MOMENTA, OUTER_MOMENTA)}
+            if "tuned momentum" in row else {})}
+       for row in VOTED_LOCAL_ROWS},
+    # The fp32 baselines: the outer rate (and Nesterov's momentum, all of
+    # OUTER_MOMENTA first) at the inner_lr, as the voted means.
+    **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, FP32_OUTER_LRS, (0.3, 1.0)),
+             **({"outer_momentum": Axis(OUTER_MOMENTUM, OUTER_MOMENTA,
+                                        OUTER_MOMENTA)}
+                if "tuned momentum" in row else {})}
+       for row in LOCAL_ROWS if row.split(", H=")[0] in FP32_ROWS},
 }
 LION_ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion")
-SETTINGS = ("lr", "wd", "b2", "outer_lr")
+SETTINGS = ("lr", "wd", "b2", "outer_lr", "outer_momentum")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -187,8 +235,9 @@ class ConvergenceTask:
   # their picks) at every N: a comparison at equal learning rates.
   matched_lrs: tuple = ()
   matched_rows: tuple = ("global Lion", "D-Lion MaVo")
-  # The inner learning rate of the voted-mean rows, which tune their outer
-  # one alone: the inner Lion's pick of the D-Lion and DiLoCo outer rows.
+  # The inner learning rate of the rows that tune their outer step alone
+  # (OUTER_TUNED_ROWS): the inner Lion's pick of the D-Lion and DiLoCo
+  # outer rows.
   inner_lr: float | None = None
 
   def axes(self, row: str) -> dict[str, Axis]:
@@ -196,7 +245,7 @@ class ConvergenceTask:
     axes = dict(AXES[row])
     if self.start_lrs and row != "SGD momentum":
       axes["lr"] = dataclasses.replace(axes["lr"], start=self.start_lrs)
-    if self.inner_lr and row in VOTED_LOCAL_ROWS:
+    if self.inner_lr and row in OUTER_TUNED_ROWS:
       axes["lr"] = Axis(LR, (self.inner_lr,), (self.inner_lr,))
     if not self.tune_decay:
       axes["wd"] = axes["wd"].fixed()
@@ -208,7 +257,7 @@ class ConvergenceTask:
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
 _LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
                 "D-Lion outer, H=32", "DiLoCo outer, H=32",
-                *(f"{row}, H=32" for row in VOTED_ROWS))
+                *(f"{row}, H=32" for row in (*VOTED_ROWS, *FP32_ROWS)))
 # Tasks that more than one study runs (each study its own rows).
 _CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
 # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
@@ -466,6 +515,14 @@ def seed_stats(runs, task, row, n, point=None
   return (*study.mean_spread(kept), len(mine) - len(kept))
 
 
+def seed_range(runs, task, row, n) -> tuple[float, float] | None:
+  """The lowest and highest of ``row``'s metric at ``n`` at its pick over
+  the seeds that did not diverge (scaled as :func:`seed_stats`)."""
+  kept = [r["metric"] * TASKS[task].task.scale
+          for r in _evals(runs, task, row, n) if not r["diverged"]]
+  return (min(kept), max(kept)) if kept else None
+
+
 def _mean(runs, task, row, n) -> float | None:
   stats = seed_stats(runs, task, row, n)
   return None if stats is None else stats[0]
@@ -495,8 +552,8 @@ def summary_table(runs: list[dict], task: str) -> str:
     return "(tuned only: no run at the picked settings yet)"
   rows = [row for row in ROWS if any(
       r["task"] == task and r["row"] == row for r in runs)]
-  headers = (["optimizer"] + [f"N={n}: test {conv.task.unit}"
-                              for n in workers]
+  headers = (["optimizer"] + [f"N={n}: test {conv.task.unit}, mean "
+                              "(min-max)" for n in workers]
              + ["bits/param/step", "picked", "pick", "seeds"])
   body = []
   for row in rows:
@@ -504,9 +561,10 @@ def summary_table(runs: list[dict], task: str) -> str:
     for n in workers:
       stats = seed_stats(runs, task, row, n)
       diverged = sum(r["diverged"] for r in _evals(runs, task, row, n))
+      low, high = seed_range(runs, task, row, n) or (0, 0)
       cells.append("-" if stats is None and not diverged else
                    "diverged" if stats is None else
-                   f"{stats[0]:.2f} ± {stats[1]:.2f}"
+                   f"{stats[0]:.2f} ({low:.2f}-{high:.2f})"
                    + (f" ({stats[2]} seed diverged)" if stats[2] else ""))
     n_bits = 8 if 8 in workers else workers[-1]
     mine = _evals(runs, task, row, n_bits)
@@ -619,9 +677,39 @@ def _mean_bits(runs, task, row, n) -> float | None:
   return statistics.fmean(sent) if sent else None
 
 
+def best_fp32_outer(runs, task, n, h) -> str | None:
+  """The fp32 outer row at ``H = h`` (:data:`FP32_LOCAL_ROWS`) with the
+  best mean at ``n``, or None where none was evaluated."""
+  better = 1 if TASKS[task].task.higher_is_better else -1
+  means = {row: mean for row in FP32_LOCAL_ROWS
+           if row.endswith(f", H={h}")
+           and (mean := _mean(runs, task, row, n)) is not None}
+  return max(means, key=lambda row: better * means[row]) if means else None
+
+
+def compare(runs, task, n, ours, theirs) -> tuple[str, float, int, int]:
+  """``ours`` against ``theirs`` at ``n``: ``better``, ``worse`` or
+  ``level`` (better only where the gap between the means exceeds the
+  larger of the two rows' spreads, max - min over the seeds), the gap
+  (positive: ours ahead), and on how many of the seeds both ran ours was
+  ahead, of how many."""
+  sign = 1 if TASKS[task].task.higher_is_better else -1
+  gap = (_mean(runs, task, ours, n) - _mean(runs, task, theirs, n)) * sign
+  spread = max(high - low for low, high in (
+      seed_range(runs, task, ours, n), seed_range(runs, task, theirs, n)))
+  verdict = ("better" if gap > spread else "worse" if -gap > spread
+             else "level")
+  by_seed = [{r["seed"]: r["metric"] for r in _evals(runs, task, row, n)}
+             for row in (ours, theirs)]
+  seeds = set(by_seed[0]) & set(by_seed[1])
+  ahead = sum((by_seed[0][s] - by_seed[1][s]) * sign > 0 for s in seeds)
+  return verdict, gap, ahead, len(seeds)
+
+
 def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
-  """Per H: the 1-bit outer vote against DiLoCo's Nesterov step and
-  against voting every step, with the bits each sends."""
+  """Per H: every local-steps row against the best fp32 outer row (the
+  best of DiLoCo's Nesterov step and the fair baselines) and against
+  voting every step, with the bits each sends."""
   conv = TASKS[task]
   better = 1 if conv.task.higher_is_better else -1
   unit = "points" if conv.task.scale == 100 else "bits/byte"
@@ -629,10 +717,10 @@ def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
   for n in eval_workers(runs, task):
     every = _mean(runs, task, "D-Lion MaVo", n)
     for h in LOCAL_STEPS:
-      theirs = f"DiLoCo outer, H={h}"
-      m_theirs = _mean(runs, task, theirs, n)
-      if m_theirs is None:
+      theirs = best_fp32_outer(runs, task, n, h)
+      if theirs is None:
         continue
+      m_theirs = _mean(runs, task, theirs, n)
       b_theirs = _mean_bits(runs, task, theirs, n)
       for ours in LOCAL_ROWS:
         m_ours = _mean(runs, task, ours, n)
@@ -640,13 +728,14 @@ def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
             or m_ours is None):
           continue
         b_ours = _mean_bits(runs, task, ours, n)
-        ahead = (m_ours - m_theirs) * better
+        verdict, gap, ahead, seeds = compare(runs, task, n, ours, theirs)
         name = ours.rpartition(", H=")[0]
-        line = (f"N={n}, H={h}: {name} is {abs(ahead):.2f} {unit} "
-                f"{'ahead of' if ahead >= 0 else 'behind'} DiLoCo's "
-                f"Nesterov step ({m_ours:.2f} at {b_ours:.3f} "
-                f"bits/param/step against {m_theirs:.2f} at "
-                f"{b_theirs:.2f}, {b_theirs / b_ours:.0f}x the bits)")
+        line = (f"N={n}, H={h}: {name} against the best fp32 outer row "
+                f"({theirs.rpartition(', H=')[0]}): **{verdict}**, "
+                f"{gap:+.2f} {unit}, ahead at {ahead} of {seeds} seeds ("
+                f"{m_ours:.2f} at {b_ours:.3f} bits/param/step against "
+                f"{m_theirs:.2f} at {b_theirs:.2f}, {b_theirs / b_ours:.0f}x "
+                "the bits)")
         if every is not None:
           line += (f"; {(m_ours - every) * better:+.2f} {unit} against "
                    "voting every step")
@@ -768,6 +857,13 @@ def plot_bits(runs: list[dict], path: str) -> None:
       else:
         ax.errorbar([bits], [stats[0]], yerr=[stats[1]], marker="s",
                     capsize=3, ls="none", label=f"{row} (every step)")
+    # The band: the best fp32 outer row at H = 32 (else at another H).
+    best = next((row for h in (32, *LOCAL_STEPS)
+                 if (row := best_fp32_outer(runs, task, n, h))), None)
+    if best:
+      low, high = seed_range(runs, task, best, n)
+      ax.axhspan(low, high, color="0.5", alpha=0.2,
+                 label=f"best fp32 outer: {best}, its seeds' range")
     for name, points in series.items():
       if points:
         xs, ys, errs, hs = zip(*sorted(points))
@@ -826,18 +922,43 @@ def plot_curves(runs: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def protocol(runs: list[dict], task: str) -> str:
+  """How ``task``'s rows were tuned and evaluated, and what "better"
+  means in its verdicts."""
+  mine = [r for r in runs if r["task"] == task]
+  tuned = sorted({r["seed"] for r in mine if r["phase"] == "tune"})
+  evals = sorted({r["seed"] for r in mine if r["phase"] == "eval"})
+  if not evals:
+    return ""
+  reused = sorted(set(tuned) & set(evals))
+  return (f"Every row tuned at seed {', '.join(map(str, tuned))} and "
+          f"evaluated at seed{'s' * (len(evals) > 1)} "
+          f"{', '.join(map(str, evals))}"
+          + (f" (seed {', '.join(map(str, reused))} also tuned)" if reused
+             else ", never used for tuning")
+          + "; a row is **better** than another only where the gap "
+          "between their means exceeds the larger of their spreads "
+          "(max - min over the seeds), else **level**.")
+
+
 def report(runs: list[dict], heading: str) -> str:
   parts = [heading]
   for task in dict.fromkeys(r["task"] for r in runs):
     conv = TASKS[task]
     parts.append(f"#### {task} ({conv.task.config}, test "
                  f"{conv.task.unit})\n\n" + summary_table(runs, task))
+    parts.append(protocol(runs, task))
     parts += ["\n".join(f"- {line}" for line in verdicts(runs, task)),
               matched_table(runs, task),
               grid_table(runs, task)]
   minutes = sum(r["seconds"] for r in runs) / 60
   parts.append(f"{len(runs)} runs, {minutes:.0f} min of training.")
   return "\n\n".join(p for p in parts if p)
+
+
+def at_seeds(runs: list[dict], seeds) -> list[dict]:
+  """The tuning runs and the evaluation runs at ``seeds``."""
+  return [r for r in runs if r["phase"] != "eval" or r["seed"] in seeds]
 
 
 def parse_args(argv):
@@ -848,7 +969,10 @@ def parse_args(argv):
                       choices=list(ROWS), metavar="ROW")
   parser.add_argument("--workers", nargs="+", type=int, default=None,
                       help="N to report (default: each task's own)")
-  parser.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+  parser.add_argument("--seeds", nargs="+", type=int, default=None,
+                      help="the evaluation seeds (default 0 1); with "
+                      "--from-json or --resume, the report shows these "
+                      "seeds' runs alone")
   parser.add_argument("--tune-workers", type=int, default=8)
   parser.add_argument("--tune-seed", type=int, default=100)
   parser.add_argument("--json", help="save every run here (after each run)")
@@ -883,7 +1007,8 @@ def main(argv=None) -> str:
                                  *(n for t in args.tasks
                                    for n in TASKS[t].workers)]))
     try:
-      runs = run_study(args.tasks, args.rows, args.workers, args.seeds,
+      runs = run_study(args.tasks, args.rows, args.workers,
+                       args.seeds or [0, 1],
                        args.tune_workers, args.tune_seed, args.json, saved)
     except SavedRunsMismatch as e:
       sys.exit(f"error: {e}")
@@ -891,9 +1016,11 @@ def main(argv=None) -> str:
                f"--tasks {' '.join(args.tasks)}"
                + (f" --workers {' '.join(map(str, args.workers))}"
                   if args.workers else "")
-               + f" --seeds {' '.join(map(str, args.seeds))}` on "
+               + f" --seeds {' '.join(map(str, args.seeds or [0, 1]))}` on "
                f"{bench.machine_line()}; this invocation took "
                f"{(time.perf_counter() - start) / 60:.0f} min.")
+  if args.seeds:
+    runs = at_seeds(runs, args.seeds)
   if args.plot:
     plot(runs, args.plot)
   if args.curves:

@@ -23,8 +23,12 @@ A chunk whose entries are all 0 still sends a word: its first entry at
 back in the next round. Params the inner optimizer never moves are best
 frozen in the outer step too (:func:`dlion_jax.local_steps`).
 
-SparseLoCo (Sarfi et al., 2025) sends top-k of 1-3 % of each chunk with
-2-bit values and error feedback; this sends the sign alone.
+SparseLoCo's values (Sarfi et al., 2025: top-k of 1-3 % of each chunk,
+2-bit values, a scale a chunk) are options: ``value_bits=2`` adds a
+magnitude bit to each word (below or above the mean magnitude, each side
+decoded as its own mean, two scales a group), and a ``group`` of chunks
+shares its scales instead of the whole leaf (then every scale is that
+device's own part's, on a node too).
 """
 
 from __future__ import annotations
@@ -45,35 +49,66 @@ MAX_CHUNK = 2**15
 
 
 class Sparsity(NamedTuple):
-  """Which entries vote: ``keep`` of every ``chunk``."""
+  """Which entries vote (``keep`` of every ``chunk``), what a kept entry
+  says (``value_bits``: 1, its sign; 2, its sign and whether its
+  magnitude is above its group's mean) and how many chunks share a scale
+  (``group``; 0: the whole leaf)."""
   chunk: int
   keep: int
+  value_bits: int = 1
+  group: int = 0
 
   @property
   def word(self) -> jnp.dtype:
-    """The dtype of one kept entry's word (position and sign)."""
-    return jnp.dtype(jnp.uint8 if self.chunk <= 128 else jnp.uint16)
+    """The dtype of one kept entry's word (position and value)."""
+    bits = self.chunk.bit_length() - 1 + self.value_bits
+    return jnp.dtype(jnp.uint8 if bits <= 8 else jnp.uint16)
+
+  @property
+  def scales(self) -> int:
+    """float32 scales a group (or leaf) sends: one a magnitude level."""
+    return self.value_bits
 
   def bits_per_entry(self) -> float:
-    """Bits one worker sends per entry of a leaf, its scale aside."""
-    return self.keep * 8 * self.word.itemsize / self.chunk
+    """Bits one worker sends per entry of a leaf: its words, and its
+    groups' scales (a leaf's scales aside)."""
+    words = self.keep * 8 * self.word.itemsize / self.chunk
+    if not self.group:
+      return words
+    return words + 32 * self.scales / (self.group * self.chunk)
 
 
-def sparsity(chunk: int, keep: int) -> Sparsity:
+def sparsity(chunk: int, keep: int, value_bits: int = 1,
+             scale_chunk: int | None = None) -> Sparsity:
   """Checked options of the sparse vote."""
   chunk = _checks.positive_int("sparse_chunk", chunk)
   keep = _checks.positive_int("sparse_keep", keep)
-  if chunk < 2 or chunk > MAX_CHUNK or chunk & (chunk - 1):
+  value_bits = _checks.static_int("sparse_value_bits", value_bits)
+  if value_bits not in (1, 2) or isinstance(value_bits, bool):
     raise ValueError(
-        f"sparse_chunk={chunk} must be a power of two from 2 to {MAX_CHUNK} "
-        "(a kept entry's position and sign fit one 8- or 16-bit word): e.g. "
-        "128 (1 entry in 128, 0.78 %) or 64.")
+        f"sparse_value_bits={value_bits!r} must be 1 (a kept entry's sign) "
+        "or 2 (its sign and one bit of magnitude).")
+  top = MAX_CHUNK >> (value_bits - 1)
+  if chunk < 2 or chunk > top or chunk & (chunk - 1):
+    raise ValueError(
+        f"sparse_chunk={chunk} must be a power of two from 2 to {top} "
+        f"(a kept entry's position and {value_bits}-bit value fit one 8- "
+        "or 16-bit word): e.g. 128 (1 entry in 128, 0.78 %) or 64.")
   if keep >= chunk:
     raise ValueError(
         f"sparse_keep={keep} must be below sparse_chunk={chunk}: the vote "
         "sends keep entries of every chunk; for all of them use the dense "
         "vote (sparse_chunk=None).")
-  return Sparsity(chunk, keep)
+  group = 0
+  if scale_chunk is not None:
+    scale_chunk = _checks.positive_int("scale_chunk", scale_chunk)
+    if scale_chunk % chunk:
+      raise ValueError(
+          f"scale_chunk={scale_chunk} must be a multiple of sparse_chunk="
+          f"{chunk}: a scale covers whole chunks of the sparse vote. Give "
+          f"e.g. scale_chunk={chunk * 32}, or None for a scale a leaf.")
+    group = scale_chunk // chunk
+  return Sparsity(chunk, keep, value_bits, group)
 
 
 def _chunks(x: jax.Array, chunk: int) -> jax.Array:
@@ -81,49 +116,97 @@ def _chunks(x: jax.Array, chunk: int) -> jax.Array:
   return jnp.pad(flat, (0, -flat.size % chunk)).reshape(-1, chunk)
 
 
+def _per_group(x: jax.Array, group: int) -> jax.Array:
+  """The sums over each ``group`` of rows of ``[rows, keep]`` ``x``
+  (zero-padded to whole groups): ``[groups]``."""
+  rows = jnp.pad(x, ((0, -x.shape[0] % group), (0, 0)))
+  return rows.reshape(-1, group * x.shape[1]).sum(1)
+
+
+def _group_of_chunks(sparse: Sparsity, chunks: int) -> int:
+  return sparse.group or max(chunks, 1)
+
+
+def _group_means(top, chosen, group, shard, wide):
+  """The mean of ``top``'s entries (those ``chosen``; None: all) in each
+  group of ``group`` chunks, 0 where none is; a leaf's over its shards.
+  One group of every kept entry: their sum times a constant reciprocal, a
+  rounding the reference can reproduce."""
+  values = top if chosen is None else jnp.where(chosen, top, 0)
+  total = _per_group(values, group)
+  if chosen is None and shard is None and group * top.shape[1] >= top.size:
+    return total * wide.type(1.0 / max(top.size, 1))
+  count = _per_group(jnp.ones_like(top) if chosen is None
+                     else chosen.astype(wide), group)
+  if shard is not None:
+    total, count = shard.sum(total), shard.sum(count)
+  return jnp.where(count > 0, total / jnp.maximum(count, 1), 0)
+
+
 def encode(p: jax.Array, sparse: Sparsity,
            shard: _blocks.LeafShard | None = None):
-  """One worker's words of a leaf, its scale and what they say.
+  """One worker's words of a leaf, its scales and what they say.
 
   Args:
     p: the values to vote on, one leaf (or, with ``shard``, this device's
       part of one, cut in chunks of its own).
-    sparse: which entries vote.
-    shard: the leaf ``p`` is a part of: the scale is the whole leaf's.
+    sparse: which entries vote, and what each says.
+    shard: the leaf ``p`` is a part of: a leaf's scale is the whole leaf's
+      (a group's is its part's own).
 
   Returns:
-    ``(words, scale, said)``: the ``[chunks, keep]`` words, the float32
-    mean magnitude ``s`` of the kept entries (non-finite ones count 0)
-    and ``s * q`` in ``p``'s shape, what the worker sent as a value
-    (the error feedback's residual is ``p - said``).
+    ``(words, scales, said)``: the ``[chunks, keep]`` words
+    (``position``, then with 2-bit values whether the magnitude is above
+    the group's mean, then the sign, lowest bit last); the float32
+    ``[groups, value_bits]`` scales (the mean magnitude of the kept
+    entries of each group, non-finite ones counting 0; with 2-bit values
+    the means of those at or below it and of those above it); and
+    ``s * q`` in ``p``'s shape, what the worker sent as a value (the error
+    feedback's residual is ``p - said``).
   """
   wide = jnp.promote_types(p.dtype, jnp.float32)
   x = _chunks(p.astype(wide), sparse.chunk)
   magnitude = jnp.where(jnp.isfinite(x), jnp.abs(x), 0)
   top, where = lax.top_k(magnitude, sparse.keep)
   positive = jnp.take_along_axis(x, where, axis=1) > 0
-  words = (2 * where + positive).astype(sparse.word)
-  total, kept = jnp.sum(top), top.size
-  if shard is not None:
-    total, kept = shard.sum(total), shard.sum(jnp.asarray(kept, wide))
-    scale = total / kept
+  group = _group_of_chunks(sparse, x.shape[0])
+  shard = None if sparse.group else shard
+  mean = _group_means(top, None, group, shard, wide)
+  words = where
+  if sparse.value_bits == 1:
+    scales = mean[:, None]
   else:
-    scale = total * wide.type(1.0 / max(kept, 1))   # an empty leaf: 0
-  said = _decoded(words, scale, x.shape)[:p.size].reshape(p.shape)
-  return words, scale, said
+    chunk_mean = jnp.repeat(mean, group)[:x.shape[0], None]
+    above = top > chunk_mean
+    scales = jnp.stack([_group_means(top, side, group, shard, wide)
+                        for side in (~above, above)], axis=1)
+    scales = jnp.where(scales > 0, scales, mean[:, None])
+    words = 2 * words + above
+  words = (2 * words + positive).astype(sparse.word)
+  said = _decoded(words, scales, sparse, x.shape)[:p.size].reshape(p.shape)
+  return words, scales, said
 
 
-def _signs(words: jax.Array, scale: jax.Array) -> jax.Array:
-  return jnp.where(words & 1, scale, -scale)
+def _values(words: jax.Array, scales: jax.Array, sparse: Sparsity,
+            group: int) -> jax.Array:
+  """The ``[chunks, keep]`` values the words of ``[groups, value_bits]``
+  scales say."""
+  level = (words >> 1) & 1 if sparse.value_bits == 2 else jnp.zeros_like(
+      words)
+  of_chunk = jnp.arange(words.shape[0]) // group
+  size = scales[of_chunk[:, None], level.astype(jnp.int32)]
+  return jnp.where(words & 1, size, -size)
 
 
-def _decoded(words: jax.Array, scale: jax.Array, shape) -> jax.Array:
+def _decoded(words: jax.Array, scales: jax.Array, sparse: Sparsity,
+             shape) -> jax.Array:
   """``s q`` as a flat vector of ``shape[0] * shape[1]`` entries."""
   chunks, chunk = shape
-  flat = (jnp.arange(chunks, dtype=jnp.int32)[:, None] * chunk
-          + (words >> 1).astype(jnp.int32))
-  return jnp.zeros(chunks * chunk, scale.dtype).at[flat.ravel()].set(
-      _signs(words, scale).ravel(), unique_indices=True)
+  position = (words >> sparse.value_bits).astype(jnp.int32)
+  flat = jnp.arange(chunks, dtype=jnp.int32)[:, None] * chunk + position
+  values = _values(words, scales, sparse, _group_of_chunks(sparse, chunks))
+  return jnp.zeros(chunks * chunk, scales.dtype).at[flat.ravel()].set(
+      values.ravel(), unique_indices=True)
 
 
 def _gathered(x: jax.Array, axis_name) -> jax.Array:
@@ -165,19 +248,23 @@ def mean_of_votes(leaves: list[jax.Array], sparse: Sparsity, *,
 def _mean_of_votes(leaves, sparse, *, axis_name, num_workers, shards=None):
   coded = [encode(p, sparse, shard) for p, shard in zip(
       leaves, shards or [None] * len(leaves))]
-  sizes = [w.size for w, _, _ in coded]
   words = _gathered(jnp.concatenate([w.ravel() for w, _, _ in coded]),
                     axis_name)
-  scales = _gathered(jnp.stack([s for _, s, _ in coded]), axis_name)
-  means, start = [], 0
-  for k, (p, size) in enumerate(zip(leaves, sizes)):
-    shape = (size // sparse.keep, sparse.chunk)
-    mine = lax.slice_in_dim(words, start, start + size, axis=1).reshape(
-        num_workers, shape[0], sparse.keep)
-    start += size
+  scales = _gathered(jnp.concatenate([s.ravel() for _, s, _ in coded]),
+                     axis_name)
+  means, start, scale_start = [], 0, 0
+  for p, (mine, own, _) in zip(leaves, coded):
+    shape = (mine.shape[0], sparse.chunk)
+    theirs = lax.slice_in_dim(words, start, start + mine.size, axis=1
+                              ).reshape((num_workers,) + mine.shape)
+    their_scales = lax.slice_in_dim(
+        scales, scale_start, scale_start + own.size, axis=1).reshape(
+            (num_workers,) + own.shape)
+    start, scale_start = start + mine.size, scale_start + own.size
 
-    def add(j, total, mine=mine, k=k, shape=shape):
-      return total + _decoded(mine[j], scales[j, k], shape)
+    def add(j, total, theirs=theirs, their_scales=their_scales,
+            shape=shape):
+      return total + _decoded(theirs[j], their_scales[j], sparse, shape)
     total = lax.fori_loop(0, num_workers, add,
                           jnp.zeros(shape[0] * shape[1], scales.dtype))
     mean = total * scales.dtype.type(1.0 / num_workers)

@@ -32,10 +32,12 @@ keep (:func:`anchor`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 
@@ -272,10 +274,13 @@ class VotedMeanState(NamedTuple):
   """State of :func:`scale_by_voted_mean` on one worker.
 
   Attributes:
+    count: outer steps taken (int32 scalar), the same on every worker: it
+      names the fragment that votes (``fragments``).
     error: this worker's residual ``e_i``, what its earlier votes could not
       say (float32, float64 for float64 leaves); it differs from worker to
       worker.
   """
+  count: jax.Array
   error: optax.Updates
 
 
@@ -284,14 +289,18 @@ def scale_by_voted_mean(
     aggregation: _message.Aggregation = "mavo",
     vote: _quantize.Vote = "binary", quantizer: _quantize.Quantizer = "sign",
     bits: int | None = None, comm: _message.CommChoice = "auto",
-    error_feedback: bool = True, sparse_chunk: int | None = None,
-    sparse_keep: int = 1) -> optax.GradientTransformation:
+    error_feedback: bool = True, error_decay: float = 1.0,
+    scale_chunk: int | None = None, fragments: int = 1,
+    sparse_chunk: int | None = None, sparse_keep: int = 1,
+    sparse_value_bits: int = 1) -> optax.GradientTransformation:
   r"""The workers' mean pseudo-gradient, each worker sending a few bits.
 
   Worker :math:`i`, given :math:`\delta_i` (an outer step's pseudo-gradient),
-  says :math:`p_i = \delta_i + e_i` as a code :math:`q_i` of values in
-  :math:`[-1, 1]` and a scale :math:`s_i` a leaf, keeping what it could not
-  say (error feedback; Karimireddy et al., 2019):
+  says :math:`p_i = \delta_i + \beta e_i` as a code :math:`q_i` of values
+  in :math:`[-1, 1]` and scales :math:`s_i` (one a leaf, or one a chunk of
+  ``scale_chunk`` entries), keeping what it could not say (error
+  feedback; Karimireddy et al., 2019; :math:`\beta` = ``error_decay``,
+  SparseLoCo's decay):
 
   .. math::
 
@@ -300,16 +309,24 @@ def scale_by_voted_mean(
   * dense (``sparse_chunk=None``): :math:`q_i` is Distributed Lion's vote
     on :math:`p_i` (``vote``, ``quantizer``, ``bits`` as in
     :func:`dlion_jax.scale_by_distributed_lion`; an L1 level :math:`l`
-    counts :math:`l / L`), :math:`s_i` the mean :math:`|p_i|` of the leaf,
-    and :math:`U = \bar s\, V`, with :math:`V = \mathrm{sign}(\sum_i
+    counts :math:`l / L`), :math:`s_i` the mean :math:`|p_i|`, and
+    :math:`U = \bar s\, V`, with :math:`V = \mathrm{sign}(\sum_i
     q_i)` (``'mavo'``) or :math:`\frac1N \sum_i q_i` (``'avg'``) exchanged
     as Distributed Lion's votes are (``comm``) and :math:`\bar s` the
-    workers' mean scale (a float32 a leaf, all-reduced);
+    workers' mean scale (float32, all-reduced). With ``fragments=M`` only
+    the entries :math:`k, k + M, k + 2M, \dots` of each flattened leaf
+    vote in outer step :math:`t` (:math:`k = t \bmod M`): the others
+    send nothing and keep all of :math:`p_i` as their residual, so every
+    entry votes once every :math:`M` steps, at :math:`1/M` of the bits
+    (the scales are then the fragment's; its last entries may be zero
+    padding);
   * sparse (``sparse_chunk=C``): :math:`q_i` is the sign of the
     ``sparse_keep`` entries of largest :math:`|p_i|` in every chunk of
-    :math:`C` and 0 elsewhere, :math:`s_i` their mean magnitude, and
+    :math:`C` and 0 elsewhere (with ``sparse_value_bits=2``, also whether
+    each is above its scale's mean magnitude, the two sides decoded as
+    their own means), :math:`s_i` their mean magnitude, and
     :math:`U = \frac1N \sum_i s_i q_i` from every worker's positions and
-    signs, one word an entry, gathered (``aggregation`` and ``comm`` do
+    values, one word an entry, gathered (``aggregation`` and ``comm`` do
     not apply): at :math:`C = 128` a worker sends 8 bits for 128 entries.
 
   Every worker returns the same :math:`U`, an estimate of the mean
@@ -317,7 +334,8 @@ def scale_by_voted_mean(
   feed an outer step (:func:`voted_outer`). With ``error_feedback=False``
   there is no residual (:math:`e_i = 0`, no state). The residual costs
   4 bytes a parameter a worker (8 for float64 leaves); a non-finite
-  entry of :math:`p_i` leaves 0 there.
+  entry of :math:`p_i` leaves 0 there. What each option is worth on the
+  study's tasks: docs/training.md.
 
   Args:
     axis_name: the workers' axis.
@@ -328,9 +346,21 @@ def scale_by_voted_mean(
     comm: how the dense votes travel, as in
       :func:`dlion_jax.scale_by_distributed_lion`.
     error_feedback: carry each worker's residual into its next vote.
+    error_decay: :math:`\beta` in ``(0, 1]``, the residual's weight in the
+      next vote (1: all of it).
+    scale_chunk: ``None`` (a scale a leaf) or the entries of the flattened
+      leaf that share a scale (dense: any size from 2, the last chunk its
+      own entries; sparse: a multiple of ``sparse_chunk``). Each costs a
+      float32 (two with 2-bit sparse values): dense, all-reduced; sparse,
+      gathered.
+    fragments: ``M``, the dense vote on one entry in ``M`` a step, in turn
+      (needs ``error_feedback``).
     sparse_chunk: ``None`` (dense), or the chunk, a power of two up to
-      32768, of which ``sparse_keep`` entries vote.
+      32768 (16384 with 2-bit values), of which ``sparse_keep`` entries
+      vote.
     sparse_keep: entries of every chunk that vote (sparse only).
+    sparse_value_bits: 1 (a kept entry's sign) or 2 (and one bit of its
+      magnitude; sparse only).
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
@@ -348,31 +378,50 @@ def scale_by_voted_mean(
   spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   error_feedback = _checks.flag("error_feedback", error_feedback,
                                 "whether each worker keeps its residual")
+  error_decay = _residual_weight(error_decay, error_feedback)
+  fragments = _checks.positive_int("fragments", fragments,
+                                   "the dense vote on one entry in M a step")
+  if fragments > 1 and not error_feedback:
+    raise ValueError(
+        f"fragments={fragments} needs error_feedback=True: the entries "
+        "that do not vote in a step keep their pseudo-gradient in the "
+        "residual for their turn. Set error_feedback=True, or fragments=1.")
   if sparse_chunk is None:
-    if sparse_keep != 1:
-      raise ValueError(
-          f"sparse_keep={sparse_keep!r} needs sparse_chunk: the entries of "
-          "every chunk that vote in the sparse vote. Give sparse_chunk "
-          "(e.g. 128), or leave sparse_keep at 1 for the dense vote.")
+    for name, value, default in (("sparse_keep", sparse_keep, 1),
+                                 ("sparse_value_bits", sparse_value_bits, 1)):
+      if _checks.static_int(name, value) != default:
+        raise ValueError(
+            f"{name}={value!r} needs sparse_chunk: it is an option of the "
+            "sparse vote. Give sparse_chunk (e.g. 128), or leave "
+            f"{name} at {default} for the dense vote.")
+    if scale_chunk is not None:
+      scale_chunk = _checks.positive_int("scale_chunk", scale_chunk)
+      if scale_chunk < 2:
+        raise ValueError(
+            "scale_chunk=1 would send a float32 scale for every entry, "
+            "more than the fp32 mean: give a chunk of 2 or more entries "
+            "(e.g. 1024), or None for a scale a leaf.")
     sparse = None
   else:
-    sparse = _sparse.sparsity(sparse_chunk, sparse_keep)
+    sparse = _sparse.sparsity(sparse_chunk, sparse_keep, sparse_value_bits,
+                              scale_chunk)
     dense_only = {"aggregation": (aggregation, "mavo"),
                   "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
-                  "bits": (bits, None), "comm": (comm, "auto")}
+                  "bits": (bits, None), "comm": (comm, "auto"),
+                  "fragments": (fragments, 1)}
     for name, (value, default) in dense_only.items():
       if value != default:
         raise ValueError(
             f"{name}={value!r} does not apply to the sparse vote "
-            f"(sparse_chunk={sparse_chunk}), which sends signs and "
-            f"positions, every worker's gathered: leave {name} at "
+            f"(sparse_chunk={sparse_chunk}), which sends positions and "
+            f"values, every worker's gathered: leave {name} at "
             f"{default!r}, or set sparse_chunk=None for the dense vote.")
 
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
     if not error_feedback:
       return optax.EmptyState()
-    return VotedMeanState(jax.tree.map(
+    return VotedMeanState(jnp.zeros([], jnp.int32), jax.tree.map(
         lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)),
         params))
 
@@ -383,23 +432,50 @@ def scale_by_voted_mean(
     leaves, treedef = jax.tree.flatten(updates)
     wide = [d.astype(_quantize.scale_dtype(d.dtype)) for d in leaves]
     if error_feedback:
-      wide = [p + e for p, e in zip(wide, treedef.flatten_up_to(
-          state.error))]
+      wide = [p + (e if isinstance(error_decay, float) and error_decay == 1
+                   else error_decay * e)
+              for p, e in zip(wide, treedef.flatten_up_to(state.error))]
     if sparse is not None:
       means, said = _sparse.mean_of_votes(
           wide, sparse, axis_name=axis_name, num_workers=num_workers)
     else:
-      means, said = _dense_mean(wide, spec, axis_name=axis_name,
-                                num_workers=num_workers,
-                                aggregation=aggregation, comm=comm)
+      vote = functools.partial(
+          _dense_mean, spec=spec, axis_name=axis_name,
+          num_workers=num_workers, aggregation=aggregation, comm=comm,
+          scale_chunk=scale_chunk)
+      means, said = (vote(wide) if fragments == 1 else _fragment_vote(
+          vote, wide, fragments, state.count % fragments))
     means = [u.astype(d.dtype) for u, d in zip(means, leaves)]
     if not error_feedback:
       return treedef.unflatten(means), state
     error = [jnp.where(jnp.isfinite(r), r, 0) for r in (
         p - s for p, s in zip(wide, said))]
-    return treedef.unflatten(means), VotedMeanState(treedef.unflatten(error))
+    return treedef.unflatten(means), VotedMeanState(
+        optax.safe_int32_increment(state.count), treedef.unflatten(error))
 
   return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _residual_weight(error_decay, error_feedback: bool) -> float:
+  """``error_decay``, checked: a number in ``(0, 1]`` (a traced one,
+  from :func:`optax.inject_hyperparams`, as it is)."""
+  if isinstance(error_decay, jax.core.Tracer):
+    return error_decay
+  if isinstance(error_decay, (jax.Array, np.ndarray)) and not np.ndim(
+      error_decay):
+    error_decay = error_decay.item()
+  if isinstance(error_decay, bool) or not isinstance(
+      error_decay, (int, float)) or not 0 < error_decay <= 1:
+    raise ValueError(
+        f"error_decay={error_decay!r} must be a number in (0, 1]: the "
+        "weight of each worker's residual in its next vote (1: all of it; "
+        "SparseLoCo decays it by e.g. 0.95).")
+  if error_decay != 1 and not error_feedback:
+    raise ValueError(
+        f"error_decay={error_decay} needs error_feedback=True: there is no "
+        "residual to decay. Set error_feedback=True, or leave error_decay "
+        "at 1.")
+  return float(error_decay)
 
 
 def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
@@ -412,17 +488,59 @@ def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
   return jnp.sign(p)
 
 
-def _dense_mean(leaves, spec, *, axis_name, num_workers, aggregation, comm):
+def _chunk_scales(p: jax.Array, chunk: int) -> jax.Array:
+  """The mean ``|p|`` of each chunk of ``chunk`` entries of the flattened
+  leaf (the last over its own entries), non-finite entries counting 0;
+  each chunk's sum times the constant reciprocal of its size."""
+  x = jnp.abs(p.ravel())
+  x = jnp.where(jnp.isfinite(x), x, 0)
+  rows = jnp.pad(x, (0, -x.size % chunk)).reshape(-1, chunk)
+  sizes = np.full(rows.shape[0], chunk)
+  if sizes.size:
+    sizes[-1] = x.size - chunk * (sizes.size - 1)
+  return rows.sum(1) * jnp.asarray(1.0 / sizes, x.dtype)
+
+
+def _per_entry(scale: jax.Array, p: jax.Array, chunk: int | None):
+  """A leaf's scale (a scalar), or its chunks', for each entry of ``p``."""
+  if chunk is None:
+    return scale
+  return jnp.repeat(scale, chunk)[:p.size].reshape(p.shape)
+
+
+def _dense_mean(leaves, *, spec, axis_name, num_workers, aggregation, comm,
+                scale_chunk=None):
   """:func:`scale_by_voted_mean`'s dense ``U`` of each leaf, and what this
   worker said (``s_i q_i``)."""
-  scales = [_quantize.l1_scale(p) for p in leaves]
+  scales = [_quantize.l1_scale(p) if scale_chunk is None
+            else _chunk_scales(p, scale_chunk) for p in leaves]
   mean_scales = _collectives.pmean(scales, axis_name)
   votes = _exchange.aggregate(
       lambda p: p, leaves, axis_name=axis_name, num_workers=num_workers,
       spec=spec, aggregation=aggregation, comm=comm)
-  means = [s * v.astype(s.dtype) for s, v in zip(mean_scales, votes)]
-  said = [s * _own_values(p, spec) for s, p in zip(scales, leaves)]
+  means = [_per_entry(s, v, scale_chunk) * v.astype(s.dtype)
+           for s, v in zip(mean_scales, votes)]
+  said = [_per_entry(s, p, scale_chunk) * _own_values(p, spec)
+          for s, p in zip(scales, leaves)]
   return means, said
+
+
+def _fragment_vote(vote, leaves, fragments: int, k: jax.Array):
+  """``vote`` on fragment ``k`` of each leaf (its flat entries ``k, k + M,
+  ...``, zero-padded to whole rows of ``M``): the means and what was said,
+  in the leaves' shapes, 0 off the fragment."""
+  rows = [jnp.pad(p.ravel(), (0, -p.size % fragments)).reshape(
+      -1, fragments) for p in leaves]
+  picked = [lax.dynamic_index_in_dim(r, k, axis=1, keepdims=False)
+            for r in rows]
+  means, said = vote(picked)
+
+  def spread(x, r, p):
+    full = lax.dynamic_update_index_in_dim(
+        jnp.zeros_like(r), x.astype(r.dtype), k, axis=1)
+    return full.ravel()[:p.size].reshape(p.shape)
+  return ([spread(u, r, p) for u, r, p in zip(means, rows, leaves)],
+          [spread(s, r, p) for s, r, p in zip(said, rows, leaves)])
 
 
 def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
@@ -432,8 +550,10 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
                 vote: _quantize.Vote = "binary",
                 quantizer: _quantize.Quantizer = "sign",
                 bits: int | None = None, comm: _message.CommChoice = "auto",
-                error_feedback: bool = True, sparse_chunk: int | None = None,
-                sparse_keep: int = 1) -> optax.GradientTransformation:
+                error_feedback: bool = True, error_decay: float = 1.0,
+                scale_chunk: int | None = None, fragments: int = 1,
+                sparse_chunk: int | None = None, sparse_keep: int = 1,
+                sparse_value_bits: int = 1) -> optax.GradientTransformation:
   r"""An outer step on the workers' voted mean pseudo-gradient.
 
   The mean :math:`U` of :func:`scale_by_voted_mean` (error-fed, dense or
@@ -456,8 +576,9 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     lion: ``None``, or Lion's ``(b1, b2)`` for a sign step (``momentum``
       then 0).
     aggregation: the vote's, as are ``vote``, ``quantizer``, ``bits``,
-      ``comm``, ``error_feedback``, ``sparse_chunk`` and ``sparse_keep``:
-      see :func:`scale_by_voted_mean`.
+      ``comm``, ``error_feedback``, ``error_decay``, ``scale_chunk``,
+      ``fragments``, ``sparse_chunk``, ``sparse_keep`` and
+      ``sparse_value_bits``: see :func:`scale_by_voted_mean`.
 
   Returns:
     An optax ``GradientTransformation``.
@@ -475,8 +596,10 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
   vote_tx = scale_by_voted_mean(
       axis_name=axis_name, aggregation=aggregation, vote=vote,
       quantizer=quantizer, bits=bits, comm=comm,
-      error_feedback=error_feedback, sparse_chunk=sparse_chunk,
-      sparse_keep=sparse_keep)
+      error_feedback=error_feedback, error_decay=error_decay,
+      scale_chunk=scale_chunk, fragments=fragments,
+      sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
+      sparse_value_bits=sparse_value_bits)
   if lion is not None:
     if traced or momentum:
       raise ValueError(

@@ -65,8 +65,8 @@ def test_report_matches_the_runs(study):
     cells = table(text, row)
     mine = [r["metric"] * 100 for r in runs
             if r["row"] == row and r["phase"] == "eval" and r["workers"] == 3]
-    assert cells[1] == (f"{sum(mine) / 2:.2f} ± "
-                        f"{(max(mine) - min(mine)) / 2:.2f}")
+    assert cells[1] == (f"{sum(mine) / 2:.2f} ({min(mine):.2f}-"
+                        f"{max(mine):.2f})")
   # Sign votes cost ~1.4 bits at N=3, an fp32 all-reduce 2(N-1)/N * 32.
   assert float(table(text, "D-Lion MaVo")[2].split()[0]) < 2
   assert float(table(text, "global Lion")[2].split()[0]) > 40
@@ -284,8 +284,10 @@ def test_matched_learning_rates_run_beside_the_picks_and_are_reported(
   assert rows[("0.003", "D-Lion MaVo - global Lion")] == ["+1.20", "+1.20"]
   # The main table reports each row at its own pick only.
   summary = convergence.summary_table(runs, "mlp_many_workers")
-  assert "| global Lion | 86.40 ± 0.00 | 86.80 ± 0.00 |" in summary
-  assert "| D-Lion MaVo | 86.60 ± 0.00 | 87.00 ± 0.00 |" in summary
+  assert ("| global Lion | 86.40 (86.40-86.40) | 86.80 (86.80-86.80) |"
+          in summary)
+  assert ("| D-Lion MaVo | 86.60 (86.60-86.60) | 87.00 (87.00-87.00) |"
+          in summary)
   convergence.plot(runs, str(tmp_path / "n.png"))   # picks and matched lrs
   assert (tmp_path / "n.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -355,6 +357,61 @@ def test_local_steps_rows_report_the_vote_against_diloco(monkeypatch,
   # the loss's mean weigh as much again.
   words = dl.sparse_vote_bits(4, sparse_chunk=32) / 8
   assert words < sparse < 2 * words
-  assert "N=4, H=8: D-Lion outer is" in text
-  assert "N=4, H=8: EF sparse 1/32 is" in text
+  assert ("N=4, H=8: D-Lion outer against the best fp32 outer row "
+          "(DiLoCo outer): **" in text)
+  assert "N=4, H=8: EF sparse 1/32 against the best fp32 outer row" in text
   assert (tmp_path / "bits.png").stat().st_size > 10_000
+
+
+def synthetic_runs(task, metrics: dict, bits=1.0) -> list[dict]:
+  """Evaluation runs of ``task`` at N = 8: row -> {seed: metric}."""
+  return [dict(task=task, phase="eval", row=row, workers=8, seed=seed,
+               metric=metric, bits=bits, steps=1, seconds=0.0,
+               diverged=False, curve=[])
+          for row, by_seed in metrics.items()
+          for seed, metric in by_seed.items()]
+
+
+def test_local_steps_rows_are_judged_against_the_best_fp32_outer_row():
+  """The best of the fp32 outer rows is the yardstick; "better" only
+  where the gap exceeds the larger spread, else "level"; the protocol
+  line names the seeds."""
+  task = "charlm_local_steps"      # lower is better
+  runs = synthetic_runs(task, {
+      "DiLoCo outer, H=32": {0: 3.20, 1: 3.22, 2: 3.21, 3: 3.19},
+      "DiLoCo plain outer, H=32": {0: 2.95, 1: 2.99, 2: 2.97, 3: 2.93},
+      "EF vote, H=32": {0: 2.90, 1: 2.97, 2: 2.95, 3: 2.92},   # in spread
+      "EF vote, decay 0.9, H=32": {0: 2.80, 1: 2.84, 2: 2.81, 3: 2.83},
+      "EF sparse 1/128, H=32": {0: 3.30, 1: 3.40, 2: 3.35, 3: 3.33},
+  })
+  runs += [dict(r, phase="tune", seed=100) for r in runs[:1]]
+  assert convergence.best_fp32_outer(runs, task, 8, 32) == (
+      "DiLoCo plain outer, H=32")
+  verdict, gap, ahead, seeds = convergence.compare(
+      runs, task, 8, "EF vote, H=32", "DiLoCo plain outer, H=32")
+  assert verdict == "level" and gap == pytest.approx(0.025) and (
+      ahead, seeds) == (4, 4)
+  assert convergence.compare(runs, task, 8, "EF vote, decay 0.9, H=32",
+                             "DiLoCo plain outer, H=32")[0] == "better"
+  assert convergence.compare(runs, task, 8, "EF sparse 1/128, H=32",
+                             "DiLoCo plain outer, H=32")[0] == "worse"
+  lines = convergence.local_steps_verdicts(runs, task)
+  assert any(line.startswith(
+      "N=8, H=32: EF vote, decay 0.9 against the best fp32 outer row "
+      "(DiLoCo plain outer): **better**, +0.14 bits/byte, ahead at 4 of 4")
+      for line in lines)
+  assert not any("DiLoCo plain outer against" in line for line in lines)
+  text = convergence.protocol(runs, task)
+  assert "tuned at seed 100 and evaluated at seeds 0, 1, 2, 3, never" in text
+  assert "evaluated at seed 0, never" in convergence.protocol(
+      convergence.at_seeds(runs, [0]), task)
+  assert "(seed 100 also tuned)" in convergence.protocol(
+      runs + [dict(runs[0], seed=100)], task)
+
+
+def test_at_seeds_keeps_the_tuning_runs():
+  runs = synthetic_runs("digits", {"global Lion": {0: 0.5, 7: 0.6}})
+  runs.append(dict(runs[0], phase="tune", seed=100))
+  kept = convergence.at_seeds(runs, [7])
+  assert sorted((r["phase"], r["seed"]) for r in kept) == [
+      ("eval", 7), ("tune", 100)]

@@ -194,7 +194,18 @@ def test_config_mistakes_name_the_key(tmp_path):
        ["optimizer.outer_sparse_keep=4", "optimizer.outer_sparse_chunk"]),
       (["optimizer.outer_sparse_chunk=128", "optimizer.aggregation=avg"],
        ["optimizer.aggregation=avg", "optimizer.aggregation=mavo",
-        "drop optimizer.outer_sparse_chunk"])]:
+        "drop optimizer.outer_sparse_chunk"]),
+      (["optimizer.outer_error_decay=1.5"],
+       ["optimizer.outer_error_decay", "error_decay=1.5", "(0, 1]"]),
+      (["optimizer.outer_error_feedback=false",
+        "optimizer.outer_fragments=4"],
+       ["optimizer.outer_fragments", "fragments=4", "error_feedback=True"]),
+      (["optimizer.outer_sparse_chunk=128", "optimizer.outer_scale_chunk=100"],
+       ["optimizer.outer_scale_chunk", "scale_chunk=100", "multiple"]),
+      (["optimizer.outer_sparse_value_bits=2"],
+       ["optimizer.outer_sparse_value_bits", "needs sparse_chunk"]),
+      (["optimizer.outer=nesterov", "optimizer.outer_fragments=4"],
+       ["optimizer.outer_fragments=4", "optimizer.outer=voted"])]:
     with pytest.raises(ConfigError) as e:
       load_config(quickstart, [*local, *overrides])
     assert_names(e, *named)

@@ -54,27 +54,90 @@ class VotedMean:
 
   def __init__(self, n, *, aggregation="mavo", vote="binary",
                quantizer="sign", bits=None, sparse=None,
-               error_feedback=True, parts=1):
+               error_feedback=True, parts=1, error_decay=1.0,
+               scale_chunk=None, fragments=1, value_bits=1):
     self.n, self.aggregation, self.vote = n, aggregation, vote
     self.parts = parts     # the sparse vote: a leaf's cut over a node
     self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
     self.error_feedback, self.errors = error_feedback, None
+    self.error_decay, self.scale_chunk = error_decay, scale_chunk
+    self.fragments, self.value_bits, self.steps = fragments, value_bits, 0
+
+  def _scales(self, p):
+    """A worker's scales of flat ``p``, one an entry."""
+    if self.scale_chunk is None:
+      return np.full(p.size, _l1_scale(p), np.float32)
+    c = self.scale_chunk
+    return np.concatenate([np.full(len(p[i:i + c]), _l1_scale(p[i:i + c]),
+                                   np.float32) for i in range(0, p.size, c)])
 
   def _dense(self, ps):
+    shape = ps[0].shape
+    ps = [p.ravel() for p in ps]
     level = max_level(self.quantizer, self.bits)
     if self.quantizer == "sign":
       qs = [worker_vote(p, self.vote) for p in ps]
     else:
       qs = [l1_vote(p, level) for p in ps]
-    scales = [_l1_scale(p) for p in ps]
-    total = np.float32(0)
+    scales = [self._scales(p) for p in ps]
+    total = np.zeros(ps[0].size, np.float32)
     for s in scales:
-      total = np.float32(total + s)
-    mean_scale = np.float32(total / np.float32(self.n))
+      total = (total + s).astype(np.float32)
+    mean_scale = (total / np.float32(self.n)).astype(np.float32)
     mean = mean_scale * aggregate(qs, self.aggregation, np.float32, level)
     said = [s * (q.astype(np.float32) / np.float32(level))
             for s, q in zip(scales, qs)]
-    return mean, said
+    return mean.reshape(shape), [x.reshape(shape) for x in said]
+
+  def _fragment(self, ps):
+    """The dense vote on entries k, k + M, ... of each flat leaf (zero
+    padded to whole rows of M), k the step's turn."""
+    m, k = self.fragments, self.steps % self.fragments
+    rows = [np.pad(p.ravel(), (0, -p.size % m)).reshape(-1, m) for p in ps]
+    mean, said = self._dense([r[:, k] for r in rows])
+
+    def spread(x, p):
+      full = np.zeros_like(rows[0])
+      full[:, k] = x
+      return full.ravel()[:p.size].reshape(p.shape)
+    return spread(mean, ps[0]), [spread(s, p) for s, p in zip(said, ps)]
+
+  def _sparse_values(self, r, w):
+    """A part's ``[chunks, chunk]`` values ``r`` -> what its top entries
+    ``w`` say, by the scales of its groups (or of ``self._leaf``)."""
+    chunk, keep = self.sparse
+    m = np.where(np.isfinite(r), np.abs(r), 0)
+    top = np.take_along_axis(m, w, 1)
+    group = (self.scale_chunk // chunk if self.scale_chunk
+             else r.shape[0])
+    out = np.zeros_like(r)
+    for g in range(0, r.shape[0], group):
+      t = top[g:g + group]
+      if self.scale_chunk is None:
+        mean, above = self._leaf
+      else:
+        mean = np.float32(t.sum(dtype=np.float64) / t.size)
+        above = self._sides(t, mean)
+      values = np.full(t.shape, mean, np.float32)
+      if self.value_bits == 2:
+        high = t > mean
+        values = np.where(high, above[1], above[0]).astype(np.float32)
+      sign = np.take_along_axis(r[g:g + group], w[g:g + group], 1) > 0
+      block = np.zeros_like(r[g:g + group])
+      np.put_along_axis(block, w[g:g + group], np.where(sign, values,
+                                                        -values), 1)
+      out[g:g + group] = block
+    return out
+
+  @staticmethod
+  def _sides(t, mean):
+    """The mean of the entries of ``t`` at or below ``mean`` and above it
+    (``mean`` where a side is empty)."""
+    out = []
+    for side in (t <= mean, t > mean):
+      out.append(np.float32(t[side].sum(dtype=np.float64) / side.sum())
+                 if side.any() else mean)
+    return out
 
   def _sparse(self, ps):
     chunk, keep = self.sparse
@@ -93,12 +156,10 @@ class VotedMean:
       kept = sum(t.size for t in tops)
       s = (total * np.float32(1 / kept) if self.parts == 1
            else total / np.float32(kept))
-      q = []
-      for r, w in zip(rows, where):
-        part = np.zeros_like(r)
-        np.put_along_axis(part, w, np.where(
-            np.take_along_axis(r, w, 1) > 0, s, -s), 1)
-        q.append(part.ravel()[:width])
+      every = np.concatenate([t.ravel() for t in tops])
+      self._leaf = s, self._sides(every, s)
+      q = [self._sparse_values(r, w).ravel()[:width]
+           for r, w in zip(rows, where)]
       said.append(np.concatenate(q)[:p.size].reshape(p.shape))
     total = np.zeros_like(ps[0])
     for s in said:
@@ -110,13 +171,20 @@ class VotedMean:
       self.errors = [{k: np.zeros(v.shape, np.float32) for k, v in d.items()}
                      for d in deltas]
     out = {}
+    vote = (self._sparse if self.sparse else
+            self._fragment if self.fragments > 1 else self._dense)
     for k in deltas[0]:
-      ps = [d[k].astype(np.float32) + (e[k] if self.error_feedback else 0)
-            for d, e in zip(deltas, self.errors)]
-      out[k], said = (self._sparse if self.sparse else self._dense)(ps)
+      ps = [d[k].astype(np.float32) + (
+          np.float32(self.error_decay) * e[k] if self.error_feedback
+          else 0) for d, e in zip(deltas, self.errors)]
+      if self.error_decay == 1:     # as the library: no product by 1
+        ps = [d[k].astype(np.float32) + (e[k] if self.error_feedback else 0)
+              for d, e in zip(deltas, self.errors)]
+      out[k], said = vote(ps)
       for e, p, s in zip(self.errors, ps, said):
         r = p - s
         e[k] = np.where(np.isfinite(r), r, 0).astype(np.float32)
+    self.steps += 1
     return out
 
 
@@ -170,10 +238,12 @@ def problem_apart(n, steps, dtype=np.float32, seed=0):
 def check(n, vote_options, *, step="sgd", late=False, comms=("auto",),
           dtype=np.float32):
   params, grads = problem_apart(n, STEPS, dtype)
-  options = {k: v for k, v in vote_options.items() if k != "sparse"}
+  options = {k: v for k, v in vote_options.items()
+             if k not in ("sparse", "value_bits")}
   if "sparse" in vote_options:
     options.update(sparse_chunk=vote_options["sparse"][0],
-                   sparse_keep=vote_options["sparse"][1])
+                   sparse_keep=vote_options["sparse"][1],
+                   sparse_value_bits=vote_options.get("value_bits", 1))
   want = numpy_rounds(params, grads, n, outer_of(
       VotedMean(n, **vote_options), step), late=late)
   runs = {}
@@ -204,6 +274,33 @@ def check(n, vote_options, *, step="sgd", late=False, comms=("auto",),
     (3, {"quantizer": "ternary_l1"}),
 ], ids=["mavo-3", "avg-8", "ternary-8", "pbit3-avg-3", "ternary_l1-3"])
 def test_dense_vote_matches_numpy(n, options):
+  check(n, options)
+
+
+@pytest.mark.parametrize("n,options", [
+    (3, {"error_decay": 0.75}),
+    (8, {"scale_chunk": 5}),
+    (3, {"fragments": 3}),
+    (8, {"fragments": 2, "scale_chunk": 4, "error_decay": 0.5,
+         "aggregation": "avg"}),
+    (3, {"fragments": 4, "quantizer": "ternary_l1"}),
+], ids=["decay-3", "chunk-scales-8", "fragments-3", "all-avg-8",
+        "fragments-ternary_l1-3"])
+def test_dense_levers_match_numpy(n, options):
+  """A decayed residual, a scale a chunk and the vote in fragments (each
+  entry once every M outer steps, the others keeping theirs)."""
+  check(n, options)
+
+
+@pytest.mark.parametrize("n,options", [
+    (3, {"sparse": (8, 2), "value_bits": 2}),
+    (8, {"sparse": (4, 1), "scale_chunk": 8}),
+    (3, {"sparse": (8, 1), "value_bits": 2, "scale_chunk": 16,
+         "error_decay": 0.75}),
+], ids=["2bit-3", "chunk-scales-8", "sparseloco-3"])
+def test_sparse_levers_match_numpy(n, options):
+  """SparseLoCo's values: 2-bit (sign and magnitude side), a scale a
+  group of chunks, a decayed residual."""
   check(n, options)
 
 

@@ -125,7 +125,6 @@ class OptimizerConfig:
   outer_error_feedback: bool = True
   outer_sparse_chunk: Optional[int] = None
   outer_sparse_keep: int = 1
-  # The outer step one round late, its exchange apart from the step's
   # voted: each residual's weight in the next vote (SparseLoCo's decay),
   # the entries that share a scale (null: a leaf), the dense vote on one
   # entry in outer_fragments a round in turn, a sparse entry's bits (2:
@@ -134,6 +133,7 @@ class OptimizerConfig:
   outer_scale_chunk: Optional[int] = None
   outer_fragments: int = 1
   outer_sparse_value_bits: int = 1
+  # The outer step one round late, its exchange apart from the step's
   # gradients (dlion_jax.local_steps's late).
   outer_late: bool = False
 
@@ -349,6 +349,8 @@ def _validate_voted(opt: OptimizerConfig) -> None:
         "optimizer.outer_sparse_chunk (e.g. 128): the entries of every "
         "chunk that vote.", key="optimizer.outer_sparse_keep")
   if chunk is None:
+    if opt.outer == "voted":
+      _validate_vote_levers(opt)
     return
   dense_only = {"aggregation": "mavo", "vote": "binary",
                 "quantizer": "sign", "comm": "auto"}
@@ -370,13 +372,26 @@ def _validate_voted(opt: OptimizerConfig) -> None:
         f"optimizer.outer_sparse_keep={opt.outer_sparse_keep} must be below "
         f"optimizer.outer_sparse_chunk={chunk}.",
         key="optimizer.outer_sparse_keep")
+  _validate_vote_levers(opt)
+
+
+def _validate_vote_levers(opt: OptimizerConfig) -> None:
+  """The voted mean's levers as the library checks them, its errors named
+  by their keys."""
+  options = {name: getattr(opt, f"outer_{name}") for name in (
+      "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
+      "error_feedback", "sparse_chunk", "sparse_keep")}
+  try:
+    rounds.scale_by_voted_mean(**options)
+  except ValueError as e:
+    named = [f"optimizer.outer_{name}" for name in options
+             if f"{name}=" in str(e)] or ["optimizer.outer"]
+    raise ConfigError(f"{named[0]}: {e}", key=named[0]) from None
 
 
 def schedule_warning(config: Config) -> str | None:
   """What is odd about the learning-rate schedule, if anything: a warmup
   as long as the run, or longer, so the rate never reaches its peak."""
-    if opt.outer == "voted":
-      _validate_vote_levers(opt)
   opt, steps = config.optimizer, config.train.steps
   if not opt.warmup_steps or opt.warmup_steps < steps:
     return None
@@ -398,21 +413,6 @@ def local_steps_warning(config: Config) -> str | None:
   if h == 1 or steps % h == 0:
     return None
   if steps < h:
-  _validate_vote_levers(opt)
-
-
-def _validate_vote_levers(opt: OptimizerConfig) -> None:
-  """The voted mean's levers as the library checks them, its errors named
-  by their keys."""
-  options = {name: getattr(opt, f"outer_{name}") for name in (
-      "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
-      "error_feedback", "sparse_chunk", "sparse_keep")}
-  try:
-    rounds.scale_by_voted_mean(**options)
-  except ValueError as e:
-    named = [f"optimizer.outer_{name}" for name in options
-             if f"{name}=" in str(e)] or ["optimizer.outer"]
-    raise ConfigError(f"{named[0]}: {e}", key=named[0]) from None
     return (f"train.steps={steps} is shorter than one round of "
             f"optimizer.local_steps={h}: no outer step runs, and the model "
             "evaluated and returned is the untrained one. Set train.steps to "

@@ -143,8 +143,11 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
         aggregation=cfg.aggregation, vote=cfg.vote, comm=cfg.comm,
         quantizer=cfg.quantizer, bits=cfg.bits,
         error_feedback=cfg.outer_error_feedback,
+        error_decay=cfg.outer_error_decay,
+        scale_chunk=cfg.outer_scale_chunk, fragments=cfg.outer_fragments,
         sparse_chunk=cfg.outer_sparse_chunk,
-        sparse_keep=cfg.outer_sparse_keep)
+        sparse_keep=cfg.outer_sparse_keep,
+        sparse_value_bits=cfg.outer_sparse_value_bits)
   lr = _shaped(_or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate),
                cfg, schedule)
   # The inner optimizer decays the weights: none in the outer step.
@@ -184,7 +187,11 @@ def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
     if cfg.outer == "voted" and cfg.outer_sparse_chunk:
       return rate * dl.sparse_vote_bits(
           num_workers, sparse_chunk=cfg.outer_sparse_chunk,
-          sparse_keep=cfg.outer_sparse_keep)
+          sparse_keep=cfg.outer_sparse_keep,
+          sparse_value_bits=cfg.outer_sparse_value_bits,
+          scale_chunk=cfg.outer_scale_chunk)
+    if cfg.outer == "voted":
+      rate /= cfg.outer_fragments
     return rate * dl.wire_bits(
         num_workers, aggregation=cfg.aggregation, vote=cfg.vote,
         comm=cfg.comm, quantizer=cfg.quantizer, bits=cfg.bits)
