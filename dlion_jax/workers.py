@@ -395,7 +395,7 @@ def update(tx, *, axis_name: str = "data",
     if n > 1:     # replicated outputs come from worker 0: equal on all?
       traced = _core.region_of(closed)
       if rounds.has_local_steps(state):
-        _core.check_anchor_alike(traced, params, state, grads, axis_name)
+        _core.check_anchor_alike(traced, params, state, floats, axis_name)
       elif not params_per_worker:
         _core.check_no_drift(traced, params, len(floats), axis_name, n,
                              state)
