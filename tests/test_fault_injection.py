@@ -118,7 +118,8 @@ def test_local_steps_with_a_nan_worker_go_on_and_keep_a_finite_anchor(
   code = cli.main(["--no-progress", *[a for s in (
       "train.steps=8", "train.log_every=4", "train.eval_every=0",
       "model.hidden=[8]", "optimizer.warmup_steps=0",
-      "optimizer.local_steps=4", "optimizer.abstain_nonfinite=true",
+      "optimizer.local_steps=4", "optimizer.outer=dlion",
+      "optimizer.abstain_nonfinite=true",
       "faults.kind=nonfinite", "faults.workers=1", "faults.nan_rate=1.0",
       f"run_dir={run_dir}") for a in ("--set", s)]])
   err = capsys.readouterr().err

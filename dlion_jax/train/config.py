@@ -89,8 +89,9 @@ class OptimizerConfig:
   sync_leaves: Optional[str] = None  # regex on leaf paths; None: all
   min_compress_size: Optional[int] = None
   error_feedback: bool = False
-  # dlion, signum: a worker whose gradients are not all finite abstains
-  # from the vote (dlion_jax.distributed_lion's abstain_nonfinite).
+  # dlion, signum (with local_steps: outer dlion): a worker whose gradients
+  # are not all finite abstains from the vote (dlion_jax.distributed_lion's
+  # abstain_nonfinite); refused where nothing would abstain.
   abstain_nonfinite: bool = False
   # dlion, signum: the vote in buckets of this many gradient bytes, each
   # exchanged on its own (overlaps the backward pass); None: one message.
@@ -296,6 +297,7 @@ def validate(config: Config) -> Config:
   _validate_mesh(config)
   _validate_limits(config.data)
   _validate_local_steps(config)
+  _validate_abstain(config.optimizer)
   if config.faults.workers > config.workers:
     raise ConfigError(
         f"faults.workers={config.faults.workers} is more than the "
@@ -326,6 +328,30 @@ def _validate_local_steps(config: Config) -> None:
         "positive (null: the outer optimizer's default).",
         key="optimizer.outer_learning_rate")
   _validate_voted(opt)
+
+
+def _validate_abstain(opt: OptimizerConfig) -> None:
+  """``abstain_nonfinite`` only where a vote abstains: dlion's and
+  signum's, and with local steps the outer dlion vote (the workers' own
+  steps send nothing; the voted and nesterov outer steps do not abstain)."""
+  if not opt.abstain_nonfinite:
+    return
+  if opt.local_steps == 1 and opt.name not in ("dlion", "signum"):
+    raise ConfigError(
+        f"optimizer.abstain_nonfinite=true does nothing for optimizer.name="
+        f"{opt.name}, which averages the workers' gradients (no vote to "
+        "abstain from): a NaN or Inf gradient reaches every worker's params. "
+        "Set optimizer.name=dlion or signum, or drop optimizer."
+        "abstain_nonfinite (a non-finite loss then stops the run).",
+        key="optimizer.abstain_nonfinite")
+  if opt.local_steps > 1 and opt.outer != "dlion":
+    raise ConfigError(
+        f"optimizer.abstain_nonfinite=true does nothing with optimizer."
+        f"local_steps={opt.local_steps} and optimizer.outer={opt.outer}: "
+        "of the outer steps only dlion's vote abstains (each worker's own "
+        "steps send nothing). Set optimizer.outer=dlion, or drop optimizer."
+        "abstain_nonfinite (a non-finite loss then stops the run).",
+        key="optimizer.abstain_nonfinite")
 
 
 def _validate_voted(opt: OptimizerConfig) -> None:

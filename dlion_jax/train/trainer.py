@@ -484,9 +484,7 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
     done = run.step = step + 1
     if not math.isfinite(loss):
       if not cfg.optimizer.abstain_nonfinite:
-        raise FloatingPointError(
-            f"loss became {loss} at step {done}; lower optimizer."
-            f"learning_rate (now {cfg.optimizer.learning_rate}).")
+        raise _diverged(cfg, run, f"the loss became {loss} at step {done}")
       if not run.warned_nonfinite:
         run.warned_nonfinite = True
         print(f"warning: the mean loss over workers is {loss} at step "
@@ -557,12 +555,55 @@ def _state_rows(cfg: Config) -> int:
 
 
 def _save(run: _Run, step: int, cfg: Config) -> None:
+  """Writes checkpoint ``step``; raises FloatingPointError instead where
+  the model's params hold a NaN or an Inf."""
+  bad = _nonfinite_leaf(run.mesh, model_params(cfg, run.mesh, run.params,
+                                               run.opt_state))
+  if bad is not None:
+    raise _diverged(cfg, run, f"the params at step {step} hold NaN or Inf "
+                    f"(leaf {bad} first), so no checkpoint of them is "
+                    "written")
   sent, fp32 = run.wire_done(step)
   run.ckpt.save(step, {"params": run.params, "opt_state": run.opt_state},
                 {"step": step, "data": run.batches.state(),
                  "workers": cfg.workers, "state_rows": _state_rows(cfg),
                  "seed": cfg.seed, "config": rundir.comparable(cfg),
                  "sent_bytes": sent, "fp32_allreduce_bytes": fp32})
+
+
+def _nonfinite_leaf(mesh, params) -> str | None:
+  """The path of the first float leaf of ``params`` that holds a NaN or an
+  Inf, or None."""
+  leaves = [(jax.tree_util.keystr(path), x) for path, x in
+            jax.tree_util.tree_leaves_with_path(params)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  if not leaves:
+    return None
+  flags = np.asarray(_finite_flags(mesh)([x for _, x in leaves])
+                     .addressable_data(0))
+  bad = [path for (path, _), ok in zip(leaves, flags) if not ok]
+  return bad[0] if bad else None
+
+
+@functools.cache
+def _finite_flags(mesh):
+  return jax.jit(lambda xs: jnp.stack([jnp.isfinite(x).all() for x in xs]),
+                 out_shardings=NamedSharding(mesh, P()))
+
+
+def _diverged(cfg: Config, run: _Run, what: str) -> FloatingPointError:
+  """The error that stops a run whose loss or params are not finite: what
+  happened, the last checkpoint (written before it, finite) and the fix."""
+  last = run.ckpt.latest_step()
+  kept = ("No checkpoint was written before it" if last is None else
+          f"The last checkpoint, step {last} in {run.ckpt.directory}, was "
+          "written before it")
+  return FloatingPointError(
+      f"{what}; the run stops. {kept}. Lower optimizer.learning_rate (now "
+      f"{cfg.optimizer.learning_rate:g}) and start again (--overwrite, or "
+      "--set run_dir=... to keep this run's files); where a worker's "
+      "gradients are NaN or Inf, optimizer.abstain_nonfinite=true with "
+      "dlion or signum leaves it out of the vote.")
 
 
 def _resume(ckpt, cfg, run, *, policy: str):
