@@ -350,15 +350,8 @@ def update(tx, *, axis_name: str = "data",
       _core.refuse_local_steps(state, "dl.workers.update's step without "
                                "params_per_worker")
     n = _mesh.mesh_size(axis_name)
-    fix = ("Take them from dl.workers.value_and_grad (a row per worker), "
-           "not jax.grad of the whole batch.")
-    for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads),
-                            jax.tree.leaves(params)):
-      if np.ndim(g) != np.ndim(p) + (not params_per_worker):
-        raise ValueError(
-            f"grads leaf {jax.tree_util.keystr(path)} has shape "
-            f"{np.shape(g)} and its param {np.shape(p)}; the step wants "
-            f"each of the {n} workers' gradients on a leading axis. {fix}")
+    fix = _WHOLE_BATCH_FIX.format("")
+    _check_worker_grads(grads, params, n, params_per_worker, fix)
     _core.check_leading_axis(
         grads, n, "grads", f"each of the {n} workers' gradients", fix)
     _core.check_leading_axis(
@@ -402,6 +395,26 @@ def update(tx, *, axis_name: str = "data",
     out = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), out)
   return run
+
+
+_WHOLE_BATCH_FIX = (
+    "Take them from dl.workers.value_and_grad(loss_fn)(params, batch) (a "
+    "row per worker{}), not jax.grad or nnx.value_and_grad of the whole "
+    "batch.")
+
+
+def _check_worker_grads(grads: Any, params: Any, n: int,
+                        params_per_worker: bool, fix: str) -> None:
+  """Raises a ValueError naming the first gradient leaf without the leading
+  axis of the ``n`` workers (``params`` without one, unless
+  ``params_per_worker``), its shape, its param's and ``fix``."""
+  for (path, g), p in zip(jax.tree_util.tree_leaves_with_path(grads),
+                          jax.tree.leaves(params)):
+    if np.ndim(g) != np.ndim(p) + (not params_per_worker):
+      raise ValueError(
+          f"grads leaf {jax.tree_util.keystr(path)} has shape "
+          f"{np.shape(g)} and its param {np.shape(p)}; the step wants "
+          f"each of the {n} workers' gradients on a leading axis. {fix}")
 
 
 def _one_worker(tx, grads, params_per_worker: bool) -> Callable:
@@ -515,18 +528,15 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
 
   def update_fn(grads, state, params=None):
     _not_in_a_shard_map("dl.workers.stacked(tx)", axis_name)
-    if params is not None and any(
-        np.ndim(g) == np.ndim(p) for g, p in zip(jax.tree.leaves(grads),
-                                                 jax.tree.leaves(params))):
-      raise ValueError(
-          "dl.workers.stacked(tx).update got gradients without a leading "
-          "axis of workers (a leaf of its param's shape): a wrapper around "
-          "stacked(tx) made them, e.g. optax.MultiSteps(dl.workers.stacked("
-          "tx), k), whose accumulator holds one copy of the gradients. "
-          "Wrap tx inside instead, dl.workers.stacked(optax.MultiSteps(tx, "
-          "k)) (the order that keeps every worker's gradients), or pass "
-          "micro_batches=k to dl.workers.value_and_grad for one exchange "
-          "a step.")
+    if params is not None:
+      _check_worker_grads(
+          grads, params, _mesh.mesh_size(axis_name), False,
+          _WHOLE_BATCH_FIX.format(", as the NNX guide's step does")
+          + " (A wrapper around stacked(tx) that keeps one copy of the "
+          "gradients, optax.MultiSteps(dl.workers.stacked(tx), k), gives "
+          "them so too: wrap tx inside, dl.workers.stacked("
+          "optax.MultiSteps(tx, k)), or pass micro_batches=k to "
+          "dl.workers.value_and_grad.)")
     return update(tx, axis_name=axis_name,
                   placement=told[0] if told else placement)(
                       grads, state, params)

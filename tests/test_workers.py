@@ -774,3 +774,61 @@ def test_state_initialised_under_jit_is_placed_like_the_params():
   print("bits a parameter by axis:",
         {k: 8 * v / size for k, v in sent["jitted"].items()})
   assert 8 * sent["jitted"]["fsdp"] / size < 60
+
+
+@pytest.mark.parametrize("n", [3, 4])
+def test_whole_batch_gradients_given_to_an_nnx_optimizer_name_the_fix(n):
+  """The NNX guide's optimizer (nnx.Optimizer over dl.workers.stacked(tx),
+  tx the README's chain with clip_by_global_norm) given nnx.value_and_grad
+  of the whole batch: refused naming the leaf, its shape and the fix,
+  dl.workers.value_and_grad, as dl.workers.update names it for the same
+  mistake (was: blamed on "a wrapper around stacked(tx)" such as
+  optax.MultiSteps, never used); the fix, the guide's step, trains."""
+  nnx = pytest.importorskip("flax.nnx")
+
+  class MLP(nnx.Module):
+    def __init__(self, rngs):
+      self.up = nnx.Linear(5, 8, rngs=rngs)
+      self.down = nnx.Linear(8, 1, rngs=rngs)
+
+    def __call__(self, x):
+      return self.down(jax.nn.relu(self.up(x)))
+
+  def loss_fn(model, batch):
+    return jnp.mean((model(batch["x"]) - batch["y"]) ** 2)
+
+  @nnx.jit
+  def whole_batch_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+  @nnx.jit
+  def guide_step(model, optimizer, batch):
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    losses, grads = dl.workers.value_and_grad(
+        lambda p, rows: loss_fn(nnx.merge(graphdef, p, rest), rows))(
+            params, batch)
+    optimizer.update(model, grads)
+    return losses.mean()
+
+  tx = optax.chain(optax.clip_by_global_norm(1.0),
+                   dl.distributed_lion(3e-2, axis_name=AXIS))
+  rng = np.random.default_rng(0)
+  x = rng.normal(size=(8 * n, 5)).astype(np.float32)
+  mesh = mesh_of(n)
+  with jax.set_mesh(mesh):
+    model = MLP(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, dl.workers.stacked(tx), wrt=nnx.Param)
+    batch = jax.device_put({"x": x, "y": np.sin(x[:, :1])}, P(AXIS))
+    with pytest.raises(ValueError) as e:
+      whole_batch_step(model, optimizer, batch)
+    assert_names(e, "['down']['bias']", "(1,)", f"each of the {n} workers'",
+                 "dl.workers.value_and_grad", "nnx.value_and_grad")
+    assert "a wrapper around stacked(tx) made them" not in str(e.value)
+    params = nnx.state(model, nnx.Param)
+    with pytest.raises(ValueError) as plain:
+      jax.jit(dl.workers.update(tx))(params, optimizer.opt_state, params)
+    assert_names(plain, "dl.workers.value_and_grad")
+    losses = [float(guide_step(model, optimizer, batch)) for _ in range(20)]
+  assert losses[-1] < 0.5 * losses[0]
