@@ -149,10 +149,15 @@ def test_wire_local_steps_reads_a_round_off_the_compiled_step():
   for outer, bits in (
       ("dlion", dl.wire_bits(3)), ("voted", dl.wire_bits(3)),
       ("sparse 1/32", dl.sparse_vote_bits(3, sparse_chunk=32)),
+      ("voted 1/4", dl.wire_bits(3) / 4),
+      ("sparse 16/4096 2-bit", dl.sparse_vote_bits(
+          3, sparse_chunk=4096, sparse_keep=16, sparse_value_bits=2,
+          scale_chunk=4096)),
       ("nesterov", dl.allreduce_bits(3))):
     measured, analytic = wire.local_steps_bits(3, outer, 4)
     assert analytic == bits / 4
-    # (the voted means' scales, a float32 a leaf, are under 1 %)
-    assert measured == pytest.approx(analytic, rel=0.01), outer
+    # (the voted means' scales, a float32 a leaf, are under 1 %; the
+    # 4,096-entry chunks' padding at the leaves' ends 1.5 %)
+    assert measured == pytest.approx(analytic, rel=0.02), outer
   text = wire.main(["--sizes", "3", "--local-steps", "1", "4"])
   assert "| 3 | 4 | " in text and "| 3 | 1 | " in text

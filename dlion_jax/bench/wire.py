@@ -154,6 +154,16 @@ OUTER_CODES = {
             n, sparse_chunk=32)),
     "sparse 1/128": (lambda: dl.rounds.voted_outer(
         1.0, axis_name=AXIS, sparse_chunk=128), dl.sparse_vote_bits),
+    # One entry in 4 votes a round; SparseLoCo's values: 16 of every
+    # 4,096, 2-bit, two scales a chunk.
+    "voted 1/4": (lambda: dl.rounds.voted_outer(
+        1.0, axis_name=AXIS, fragments=4), lambda n: dl.wire_bits(n) / 4),
+    "sparse 16/4096 2-bit": (lambda: dl.rounds.voted_outer(
+        1.0, axis_name=AXIS, sparse_chunk=4096, sparse_keep=16,
+        sparse_value_bits=2, scale_chunk=4096),
+                             lambda n: dl.sparse_vote_bits(
+                                 n, sparse_chunk=4096, sparse_keep=16,
+                                 sparse_value_bits=2, scale_chunk=4096)),
     "nesterov": (lambda: dl.rounds.nesterov_outer(0.7, axis_name=AXIS),
                  dl.allreduce_bits),
 }
@@ -197,12 +207,18 @@ def local_steps_report(sizes, hs) -> str:
           "averaged over a round, read off the compiled train step "
           f"({NUM_PARAMS:,} parameters; analytic in parentheses): the "
           "1-bit outer vote (`dl.distributed_lion`), the error-fed voted "
-          "mean (`dl.rounds.voted_outer`) dense and sparse, and DiLoCo's "
-          "fp32 mean:\n\n"
+          "mean (`dl.rounds.voted_outer`) dense, in fragments (one entry "
+          "in 4 a round) and sparse (sign words; SparseLoCo's 2-bit "
+          "values), and DiLoCo's fp32 mean:\n\n"
           + reporting.markdown_table(
-              ["N", "H", "D-Lion outer (1-bit vote)", "voted mean",
-               "sparse 1/32", "sparse 1/128", "DiLoCo outer (fp32 mean)",
-               "DiLoCo / D-Lion"], body))
+              ["N", "H", *(OUTER_HEADERS.get(outer, outer)
+                           for outer in OUTER_CODES), "DiLoCo / D-Lion"],
+              body))
+
+
+OUTER_HEADERS = {"dlion": "D-Lion outer (1-bit vote)",
+                 "voted": "voted mean",
+                 "nesterov": "DiLoCo outer (fp32 mean)"}
 
 
 def configs(sizes):
