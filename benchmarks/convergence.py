@@ -239,6 +239,9 @@ class ConvergenceTask:
   # (OUTER_TUNED_ROWS): the inner Lion's pick of the D-Lion and DiLoCo
   # outer rows.
   inner_lr: float | None = None
+  # Rows evaluated at the picks of this other task's tuning (a longer run
+  # of the same model), not tuned here.
+  picks_from: str | None = None
 
   def axes(self, row: str) -> dict[str, Axis]:
     """The settings ``row`` tunes on this task."""
@@ -326,6 +329,12 @@ TASKS = {
     "charlm_long_local_steps": ConvergenceTask(
         _CHARLM_LONG, workers=(8,), tune_decay=False,
         start_lrs=(3e-4, 1e-3), inner_lr=3e-3, rows=_LOCAL_AT_32),
+    # ... 4x as long (6,000 steps, 187 rounds) at charlm_long's picks: what
+    # the number of rounds changes.
+    "charlm_long_x4_local_steps": ConvergenceTask(
+        dataclasses.replace(_CHARLM_LONG, steps=6000), workers=(8,),
+        tune_decay=False, inner_lr=3e-3, rows=_LOCAL_AT_32,
+        picks_from="charlm_long_local_steps"),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
@@ -374,7 +383,8 @@ def _best(runs: list[dict], task: str) -> dict:
 
 def best_setting(runs: list[dict], task: str, row: str) -> dict | None:
   """The settings (``{"lr": ..., "wd": ...}``) of the best tuning run of
-  ``row`` on ``task``."""
+  ``row`` on ``task`` (on the task it takes its picks from, if any)."""
+  task = TASKS[task].picks_from or task
   mine = _tuning(runs, task, row)
   return _point(_best(mine, task), TASKS[task].axes(row)) if mine else None
 
@@ -472,8 +482,17 @@ def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
   for name in tasks:
     conv = TASKS[name]
     mine = [row for row in rows if row in conv.rows]
-    picks = {row: tune(runs, done, name, row, tune_workers, tune_seed,
-                       json_path) for row in mine}
+    picks = {row: best_setting(runs, name, row)
+             if conv.picks_from else tune(runs, done, name, row,
+                                          tune_workers, tune_seed, json_path)
+             for row in mine}
+    untuned = [row for row, pick in picks.items() if pick is None]
+    if untuned:
+      raise ValueError(
+          f"{name} evaluates rows at {conv.picks_from}'s picks, which has "
+          f"no tuning runs of {', '.join(untuned)} in the runs given: "
+          f"tune them there first (--tasks {conv.picks_from}), in the "
+          "same --json.")
     evals = [dict(task=name, phase="eval", row=row, workers=n, seed=s,
                   **picks[row])
              for row in mine for n in workers or conv.workers for s in seeds]
@@ -925,13 +944,16 @@ def plot_curves(runs: list[dict], path: str) -> None:
 def protocol(runs: list[dict], task: str) -> str:
   """How ``task``'s rows were tuned and evaluated, and what "better"
   means in its verdicts."""
-  mine = [r for r in runs if r["task"] == task]
-  tuned = sorted({r["seed"] for r in mine if r["phase"] == "tune"})
-  evals = sorted({r["seed"] for r in mine if r["phase"] == "eval"})
+  source = TASKS[task].picks_from or task
+  tuned = sorted({r["seed"] for r in runs
+                  if r["task"] == source and r["phase"] == "tune"})
+  evals = sorted({r["seed"] for r in runs
+                  if r["task"] == task and r["phase"] == "eval"})
   if not evals:
     return ""
   reused = sorted(set(tuned) & set(evals))
-  return (f"Every row tuned at seed {', '.join(map(str, tuned))} and "
+  where = f" (on {source})" if source != task else ""
+  return (f"Every row tuned at seed {', '.join(map(str, tuned))}{where} and "
           f"evaluated at seed{'s' * (len(evals) > 1)} "
           f"{', '.join(map(str, evals))}"
           + (f" (seed {', '.join(map(str, reused))} also tuned)" if reused

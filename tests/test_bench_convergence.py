@@ -415,3 +415,32 @@ def test_at_seeds_keeps_the_tuning_runs():
   kept = convergence.at_seeds(runs, [7])
   assert sorted((r["phase"], r["seed"]) for r in kept) == [
       ("eval", 7), ("tune", 100)]
+
+
+def test_a_longer_task_runs_the_rows_at_the_shorter_ones_picks(monkeypatch):
+  """charlm_long_x4_local_steps: 4x the steps, no tuning of its own; each
+  row at charlm_long_local_steps' pick, or refused, naming what to run."""
+  steps = []
+
+  def train(task, overrides, workers, seed):
+    steps.append(task.steps)
+    return {"workers": workers, "seed": seed, "bits": 0.1, "steps": 1,
+            "seconds": 0.0, "diverged": False, "curve": [],
+            "metric": 3.0 - overrides[convergence.OUTER_LR]}
+  monkeypatch.setattr(convergence.study, "train", train)
+  row = "DiLoCo plain outer, H=32"
+  tuned = [dict(task="charlm_long_local_steps", phase="tune", row=row,
+                workers=8, seed=100, lr=3e-3, wd=0.01, outer_lr=lr,
+                metric=3.0 - lr, bits=0.1, steps=1, seconds=0.0,
+                diverged=False, curve=[]) for lr in (0.2, 0.3, 0.5)]
+  monkeypatch.setattr(convergence, "check_saved_text", lambda *a: None)
+  runs = convergence.run_study(["charlm_long_x4_local_steps"], [row], None,
+                               [7], 8, 100, saved=tuned)
+  new = runs[len(tuned):]
+  assert [(r["phase"], r["outer_lr"], r["seed"]) for r in new] == [
+      ("eval", 0.5, 7)] and steps == [6000]
+  assert "tuned at seed 100 (on charlm_long_local_steps)" in (
+      convergence.protocol(runs, "charlm_long_x4_local_steps"))
+  with pytest.raises(ValueError, match="tune them there first"):
+    convergence.run_study(["charlm_long_x4_local_steps"],
+                          ["DiLoCo outer, H=32"], None, [7], 8, 100)
