@@ -95,9 +95,13 @@ def _marker(out: Any) -> jax.Array | None:
   shard = min(arrays, key=lambda x: x.size).addressable_shards[0].data
   # A mesh of the shard's own device: under the caller's jax.set_mesh of
   # the whole mesh, a call on one device is refused ("incompatible
-  # devices"), after the step has run and consumed its donated inputs.
-  with jax.set_mesh(_device_mesh(shard.device)):
-    return _first_entry(shard)
+  # devices"). On a mesh of one device the shard is the array itself,
+  # typed on that mesh's Explicit axes, which the mesh of the marker does
+  # not match: placed on its device alone (the same buffer, no copy).
+  device = shard.device
+  with jax.set_mesh(_device_mesh(device)):
+    return _first_entry(jax.device_put(
+        shard, jax.sharding.SingleDeviceSharding(device)))
 
 
 @functools.cache
@@ -117,7 +121,14 @@ class _InFlightLimit:
 
   def __call__(self, *args, **kwargs):
     out = self._fn(*args, **kwargs)
-    self._queued.append(_marker(out))
+    # The call ran and consumed its donated inputs: from here on nothing
+    # may keep its results from the caller.
+    try:
+      marker = _marker(out)
+    except Exception:  # pylint: disable=broad-except
+      jax.block_until_ready(out)       # waited for here instead
+      marker = None
+    self._queued.append(marker)
     while len(self._queued) > self._limit:
       jax.block_until_ready(self._queued.popleft())
     return out

@@ -1176,3 +1176,70 @@ def test_per_worker_placement_keeps_a_train_states_params_and_momenta():
   assert same(out.params["b"], jax.P())
   assert same(out.opt_state[0].mu["w"], jax.P("data", "fsdp", "model"))
   assert same(out.opt_state[0].mu["b"], jax.P("data"))
+
+
+def _steps_on(mesh, tx, params, batches):
+  params = devices.replicate(params, mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  step = parallel.make_train_step(loss_fn, tx, mesh)
+  losses = []
+  for batch in batches:
+    params, state, loss = step(params, state, devices.shard_batch(batch, mesh))
+    losses.append(float(loss))
+  return params, state, losses
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+def test_explicit_mesh_step_with_a_scalar_param_runs_as_on_auto(n):
+  """Was, on one device: the step ran, consumed its donated params, then
+  failed ("context mesh ... should match the aval mesh" for the scalar
+  ``b``): what waits for the step read that scalar under a mesh of its
+  own, and the caller's params were lost. Now each step returns, equal to
+  the step on Auto axes bit for bit, and on one worker to optax's Lion."""
+  params, batches = make_problem(global_batch=6 * n)
+  params["w"] = np.asarray(jax.random.normal(jax.random.key(n), (DIM,)))
+  tx = lambda: optax.chain(optax.clip_by_global_norm(1.0),
+                           dl.distributed_lion(3e-2, axis_name="data"))
+  explicit = _steps_on(explicit_mesh(n), tx(), params, batches[:3])
+  auto = _steps_on(devices.data_mesh(n), tx(), params, batches[:3])
+  chex.assert_trees_all_equal(explicit, auto)
+  assert explicit[0]["b"].shape == ()
+  if n == 1:
+    lion = optax.chain(optax.clip_by_global_norm(1.0), optax.lion(3e-2))
+
+    @jax.jit
+    def plain(p, s, batch):
+      loss, g = jax.value_and_grad(loss_fn)(p, batch)
+      u, s = lion.update(g, s, p)
+      return optax.apply_updates(p, u), s, loss
+    p, s = jax.tree.map(jnp.asarray, params), lion.init(params)
+    for batch in batches[:3]:
+      p, s, _ = plain(p, s, batch)
+    chex.assert_trees_all_close(explicit[0], p, rtol=1e-6, atol=1e-7)
+
+
+def test_a_step_that_fails_keeps_what_it_would_have_donated(monkeypatch):
+  """A step refused before it runs leaves its params and state as they
+  were; and after it ran, a failure in what waits for it (the marker
+  of limit_in_flight) still hands back its results, which the donated
+  inputs are gone for."""
+  mesh = explicit_mesh(3)
+  tx = dl.distributed_lion(1e-2, axis_name="data")
+  params0, batches = make_problem(global_batch=9)
+  params = devices.replicate(params0, mesh)
+  state = parallel.init_worker_states(tx, params, mesh)
+  step = parallel.make_train_step(loss_fn, tx, mesh)
+  eight = jax.device_put(make_problem(global_batch=8)[1][0],
+                         jax.NamedSharding(mesh, jax.P()))
+  with pytest.raises(ValueError, match="divisible by the 3 workers"):
+    step(params, state, eight)
+  assert not any(x.is_deleted() for x in jax.tree.leaves((params, state)))
+  want = _steps_on(mesh, tx, params0, batches[:1])
+
+  def broken(x):
+    raise RuntimeError("the marker failed")
+  monkeypatch.setattr(parallel, "_first_entry", broken)
+  got = step(params, state, devices.shard_batch(batches[0], mesh))
+  assert all(x.is_deleted() for x in jax.tree.leaves((params, state)))
+  chex.assert_trees_all_equal(got[:2], want[:2])
+  assert float(got[2]) == want[2][0]
