@@ -3,6 +3,7 @@ value it got and how to fix it."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
@@ -127,16 +128,37 @@ def positive_int(name: str, value: Any, what: str | None = None) -> int:
   return value
 
 
-def decay_rate(name: str, value: Any, what: str) -> Any:
+def rate_problem(value: Any) -> str | None:
+  """Why the number ``value`` is no decay rate of a momentum (outside
+  ``[0, 1)``: negative, NaN, 1 or more), or None where it is one."""
+  value = float(value)
+  if math.isnan(value):
+    return "NaN makes the momentum NaN, and every update after it"
+  if value < 0:
+    return ("a negative rate flips the sign of the momentum it carries over "
+            "at every step")
+  if value >= 1:
+    return "at 1 or more the momentum grows without bound"
+  return None
+
+
+def decay_rate(name: str, value: Any, what: str, *, example: str) -> Any:
   """``value``, a number in ``[0, 1)``, as it is; a traced value
   (``optax.inject_hyperparams``) unchecked.
 
+  Args:
+    name: the argument, as the caller typed it.
+    value: its value.
+    what: what the rate is, for the message.
+    example: a valid call, the fix the message gives (``"momentum=0.9"``).
+
   Raises:
-    ValueError: naming the argument, the value and what it means (a bool
-      or a non-scalar is no rate).
+    ValueError: naming the argument, the value, what it means, why it is
+      no rate (a bool or a non-scalar is none either) and ``example``.
   """
   if isinstance(value, jax.core.Tracer):
     return value
+  fix = f"Pass a number in [0, 1), e.g. {example}."
   try:
     number = value is not None and not isinstance(
         value, (bool, np.bool_, str)) and not np.ndim(
@@ -145,11 +167,11 @@ def decay_rate(name: str, value: Any, what: str) -> Any:
     number = False
   if not number:
     raise ValueError(f"{name} must be a number in [0, 1) ({what}), got "
-                     f"{name}={value!r}.")
-  if not 0 <= float(value) < 1:
-    raise ValueError(
-        f"{name} must be in [0, 1) ({what}), got {name}={value!r}: at 1 or "
-        "more the momentum grows without bound.")
+                     f"{name}={value!r}. {fix}")
+  why = rate_problem(value)
+  if why:
+    raise ValueError(f"{name} must be in [0, 1) ({what}), got "
+                     f"{name}={value!r}: {why}. {fix}")
   return value
 
 

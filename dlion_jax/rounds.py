@@ -264,7 +264,8 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
   Raises:
     ValueError: ``momentum`` outside ``[0, 1)``.
   """
-  _checks.decay_rate("momentum", momentum, "the outer step's Nesterov momentum")
+  _checks.decay_rate("momentum", momentum, "the outer step's Nesterov momentum",
+                     example="momentum=0.9 (DiLoCo's)")
   return optax.chain(transforms.pmean_gradients(axis_name),
                      optax.sgd(learning_rate, momentum=momentum,
                                nesterov=True))
@@ -588,8 +589,9 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     >>> tx = dl.local_steps(optax.lion(1e-3), dl.rounds.voted_outer(
     ...     0.5, axis_name="data"), every=32)
   """
-  momentum = _checks.decay_rate("momentum", momentum,
-                                "the outer step's Nesterov momentum")
+  momentum = _checks.decay_rate(
+      "momentum", momentum, "the outer step's Nesterov momentum",
+      example="momentum=0.9, or momentum=0 for none")
   # A traced momentum (optax.inject_hyperparams) takes Nesterov's trace,
   # which at 0 is the plain step.
   traced = isinstance(momentum, jax.core.Tracer)
@@ -610,8 +612,10 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
           f"lion must be Lion's (b1, b2), e.g. lion=(0.95, 0.98), or None "
           f"for no Lion step, got lion={lion!r}.")
     b1, b2 = lion
-    _checks.decay_rate("lion[0]", b1, "Lion's b1")
-    _checks.decay_rate("lion[1]", b2, "Lion's b2")
+    _checks.decay_rate("lion[0]", b1, "Lion's b1",
+                       example="lion=(0.95, 0.98)")
+    _checks.decay_rate("lion[1]", b2, "Lion's b2",
+                       example="lion=(0.95, 0.98)")
     step = optax.scale_by_lion(b1=b1, b2=b2)
   elif traced or momentum:
     step = optax.trace(decay=momentum, nesterov=True)

@@ -262,6 +262,52 @@ def test_an_outer_momentum_of_one_or_more_is_refused():
     dl.rounds.nesterov_outer(0.7, momentum=good)
 
 
+NAN = float("nan")
+
+
+@pytest.mark.parametrize("call,arg,why,fix", [
+    (lambda: dl.rounds.voted_outer(0.5, momentum=-0.1), "momentum=-0.1",
+     "negative", "momentum=0.9"),
+    (lambda: dl.rounds.voted_outer(0.5, momentum=NAN), "momentum=nan",
+     "NaN", "momentum=0.9"),
+    (lambda: dl.rounds.voted_outer(0.5, lion=(-0.5, 0.98)), "lion[0]=-0.5",
+     "negative", "lion=(0.95, 0.98)"),
+    (lambda: dl.rounds.voted_outer(0.5, lion=(0.95, NAN)), "lion[1]=nan",
+     "NaN", "lion=(0.95, 0.98)"),
+    (lambda: dl.rounds.nesterov_outer(0.7, momentum=NAN), "momentum=nan",
+     "NaN", "momentum=0.9"),
+    (lambda: dl.rounds.nesterov_outer(0.7, momentum=-0.1), "momentum=-0.1",
+     "negative", "momentum=0.9"),
+    (lambda: dl.rounds.nesterov_outer(0.7, momentum=1.5), "momentum=1.5",
+     "1 or more", "momentum=0.9"),
+], ids=["voted -0.1", "voted nan", "voted lion b1 -0.5", "voted lion b2 nan",
+        "nesterov nan", "nesterov -0.1", "nesterov 1.5"])
+def test_an_outer_rate_out_of_range_names_why_and_the_fix(call, arg, why, fix):
+  """A negative or NaN outer momentum or Lion rate: the argument, the
+  value, the range, why and a valid call (was: "at 1 or more the momentum
+  grows without bound" for every value, -0.1 and NaN too, and no fix)."""
+  with pytest.raises(ValueError) as e:
+    call()
+  assert_names(e, arg, "[0, 1)", why, fix)
+  assert ("1 or more" in str(e.value)) == (why == "1 or more")
+
+
+@pytest.mark.parametrize("key,value,why", [
+    ("outer_momentum", "-0.1", "negative"), ("outer_momentum", ".nan", "NaN"),
+    ("outer_b2", "-0.5", "negative"), ("outer_b2", "1.5", "1 or more")])
+def test_the_clis_outer_rate_out_of_range_names_why_and_the_fix(key, value,
+                                                                why):
+  """The CLI's keys of the same rates (was: "must be in [0, 1)." with no
+  reason nor fix)."""
+  from dlion_jax.train.config import ConfigError, load_config  # pylint: disable=import-outside-toplevel
+  with pytest.raises(ConfigError) as e:
+    load_config(None, ["optimizer.local_steps=4",
+                       f"optimizer.{key}={value}"])
+  shown = value.lstrip(".")
+  assert_names(e, f"optimizer.{key}={shown}", "[0, 1)", why,
+               f"Set optimizer.{key}=0.", "or null")
+
+
 @pytest.mark.parametrize("kind", ["Explicit", "Auto"])
 def test_a_vote_over_another_axis_than_the_plain_steps_workers(kind):
   """A tx voting over "model" in dl.workers.update's step over "data": the

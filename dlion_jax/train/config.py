@@ -28,6 +28,7 @@ from typing import Any, Optional
 
 import yaml
 
+from dlion_jax import _checks
 from dlion_jax import _quantize as quantize
 from dlion_jax import rounds
 
@@ -318,10 +319,16 @@ def _validate_local_steps(config: Config) -> None:
         f"local_steps={opt.local_steps}: the outer vote's momenta are not "
         f"synced yet. Set optimizer.momentum_sync=0, {fix}.",
         key="optimizer.momentum_sync")
-  for key in ("outer_momentum", "outer_b2"):
-    if getattr(opt, key) is not None and not 0 <= getattr(opt, key) < 1:
-      raise ConfigError(f"optimizer.{key}={getattr(opt, key)} must be in "
-                        "[0, 1).", key=f"optimizer.{key}")
+  for key, what, example in (
+      ("outer_momentum", "the outer step's momentum, or Lion's b1", 0.9),
+      ("outer_b2", "the outer Lion step's b2", 0.98)):
+    value = getattr(opt, key)
+    why = None if value is None else _checks.rate_problem(value)
+    if why:
+      raise ConfigError(
+          f"optimizer.{key}={value} must be in [0, 1) ({what}): {why}. Set "
+          f"optimizer.{key}={example}, or null for the outer step's "
+          "default.", key=f"optimizer.{key}")
   if opt.outer_learning_rate is not None and opt.outer_learning_rate <= 0:
     raise ConfigError(
         f"optimizer.outer_learning_rate={opt.outer_learning_rate} must be "
