@@ -45,7 +45,9 @@ import sys
 import threading
 import time
 from typing import IO, Sequence
+
 from dlion_jax import _deprecations
+from dlion_jax import _platforms
 
 # Old paths (dlion_jax._deprecations.MOVED).
 __getattr__ = _deprecations.old_paths(__name__)
@@ -294,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> int:
   """``python -m dlion_jax.launch``: :func:`launch` with the command line's
   options (``argv``, default ``sys.argv[1:]``); returns its exit code."""
   args, command = _parse_args(sys.argv[1:] if argv is None else argv)
+  _platforms.quiet_tpu_probe()       # the processes inherit the choice
   return launch(args.num_processes, command, port=args.port,
                 timeout=args.timeout)
 

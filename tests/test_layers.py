@@ -13,8 +13,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1] / "dlion_jax"
 # Lowest first. A module may import modules of lower layers only; two
 # modules of one layer never import each other.
 LAYERS = [
-    ("foundation: option checks, old paths, mesh and spec arithmetic",
-     ["_checks", "_deprecations", "_mesh"]),
+    ("foundation: option checks, old paths, mesh and spec arithmetic, "
+     "the platforms the commands start on",
+     ["_checks", "_deprecations", "_mesh", "_platforms"]),
     ("readers: the traced step's jaxpr, the compiled step's HLO",
      ["_drift", "hlo"]),
     ("the collectives both doors use", ["_collectives"]),

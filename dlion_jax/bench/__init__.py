@@ -34,6 +34,10 @@ from typing import Iterable
 import jax
 
 from dlion_jax import _deprecations
+from dlion_jax import _platforms
+
+# The commands python -m dlion_jax.bench.* start here, before JAX does.
+_platforms.quiet_tpu_probe()
 
 # Old paths (dlion_jax._deprecations.MOVED).
 __getattr__ = _deprecations.old_paths(__name__)

@@ -2,7 +2,10 @@
 
 import sys
 
+from dlion_jax import _platforms
 from dlion_jax.train import missing_extra
+
+_platforms.quiet_tpu_probe()     # before JAX starts: no libtpu noise
 
 try:
   from dlion_jax.train.cli import run
