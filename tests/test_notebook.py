@@ -5,6 +5,7 @@ import importlib.util
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -39,19 +40,36 @@ def test_committed_without_outputs():
 
 
 def test_notebook_runs_and_plots(tmp_path, monkeypatch):
+  """Opened outside a clone, as Colab opens it: a copy in a scratch folder,
+  dlion_jax importable from the environment's install alone (not from the
+  checkout's path), so the install cell finds it and does nothing."""
   # The kernel inherits this environment: a tiny run in a scratch directory.
   monkeypatch.setenv("DLION_NOTEBOOK_STEPS", str(STEPS))
   monkeypatch.setenv("DLION_NOTEBOOK_RUN_DIR", str(tmp_path / "runs"))
-  # The kernel starts in tmp_path: make this checkout importable there.
-  repo = str(NOTEBOOK.parent.parent)
+  repo = NOTEBOOK.parent.parent.resolve()
   monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      p for p in (repo, os.environ.get("PYTHONPATH")) if p))
+      p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+      if p and pathlib.Path(p).resolve() != repo))
+  if importlib.util.find_spec("dlion_jax") is None or not subprocess.run(
+      [sys.executable, "-c", "import dlion_jax"], cwd=tmp_path,
+      env={**os.environ, "JAX_PLATFORMS": "cpu"}).returncode == 0:
+    pytest.skip("dlion_jax is not installed in this environment")
+  opened = tmp_path / "content"
+  opened.mkdir()
+  shutil.copy(NOTEBOOK, opened / NOTEBOOK.name)
 
-  nb = nbformat.read(NOTEBOOK, as_version=4)
+  nb = nbformat.read(opened / NOTEBOOK.name, as_version=4)
+  nb.cells.append(nbformat.v4.new_code_cell(
+      "import sys\nprint('on the path:', [p for p in sys.path if p and "
+      f"pathlib.Path(p).resolve() == pathlib.Path({str(repo)!r})])"))
   client = nbclient.NotebookClient(
       nb, kernel_name="python3", timeout=120, allow_errors=False,
-      resources={"metadata": {"path": str(tmp_path)}})
+      resources={"metadata": {"path": str(opened)}})
   client.execute()          # raises CellExecutionError on any error
+  said = [out.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+          for out in cell.outputs]
+  assert said[0] == "dlion_jax and its [examples] extra are installed\n"
+  assert said[-1] == "on the path: []\n"
 
   pngs = [base64.b64decode(out["data"]["image/png"])
           for cell in nb.cells if cell.cell_type == "code"
@@ -101,19 +119,63 @@ def test_install_cell_installs_this_clone(monkeypatch):
   assert 'name = "dlion_jax"' in project and "examples = [" in project
 
 
-def test_install_cell_outside_a_clone_says_what_to_do(tmp_path, monkeypatch):
+def _missing(monkeypatch, *names):
   real = importlib.util.find_spec
   monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == "flax" else
+                      lambda name, *a: None if name in names else
                       real(name, *a))
+
+
+def _in_colab(tmp_path, monkeypatch, repository=""):
+  """The install cell as Colab runs it: the notebook alone in /content,
+  REPOSITORY as its form was filled in."""
+  (tmp_path / "content").mkdir()
+  monkeypatch.chdir(tmp_path / "content")
+  cell = _install_cell()
+  assert cell.count('REPOSITORY = ""  # @param {type:"string"}') == 1
+  exec(cell.replace('REPOSITORY = ""', f"REPOSITORY = {repository!r}"),  # pylint: disable=exec-used
+       {})
+
+
+@pytest.mark.parametrize("repository,requirement", [
+    ("https://github.com/example/dlion-jax",
+     "dlion_jax[examples] @ git+https://github.com/example/dlion-jax"),
+    ("git+https://github.com/example/dlion-jax@v0.3.0",
+     "dlion_jax[examples] @ git+https://github.com/example/dlion-jax@v0.3.0"),
+    ("CLONE", "CLONE[examples]"),
+])
+def test_install_cell_outside_a_clone_installs_from_the_repository(
+    tmp_path, monkeypatch, repository, requirement):
+  """Was: outside a clone the cell raised (Colab opens the notebook alone).
+  Now it pip-installs dlion_jax from the repository given (no network
+  here: pip is not run)."""
+  repo = str(NOTEBOOK.parent.parent.resolve())
+  _missing(monkeypatch, "dlion_jax", "flax")
+  calls = []
+  monkeypatch.setattr(subprocess, "check_call", calls.append)
+  _in_colab(tmp_path, monkeypatch, repository.replace("CLONE", repo))
+  assert calls == [[sys.executable, "-m", "pip", "install", "-q",
+                    requirement.replace("CLONE", repo)]]
+
+
+def test_install_cell_outside_a_clone_says_what_to_do(tmp_path, monkeypatch):
+  _missing(monkeypatch, "flax")
   monkeypatch.setattr(subprocess, "check_call", pytest.fail)
-  (tmp_path / "notebooks").mkdir()
-  monkeypatch.chdir(tmp_path / "notebooks")
-  with pytest.raises(RuntimeError, match=r"missing: flax\. Run this notebook "
-                     r"from notebooks/ in a clone of the repository, or "
-                     r'install dlion_jax first: pip install -e "\.\[examples'
-                     r'\]" in the clone\.'):
-    exec(_install_cell(), {})  # pylint: disable=exec-used
+  with pytest.raises(RuntimeError, match=r"missing: flax\. Set REPOSITORY "
+                     r"above to the URL of the repository this notebook comes "
+                     r"from \(its GitHub URL\) or to a clone's path, and run "
+                     r"this cell again; or run the notebook from notebooks/ "
+                     r"in a clone, or install dlion_jax first: pip install -e "
+                     r'"\.\[examples\]" in the clone\.'):
+    _in_colab(tmp_path, monkeypatch)
+
+
+def test_install_cell_does_nothing_where_installed(tmp_path, monkeypatch,
+                                                   capsys):
+  monkeypatch.setattr(subprocess, "check_call", pytest.fail)
+  _in_colab(tmp_path, monkeypatch, "https://github.com/example/dlion-jax")
+  assert capsys.readouterr().out == (
+      "dlion_jax and its [examples] extra are installed\n")
 
 
 def test_notebook_runs_are_ignored_by_git():
