@@ -9,6 +9,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 
 def check_choice(name: str, value: Any, valid: tuple[str, ...]) -> None:
@@ -186,3 +187,70 @@ def flag(name: str, value: Any, what: str) -> bool:
     return bool(value)
   raise ValueError(f"{name} must be True or False ({what}), got "
                    f"{name}={value!r}.")
+
+
+def masked_out(params: Any, state: Any) -> list[str] | None:
+  """The leaves of ``params`` (key paths) that an ``optax.masked`` in
+  ``state``, their optimizer's state, leaves out: ``optax.masked`` passes
+  their updates through unchanged. None where ``state`` holds no
+  ``optax.masked`` but those of ``optax.multi_transform`` (which gives every
+  leaf a transform); empty where the masked state does not say which
+  leaves (one around ``optax.sgd``, which keeps no state a leaf)."""
+  partitions = tuple(getattr(optax, name) for name in (
+      "PartitionState", "MultiTransformState") if hasattr(optax, name))
+  masks = []
+
+  def mask_or_partition(x):
+    if isinstance(x, optax.MaskedState):
+      masks.append(x)
+    return isinstance(x, (optax.MaskedState, *partitions))
+  jax.tree.leaves(state, is_leaf=mask_or_partition)
+  if not masks:
+    return None
+  node = lambda x: isinstance(x, optax.MaskedNode)
+  paths = [jax.tree_util.keystr(path) or "<root>" for path, _ in
+           jax.tree_util.tree_leaves_with_path(params, is_leaf=node)]
+  like = jax.tree.structure(params, is_leaf=node)
+  out = [False] * len(paths)
+
+  def mark(x):    # a tree of params' structure, MaskedNode where left out
+    if jax.tree.structure(x, is_leaf=node) != like:
+      return False
+    for i, leaf in enumerate(jax.tree.leaves(x, is_leaf=node)):
+      out[i] = out[i] or node(leaf)
+    return True
+  for mask in masks:
+    jax.tree.leaves(mask.inner_state, is_leaf=mark)
+  return [path for path, left in zip(paths, out) if left]
+
+
+def masked_note(params: Any, state: Any, drifting: list[str]) -> str:
+  """Where an ``optax.masked`` in ``state`` leaves some of the ``drifting``
+  params leaves out, what it does to them and how to freeze them."""
+  left_out = [path for path in masked_out(params, state) or ()
+              if path in drifting]
+  if not left_out:
+    return ""
+  return (f" optax.masked leaves {', '.join(left_out)} out and passes each "
+          "worker's own gradient for them through unchanged: it does not "
+          "freeze them. To freeze them, give them optax.set_to_zero(): "
+          "optax.multi_transform({'train': tx, 'frozen': "
+          "optax.set_to_zero()}, labels).")
+
+
+def masked_cause(left_out: list[str], axis_name) -> str:
+  """Why an anchor differs by worker where ``optax.masked`` leaves the
+  leaves ``left_out`` (key paths of the params) out of an outer optimizer
+  that exchanges over ``axis_name``, and the fix."""
+  leaves = ", ".join(left_out) if left_out else "some leaves"
+  return (
+      f"the outer optimizer exchanges over axis {axis_name!r}, but "
+      f"optax.masked leaves {leaves} out of it and passes each worker's own "
+      "pseudo-gradient for them through unchanged (as it passes each "
+      "worker's own gradient in an inner optimizer): optax.masked does not "
+      "freeze what it leaves out. To freeze them, give them "
+      "optax.set_to_zero() in the inner and the outer optimizer: "
+      "optax.multi_transform({'train': tx, 'frozen': optax.set_to_zero()}, "
+      "labels), or optax.chain(optax.masked(tx, mask), optax.masked("
+      "optax.set_to_zero(), frozen_mask)); to train them, give them an "
+      f"outer optimizer that exchanges over {axis_name!r}.")

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 
 from dlion_jax import _blocks
+from dlion_jax import _checks
 from dlion_jax import _collectives
 from dlion_jax import _mesh
 from dlion_jax import _placement
@@ -645,7 +646,8 @@ def drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
         "global optimizer after "
         f"dl.transforms.pmean_gradients({axis_name!r}). A psum of a scalar (a "
         "global gradient norm, a token count, a finite flag) does not make "
-        "the workers' updates equal.")
+        "the workers' updates equal." + _checks.masked_note(
+            params, state, leaves))
   what = (f"The optimizer exchanges over axis {axis_name!r}, but params "
           "leaves "
           f"{named} ({count}) would still silently differ between its "
@@ -682,11 +684,20 @@ def check_no_drift(jaxpr, params: Any, num_varying: int, axis_name,
                        state)
 
 
-def anchor_error(named: str, state: Any, axis_name) -> ValueError:
+def anchor_error(named: str, state: Any, axis_name,
+                 exchanges: bool = False) -> ValueError:
   """Why local steps' anchor (the state leaves ``named``) would differ from
-  worker to worker after a round, and the fix."""
+  worker to worker after a round, and the fix (``exchanges``: whether the
+  round's update exchanges arrays over ``axis_name`` at all)."""
   finite = any(isinstance(x, optax.ApplyIfFiniteState) for x in jax.tree.leaves(
       state, is_leaf=lambda x: isinstance(x, optax.ApplyIfFiniteState)))
+  masked = None      # the anchor's leaves an optax.masked leaves out
+  local = lambda x: isinstance(x, rounds.LocalStepsState)
+  for x in jax.tree.leaves(state, is_leaf=local) if exchanges else ():
+    left_out = _checks.masked_out(x.anchor, x.outer_state) if local(
+        x) else None
+    if left_out is not None:
+      masked = (masked or []) + left_out
   return ValueError(
       f"dl.local_steps: the anchor (state leaves {named}) would differ "
       "from worker to worker after a round: "
@@ -694,7 +705,8 @@ def anchor_error(named: str, state: Any, axis_name) -> ValueError:
          "whether it applies the round's outer step. Wrap the optimizer in "
          f"dl.apply_if_finite(tx, max_consecutive_errors, "
          f"axis_name={axis_name!r}) instead, which decides alike."
-         if finite else
+         if finite else _checks.masked_cause(masked, axis_name)
+         if masked is not None else
          f"the outer optimizer exchanges nothing over axis {axis_name!r} "
          "(or applies a per-worker value after its exchange). Build it with "
          f"axis_name={axis_name!r}: dl.distributed_lion(lr, "
@@ -722,4 +734,5 @@ def check_anchor_alike(jaxpr, params, state, batch, axis_name) -> None:
     return
   named = ", ".join(drifting[:3]) + (
       f" and {len(drifting) - 3} more" if len(drifting) > 3 else "")
-  raise anchor_error(named, state, axis_name)
+  raise anchor_error(named, state, axis_name,
+                     _drift.exchanges_over(jaxpr, axes))

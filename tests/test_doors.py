@@ -155,6 +155,57 @@ def test_local_steps_with_a_frozen_integer_leaf_train_alike(freeze, n):
   assert not np.array_equal(trained["w"], params["w"])
 
 
+@pytest.mark.parametrize("door", DOORS)
+@pytest.mark.parametrize("outer,n", [("distributed_lion", 4),
+                                     ("nesterov_outer", 3)])
+def test_a_leaf_masked_out_of_local_steps_names_the_cause_and_the_fix(
+    door, outer, n):
+  """A leaf "frozen" with optax.masked in the inner and the outer optimizer:
+  refused naming optax.masked, which passes each worker's own
+  pseudo-gradient of the leaf through, and set_to_zero (was: "exchanges
+  nothing over axis 'data' ... Build it with axis_name='data'", of an outer
+  step built so); the fix freezes the leaf and trains the rest alike in
+  both doors."""
+  params, batch = problem(rows=24)
+  make = {"distributed_lion": lambda: dl.distributed_lion(
+      0.1, axis_name="data", weight_decay=0.0),
+          "nesterov_outer": lambda: dl.rounds.nesterov_outer(0.7)}[outer]
+  mask = {"w": True, "b": False}
+  tx = dl.local_steps(optax.masked(optax.sgd(0.05), mask),
+                      optax.masked(make(), mask), every=2)
+  with pytest.raises(ValueError) as e:
+    run(door, tx, mesh_of(n), params, batch, steps=2,
+        params_per_worker=True)
+  assert_names(e, ".anchor['b']", "optax.masked", "['b']",
+               "exchanges over axis 'data'", "optax.set_to_zero()",
+               "optax.multi_transform(")
+  assert "Build it with axis_name" not in str(e.value)
+  labels = {"w": "train", "b": "frozen"}
+  frozen = lambda tx: optax.multi_transform(
+      {"train": tx, "frozen": optax.set_to_zero()}, labels)
+  fixed = dl.local_steps(frozen(optax.sgd(0.05)), frozen(make()), every=2)
+  got = {d: run(d, fixed, mesh_of(n), params, batch, steps=4,
+                params_per_worker=True, with_state=True) for d in DOORS}
+  assert_same(got["shard_map"], got["plain"])
+  trained, _ = got[door]
+  np.testing.assert_array_equal(trained["b"], params["b"])
+  assert not np.array_equal(trained["w"], params["w"])
+
+
+@pytest.mark.parametrize("door", DOORS)
+def test_a_leaf_masked_out_of_the_vote_names_set_to_zero(door):
+  """The same mistake without local steps: the params leaf optax.masked
+  leaves out of the vote is named with what masked does to it and how to
+  freeze it (was: only "Build the optimizer that updates them with
+  axis_name='data'")."""
+  tx = optax.masked(dl.distributed_lion(LR, axis_name="data"),
+                    {"w": True, "b": False})
+  with pytest.raises(ValueError) as e:
+    run(door, tx, mesh_of(4), *problem())
+  assert_names(e, "params leaves ['b']", "optax.masked leaves ['b'] out",
+               "optax.set_to_zero()")
+
+
 @pytest.mark.parametrize("n,micro", [(4, 2), (3, 3)])
 def test_micro_batches_are_the_same_in_both_doors(n, micro):
   """The plain door takes micro_batches= as make_train_step does: the two
