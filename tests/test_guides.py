@@ -4,11 +4,13 @@ examples, in one namespace per guide, print what the guide says they print.
 Code blocks without prompts (commands, scripts for several processes or a
 TPU) are not run as examples; the multi-host guide's training scripts run
 on 2 processes. The guides need the 8 simulated CPU devices of
-tests/conftest.py.
+tests/conftest.py. A guide's pointer to a section of the README or of
+another page names a heading that is there.
 """
 
 import doctest
 import importlib.util
+import itertools
 import pathlib
 import re
 import subprocess
@@ -89,3 +91,61 @@ def test_the_multihost_scripts_train_alike_on_two_processes(tmp_path):
   assert lines[0] == lines[1]
   np.testing.assert_array_equal(outs[0], outs[1])
   assert np.abs(outs[0]).sum() > 0
+
+
+# A guide's pointer to another page's section: the README's "Title" (or
+# *Title*), or docs/page.md (or [page](../page.md)), section N[, "Title"].
+README_REF = re.compile(r"README's\s+(?:\"([^\"]+)\"|\*([^*]+)\*)")
+SECTION_REF = re.compile(
+    r"(?:docs/|\]\(\.\./)([\w/]+\.md)`?\)?[,;]?\s*\(?section\s+"
+    r"(\d+(?:\.\d+)*)(?:[,;]?\s*\(?\"([^\"]+)\")?")
+
+
+def _headings(page: pathlib.Path) -> list[tuple[int, str]]:
+  """Each heading of ``page``: its level and its text."""
+  return [(len(m[1]), m[2].strip()) for m in re.finditer(
+      r"^(#+) (.*)$", page.read_text(encoding="utf-8"), re.M)]
+
+
+def _section(headings: list[tuple[int, str]], number: str) -> list[str]:
+  """The headings of section ``number`` (``5.1``): its own, then those
+  under it until the next of its level or above; empty where none is."""
+  for i, (level, text) in enumerate(headings):
+    if re.match(rf"{re.escape(number)}\.?\s", text):
+      rest = [t for _, t in itertools.takewhile(
+          lambda h: h[0] > level, headings[i + 1:])]
+      return [text, *rest]
+  return []
+
+
+def _dangling(text: str, root: pathlib.Path) -> list[str]:
+  """The references of ``text`` (whitespace folded) to a section of the
+  README or of a page of docs/ that names no heading there."""
+  readme = [t for _, t in _headings(root / "README.md")]
+  bad = [f"README's {title!r}" for m in README_REF.finditer(text)
+         for title in [m[1] or m[2]] if title not in readme]
+  for page, number, title in SECTION_REF.findall(text):
+    found = _section(_headings(root / "docs" / page), number)
+    if not found or (title and not any(title in h for h in found)):
+      bad.append(f"{page}, section {number}"
+                 + (f" {title!r}" if title else ""))
+  return bad
+
+
+def test_the_guides_cite_sections_that_exist():
+  """Every guide's reference to a section of the README or of a page of
+  docs/ names a heading there, by its number and title (was: the optax
+  guide cited the README's "Tune `b2`", a section the README's rewrite
+  removed)."""
+  root = GUIDES.parents[1]
+  texts = {p.name: re.sub(r"\s+", " ", p.read_text(encoding="utf-8"))
+           for p in sorted(GUIDES.glob("*.md"))}
+  cited = sum(len(SECTION_REF.findall(t)) + len(README_REF.findall(t))
+              for t in texts.values())
+  assert cited >= 5
+  assert {name: bad for name, text in texts.items()
+          if (bad := _dangling(text, root))} == {}
+  stale = ('beaten by `b2 = 0.9` (the README\'s "Tune `b2`"); see '
+           "docs/benchmarks.md, section 5.9")
+  assert _dangling(stale, root) == ["README's 'Tune `b2`'",
+                                    "benchmarks.md, section 5.9"]
