@@ -60,7 +60,7 @@ from dlion_jax import bench
 from dlion_jax import devices
 from dlion_jax.bench import reporting
 
-LOCAL_STEPS = (8, 32, 128)
+LOCAL_STEPS = (8, 16, 32, 128)
 _VOTED = {"optimizer.outer_momentum": 0.0}
 VOTED_ROWS = {
     "EF vote": _VOTED,
@@ -83,9 +83,9 @@ VOTED_ROWS = {
     "EF vote, chunk scales": {**_VOTED, "optimizer.outer_scale_chunk": 1024},
     "EF vote, tuned momentum": {},
     "EF vote, 1/4 fragments": {**_VOTED, "optimizer.outer_fragments": 4},
-    "EF vote, 1/4 fragments, decay 0.9": {
-        **_VOTED, "optimizer.outer_fragments": 4,
-        "optimizer.outer_error_decay": 0.9},
+    **{f"EF vote, 1/{m} fragments, decay 0.9": {
+        **_VOTED, "optimizer.outer_fragments": m,
+        "optimizer.outer_error_decay": 0.9} for m in (2, 4, 8, 16)},
     "EF sparse 1/128, chunk scales, decay 0.95": {
         **_VOTED, "optimizer.outer_sparse_chunk": 128,
         "optimizer.outer_scale_chunk": 4096,
