@@ -58,9 +58,10 @@ def _module(path: str) -> str | None:
 def _moved_keys(call: ast.Call) -> set[str]:
   if len(call.args) < 2:
     return set()
-  table = eval(compile(ast.Expression(call.args[1]), "<moved>", "eval"),  # pylint: disable=eval-used
-               {"__builtins__": {}, "dict": dict})
-  return set(table)
+  # The library's own table: literals, comprehensions, dict.fromkeys.
+  expr = compile(ast.Expression(call.args[1]), "<moved>", "eval")
+  scope = {"__builtins__": {}, "dict": dict}
+  return set(eval(expr, scope))  # pylint: disable=eval-used
 
 
 def names(source: str) -> set[str]:

@@ -133,8 +133,8 @@ def _in_colab(tmp_path, monkeypatch, repository=""):
   monkeypatch.chdir(tmp_path / "content")
   cell = _install_cell()
   assert cell.count('REPOSITORY = ""  # @param {type:"string"}') == 1
-  exec(cell.replace('REPOSITORY = ""', f"REPOSITORY = {repository!r}"),  # pylint: disable=exec-used
-       {})
+  source = cell.replace('REPOSITORY = ""', f"REPOSITORY = {repository!r}")
+  exec(source, {})  # pylint: disable=exec-used
 
 
 @pytest.mark.parametrize("repository,requirement", [
