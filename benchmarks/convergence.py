@@ -354,17 +354,42 @@ def _key(run: dict) -> tuple:
           *(run.get(name) for name in SETTINGS))
 
 
+# What study.train returns of a run.
+_RESULTS = ("text", "metric", "bits", "steps", "seconds", "diverged",
+            "curve")
+
+
+def _overrides(spec: dict) -> dict:
+  """The config overrides of a run: its row's and its settings'."""
+  axes = TASKS[spec["task"]].axes(spec["row"])
+  return {**ROWS[spec["row"]], **{axis.key: spec[name]
+                                  for name, axis in axes.items()
+                                  if spec.get(name) is not None}}
+
+
+def _config(spec: dict) -> tuple:
+  """What a run trains (task, N, seed, every override), whichever row it
+  is of: DiLoCo's Nesterov step at momentum 0 is its plain step."""
+  return (spec["task"], spec["workers"], spec["seed"], sorted(
+      (k, repr(v)) for k, v in _overrides(spec).items()))
+
+
 def _run(runs: list[dict], done: dict, spec: dict, json_path) -> dict:
   """Trains ``spec`` (task, phase, row, workers, seed and the row's
-  settings) unless a saved run has it; appends and saves."""
+  settings) unless a saved run has it, or the same config under another
+  row (then copied, ``same_as`` naming that row); appends and saves."""
   key = _key(spec)
   if key in done:
     return done[key]
   conv = TASKS[spec["task"]]
-  overrides = {**ROWS[spec["row"]], **{
-      axis.key: spec[name] for name, axis in conv.axes(spec["row"]).items()}}
-  run = {**spec, **study.train(conv.task, overrides, spec["workers"],
-                               spec["seed"])}
+  overrides = _overrides(spec)
+  same = next((r for r in runs if _config(r) == _config(spec)), None)
+  if same is not None:     # another row's run of the same config
+    run = {**spec, **{k: same[k] for k in _RESULTS if k in same},
+           "same_as": same["row"]}
+  else:
+    run = {**spec, **study.train(conv.task, overrides, spec["workers"],
+                                 spec["seed"])}
   runs.append(run)
   done[key] = run
   reporting.write_json(json_path, runs, indent=1)

@@ -444,3 +444,26 @@ def test_a_longer_task_runs_the_rows_at_the_shorter_ones_picks(monkeypatch):
   with pytest.raises(ValueError, match="tune them there first"):
     convergence.run_study(["charlm_long_x4_local_steps"],
                           ["DiLoCo outer, H=32"], None, [7], 8, 100)
+
+
+def test_a_config_another_row_ran_is_copied_not_trained(monkeypatch):
+  """DiLoCo's Nesterov step at momentum 0 is its plain step: the tuned-
+  momentum row takes the plain row's runs of the same config."""
+  trained = []
+
+  def train(task, overrides, workers, seed):
+    trained.append((seed, *sorted(overrides.items())))
+    return {"workers": workers, "seed": seed, "bits": 1.0, "steps": 1,
+            "seconds": 0.0, "diverged": False, "curve": [],
+            "metric": 0.5 + overrides[convergence.OUTER_LR] / 10
+            - overrides.get(convergence.OUTER_MOMENTUM, 0) / 100}
+  monkeypatch.setattr(convergence.study, "train", train)
+  runs = convergence.run_study(
+      ["mlp_local_steps"], ["DiLoCo plain outer, H=32",
+                            "DiLoCo tuned momentum, H=32"], None, [0], 8, 100)
+  copies = [r for r in runs if r.get("same_as")]
+  assert copies and all(
+      r["row"] == "DiLoCo tuned momentum, H=32" and r["outer_momentum"] == 0
+      and r["same_as"] == "DiLoCo plain outer, H=32" for r in copies)
+  assert len(trained) == len(set(trained))       # nothing trained twice
+  assert len(runs) == len(trained) + len(copies)
