@@ -966,6 +966,35 @@ def plot_curves(runs: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def momentum_table(runs: list[dict], task: str, h: int = 32) -> str:
+  """The fp32 mean's outer step at the tuning seed, by momentum: the best
+  rate ``eta`` tried with each momentum ``mu`` (every fp32 outer row's
+  tuning runs at the task's inner rate), its metric, the step a constant
+  pseudo-gradient gets once the momentum has built up (Nesterov's
+  ``eta / (1 - mu)``) and the rounds it takes to build 90 % of it
+  (``ln 0.1 / ln mu``), against the rounds the run has."""
+  inner = TASKS[task].inner_lr
+  mine = [r for row in FP32_LOCAL_ROWS if row.endswith(f", H={h}")
+          for r in _tuning(runs, task, row)
+          if inner is None or r.get("lr") == inner]
+  if not mine:
+    return ""
+  momentum = lambda r: _overrides(r).get(OUTER_MOMENTUM, 0.9)
+  scale, steps = TASKS[task].task.scale, mine[0]["steps"]
+  body = []
+  for mu in sorted({momentum(r) for r in mine}):
+    best = _best([r for r in mine if momentum(r) == mu], task)
+    eta = best["outer_lr"]
+    build = math.log(0.1) / math.log(mu) if mu else 0
+    body.append([_fmt(mu), _fmt(eta), f"{eta / (1 - mu):.3g}",
+                 f"{build:.0f}", f"{best['metric'] * scale:.3f}"])
+  return (f"The fp32 mean's outer step by momentum (H = {h}, the tuning "
+          f"seed; the run has {steps // h} rounds):\n\n"
+          + reporting.markdown_table(
+              ["momentum", "best rate", "built-up step", "rounds to 90 %",
+               f"test {TASKS[task].task.unit}"], body))
+
+
 def protocol(runs: list[dict], task: str) -> str:
   """How ``task``'s rows were tuned and evaluated, and what "better"
   means in its verdicts."""
@@ -996,7 +1025,7 @@ def report(runs: list[dict], heading: str) -> str:
                  f"{conv.task.unit})\n\n" + summary_table(runs, task))
     parts.append(protocol(runs, task))
     parts += ["\n".join(f"- {line}" for line in verdicts(runs, task)),
-              matched_table(runs, task),
+              momentum_table(runs, task), matched_table(runs, task),
               grid_table(runs, task)]
   minutes = sum(r["seconds"] for r in runs) / 60
   parts.append(f"{len(runs)} runs, {minutes:.0f} min of training.")

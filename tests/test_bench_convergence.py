@@ -467,3 +467,26 @@ def test_a_config_another_row_ran_is_copied_not_trained(monkeypatch):
       and r["same_as"] == "DiLoCo plain outer, H=32" for r in copies)
   assert len(trained) == len(set(trained))       # nothing trained twice
   assert len(runs) == len(trained) + len(copies)
+
+
+def test_the_momentum_table_takes_every_fp32_rows_tuning():
+  """DiLoCo's Nesterov row is momentum 0.9, the plain row 0, the tuned
+  row its own; each momentum's best rate, its built-up step, the rounds
+  to build it."""
+  task = "mlp_local_steps"
+  base = dict(task=task, phase="tune", workers=8, seed=100, lr=1e-3,
+              wd=0.01, bits=1.0, steps=703, seconds=0.0, diverged=False,
+              curve=[])
+  runs = [dict(base, row="DiLoCo outer, H=32", outer_lr=0.1, metric=0.84),
+          dict(base, row="DiLoCo outer, H=32", outer_lr=0.3, metric=0.83),
+          dict(base, row="DiLoCo outer, H=32", outer_lr=0.1, lr=3e-3,
+               metric=0.99),                      # another inner rate
+          dict(base, row="DiLoCo plain outer, H=32", outer_lr=1.0,
+               metric=0.86),
+          dict(base, row="DiLoCo tuned momentum, H=32", outer_lr=0.7,
+               outer_momentum=0.5, metric=0.859)]
+  text = convergence.momentum_table(runs, task)
+  assert "the run has 21 rounds" in text
+  assert "| 0 | 1 | 1 | 0 | 86.000 |" in text
+  assert "| 0.5 | 0.7 | 1.4 | 3 | 85.900 |" in text
+  assert "| 0.9 | 0.1 | 1 | 22 | 84.000 |" in text
