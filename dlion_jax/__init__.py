@@ -26,6 +26,7 @@ from dlion_jax.lion import DistributedLionState
 from dlion_jax.lion import ErrorFeedbackState
 from dlion_jax.lion import distributed_lion
 from dlion_jax.lion import scale_by_distributed_lion
+from dlion_jax.lion import skip_if_none_voted
 from dlion_jax.rounds import LocalStepsState
 from dlion_jax.rounds import local_steps
 from dlion_jax.transforms import apply_if_finite
@@ -52,6 +53,7 @@ __all__ = (
     "parallel",
     "rounds",
     "scale_by_distributed_lion",
+    "skip_if_none_voted",
     "sparse_vote_bits",
     "sync",
     "transforms",

@@ -1,15 +1,11 @@
 """Exchanging packed votes over a named axis (``shard_map`` / ``pmap``).
 
-Each worker's votes travel as codes, and every strategy gives the same
-outcome on every worker, bit for bit (:mod:`dlion_jax.strategies`):
-:func:`aggregate_updates` turns it into the update ``D`` of Distributed
-Lion (Liu et al., 2024, Alg. 1).
-
-The strategies (``comm``), what each sends and how it runs, are the
-records of :mod:`dlion_jax.strategies`; ``auto`` is the one that sends the
-fewest bytes for the model (:func:`dlion_jax.message.choose_comm`).
-
-The whole pytree goes through one message
+Each worker's votes travel as codes, and every strategy (``comm``, the
+records of :mod:`dlion_jax.strategies`; ``auto`` the one that sends the
+fewest bytes for the model, :func:`dlion_jax.message.choose_comm`) gives
+the same outcome on every worker, bit for bit: :func:`aggregate_updates`
+turns it into the update ``D`` of Distributed Lion (Liu et al., 2024,
+Alg. 1). The whole pytree goes through one message
 (:class:`dlion_jax.message.MessageLayout`): each leaf starts on a word, the
 leaves are packed in one pass, and a step issues a fixed number of
 collectives however many leaves the model has.
@@ -59,7 +55,6 @@ class VoteOptions:
   min_compress_size: int = 0
   bucket_bytes: int | None = None
   kernels: str = "auto"
-  abstain: bool = False
 
 
 @dataclasses.dataclass
@@ -88,8 +83,7 @@ class _Fusion:
     comm = resolve_comm(options.comm, options.num_workers,
                         aggregation=options.aggregation, spec=options.spec,
                         leaf_sizes=[r[0].size for r in rows],
-                        gathers=can_gather(options.axis_name),
-                        ties=options.abstain)
+                        gathers=can_gather(options.axis_name))
     return message_lib.message_radix(comm, options.num_workers,
                                      options.spec)
 
@@ -161,7 +155,7 @@ def workers_along(axis_name: AxisName | None) -> int:
 def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
                  spec: _quantize.VoteSpec = _quantize.BINARY,
                  leaf_sizes: Sequence[int] | None = None,
-                 gathers: bool = True, ties: bool = False) -> str:
+                 gathers: bool = True) -> str:
   """``comm``, with ``'auto'`` mapped to the strategy that sends the fewest
   bytes (:func:`dlion_jax.message.choose_comm`, whose arguments these are).
   """
@@ -170,7 +164,7 @@ def resolve_comm(comm: str, num_workers: int, *, aggregation: str,
     return comm
   return message_lib.choose_comm(num_workers, aggregation=aggregation,
                                  spec=spec, leaf_sizes=leaf_sizes,
-                                 gathers=gathers, ties=ties)
+                                 gathers=gathers)
 
 
 def can_gather(axis_name: AxisName) -> bool:
@@ -234,10 +228,9 @@ def _exchange(rows, combine, alone, options: VoteOptions,
         "or vote over mesh axes inside jax.shard_map.")
   sizes = [row[0].size for row in rows]
   comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
-                      leaf_sizes=sizes, gathers=gathers, ties=options.abstain)
+                      leaf_sizes=sizes, gathers=gathers)
   layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
-                                     _run_starts(rows, len(alone)),
-                                     ties=options.abstain)
+                                     _run_starts(rows, len(alone)))
   blocked = fusion and fusion.decoding(rows, len(alone), layout)
   extra = {}
   if blocked:
@@ -411,7 +404,8 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               bucket_bytes: int | None = None, with_done: bool = False,
               kernels: _fused.Kernels = "auto",
               also: Callable[..., jax.Array] | None = None,
-              abstained: jax.Array | None = None):
+              abstained: jax.Array | None = None,
+              lone: Callable[..., jax.Array] | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
   ``trees`` (Lion passes the gradients, the momenta and
   ``c = (1 - b1) g + b1 m``). ``combine`` must be elementwise: it may be
@@ -429,39 +423,38 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   own part of every leaf (``dlion_jax._blocks.on_own_shards``): it
   sends only that part's votes, to its peers across ``axis_name``, and
   the L1 scales and the ``min_compress_size`` test see whole leaves.
-  ``combine`` gets
-  ``constants`` after the leaves (traced hyperparameters: see
-  ``dlion_jax._blocks.on_own_shards``).
+  ``combine`` gets ``constants`` after the leaves (traced
+  hyperparameters: see ``dlion_jax._blocks.on_own_shards``).
 
   ``bucket_bytes`` splits the voted leaves into buckets (:func:`buckets`),
   each packed into a message of its own and exchanged on its own, so that
   a bucket's collectives depend on its leaves' gradients only and XLA may
   schedule them while the rest of the backward pass runs.
 
-  ``kernels`` picks how a big leaf is encoded and tallied: ``'pallas'``
-  through the fused kernels of :mod:`dlion_jax.fused` wherever the leaf
-  fits their blocks (off TPU in Pallas' interpreter), ``'xla'`` never,
-  ``'auto'`` on TPU only. Not in the plain jitted step
-  (:mod:`dlion_jax.workers`), which XLA partitions: it cannot partition
-  a Pallas kernel. The encoding kernel also computes ``also`` (an
-  elementwise function of the leaves, Lion's momentum update) in its
-  pass. With traced ``constants`` the kernels are not used.
+  ``kernels`` picks how a big leaf is encoded and tallied: ``'pallas'`` through
+  the fused kernels of :mod:`dlion_jax.fused` wherever the leaf fits their
+  blocks (off TPU in Pallas' interpreter), ``'xla'`` never, ``'auto'`` on TPU
+  only. Not in the plain jitted step (:mod:`dlion_jax.workers`), which XLA
+  partitions: it cannot partition a Pallas kernel. The encoding kernel also
+  computes ``also`` (an elementwise function of the leaves, Lion's momentum
+  update) in its pass. With traced ``constants`` the kernels are not used.
 
   ``with_done`` also returns ``done``, a ``uint8`` zero that XLA can only
-  compute once every bucket's outcome is in (see
-  ``_after_every_outcome``), or None where the compiler's axes share the
-  vote, and a dict of ``also``'s values by leaf (in ``jax.tree.leaves``
-  order) for the leaves the kernels encoded.
+  compute once every bucket's outcome is in (see ``_after_every_outcome``), or
+  None where the compiler's axes share the vote, and a dict of ``also``'s values
+  by leaf (in ``jax.tree.leaves`` order) for the leaves the kernels encoded.
 
   ``abstained``, an int32 scalar the same on every worker, counts the
   workers whose ``combine`` gave 0 on every leaf: their codes are taken
   back out of every tally, MaVo is the majority of the workers present
   and Avg their mean (0 where none is). The kernels are not used then.
+  Where one worker alone is present (``abstained`` is N - 1) the update is
+  ``sign(lone(*leaves))`` (``lone`` elementwise, 0 on every other worker;
+  see :func:`_lone_outcomes`), exact leaves the sign of its sum.
   """
   check_choice("kernels", kernels, _fused.KERNELS)
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
-                        min_compress_size, bucket_bytes, kernels,
-                        abstain=abstained is not None)
+                        min_compress_size, bucket_bytes, kernels)
   axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
   if abstained is not None:   # a traced value enters a region as a constant
     constants = constants + (abstained,)
@@ -472,7 +465,9 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
       *constants, count = constants
     return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
                       options=options, leaf_shards=leaf_shards, fuse=fuse,
-                      also=None if axes else also, abstained=count)
+                      also=None if axes else also, abstained=count,
+                      lone=lone and (lambda *leaves: lone(*leaves,
+                                                          *constants)))
   if axes:
     updates, done, also_values = _blocks.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
@@ -500,7 +495,7 @@ def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
 
 def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
                fuse: bool = False, also: Callable | None = None,
-               abstained=None):
+               abstained=None, lone: Callable | None = None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
   where the fused kernels (``fuse``) computed it."""
@@ -518,8 +513,10 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
            if x.size > 0 and sizes[i] < options.min_compress_size]
   voted = [i for i, x in enumerate(leaves)
            if x.size > 0 and sizes[i] >= options.min_compress_size]
+  lone = lone and (lone, abstained == options.num_workers - 1)
   if exact:
-    values = [combine(*rows[i]) for i in exact]
+    values = [jnp.where(lone[1], lone[0](*rows[i]), combine(*rows[i]))
+              if lone else combine(*rows[i]) for i in exact]
     for i, d in zip(exact, sign_of_mean(values,
                                         axis_name=options.axis_name)):
       out[i] = d
@@ -530,7 +527,7 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
                            forced=options.kernels == "pallas")
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
-        options, run, abstained)
+        options, run, abstained, lone)
     for i, d in zip(bucket, updates):
       out[i] = d
     also_values.update({bucket[k]: v for k, v in (run.values.items()
@@ -547,14 +544,13 @@ def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
   (integers in ``[-top, top]``): ``max((o[:8] > top) >> 1)`` over every
   run's.
 
-  A value that waits for the vote, for whatever must not be scheduled
-  before it (``lion._after_vote``). Read off the integers rather than the
-  update: Avg's update, a gather from a table, would be written out whole
-  to be read. Every run's, so that XLA:CPU writes out every run's tally:
-  fused instead into the leaf's update, a run's tally of ternary votes
-  (radix-3 digits) unpacked every worker's digit with a division by the
-  place value of each element's place (measured in the design notes, "The
-  momentum's update waits for the vote").
+  A value that waits for the vote, for whatever must not be scheduled before it
+  (``lion._after_vote``). Read off the integers rather than the update: Avg's
+  update, a gather from a table, would be written out whole to be read. Every
+  run's, so that XLA:CPU writes out every run's tally: fused instead into the
+  leaf's update, a run's tally of ternary votes (radix-3 digits) unpacked every
+  worker's digit with a division by the place value of each element's place
+  (measured in the design notes, "The momentum's update waits for the vote").
   """
   firsts = jnp.concatenate([o[:8].astype(jnp.int32) for o in outcomes])
   # A flag shifted out: 0 whatever the compare gives (XLA:CPU once computed
@@ -563,8 +559,8 @@ def _after_every_outcome(outcomes: list[jax.Array], top: int) -> jax.Array:
 
 
 def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
-                         fusion: _Fusion | None = None, abstained=None
-                         ) -> tuple[list[jax.Array], list[jax.Array]]:
+                         fusion: _Fusion | None = None, abstained=None,
+                         lone=None) -> tuple[list[jax.Array], list[jax.Array]]:
   """The update of each row of leaves, voted in one message, and the vote's
   outcome for each packing run. ``fusion.values`` comes back by row."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
@@ -580,6 +576,10 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   layout, results = _exchange(
       [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
       options, fusion, abstained)
+  if lone:
+    results = _lone_outcomes(lone, [rows[k] for k in order],
+                             [leaf_shards[k] for k in alone], options, layout,
+                             results)
   if fusion:
     fusion.values = {order[j]: v for j, v in fusion.values.items()
                      if v is not None}
@@ -613,6 +613,24 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   return out, results
 
 
+def _lone_outcomes(lone, rows, alone, options, layout, results):
+  """``results``, or on the step ``lone[1]`` each run's outcome of the
+  signs of ``lone[0](*row)`` (Avg's sum of levels: the sign times L),
+  voted as ternary MaVo through the vote's strategy in a
+  :func:`jax.lax.cond`: integers, so the update's arithmetic is the
+  vote's (a select of the floats changed XLA:CPU's rounding after it)."""
+  ternary = dataclasses.replace(options, spec=_quantize.TERNARY,
+                                aggregation="mavo", comm=layout.comm)
+  unit = 1 if options.aggregation == "mavo" else options.spec.max_level
+
+  def signs(results):
+    signs_layout, outcomes = _exchange(rows, lone[0], alone, ternary)
+    runs = layout.runs_of([x.astype(jnp.int32) * unit
+                           for x in signs_layout.split(outcomes)])
+    return [x.astype(r.dtype) for x, r in zip(runs, results)]
+  return lax.cond(lone[1], signs, lambda results: results, list(results))
+
+
 def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
   """First row of each packing run: each of the first ``num_alone`` rows
   alone, then one run per dtype of the rest (see :func:`_packed_message`)."""
@@ -624,22 +642,20 @@ def _packed_message(rows, combine, alone, layout, spec, fusion, *,
                     batched: bool = False) -> jax.Array:
   """The packed message: ``combine(*row)``'s vote codes at each row's offset.
 
-  The first ``len(alone)`` rows (big leaves, or every leaf of an
-  L1-scaled vote; ``alone`` holds their shards, see :func:`aggregate`) are
-  encoded and packed one by one and written in place: XLA:CPU fuses a
-  concatenate of a few big operands into the packing loop that reads it,
-  several times slower. The others, small leaves of a sign vote, are laid
-  end to end per dtype (one ``concatenate`` of the gradients, one of the
-  momenta) and ``combine``, the encoding and the packing run once on each
-  run: a few operations however many leaves there are, since compile time
-  grows with the number of operations. Each run is packed planar
-  (:meth:`MessageLayout.pack`).
+  The first ``len(alone)`` rows (big leaves, or every leaf of an L1-scaled vote;
+  ``alone`` holds their shards, see :func:`aggregate`) are encoded and packed
+  one by one and written in place: XLA:CPU fuses a concatenate of a few big
+  operands into the packing loop that reads it, several times slower. The
+  others, small leaves of a sign vote, are laid end to end per dtype (one
+  ``concatenate`` of the gradients, one of the momenta) and ``combine``, the
+  encoding and the packing run once on each run: a few operations however many
+  leaves there are, since compile time grows with the number of operations. Each
+  run is packed planar (:meth:`MessageLayout.pack`).
 
-  ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each
-  of the message) concatenates the runs and their padding instead: the
-  partitioned in-place write of each run into the batched message cost
-  XLA:CPU a pass over the whole message a run (design notes, "The workers
-  as a leading axis").
+  ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each of the
+  message) concatenates the runs and their padding instead: the partitioned
+  in-place write of each run into the batched message cost XLA:CPU a pass over
+  the whole message a run (design notes, "The workers as a leading axis").
   """
   if batched:
     return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,

@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import math
 from typing import Literal, Sequence, get_args
 
 import jax
@@ -57,7 +56,7 @@ def message_radix(comm: str, num_workers: int,
 
 
 def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
-                          spec: _quantize.VoteSpec, ties: bool = False) -> int:
+                          spec: _quantize.VoteSpec) -> int:
   """The message's word count is padded to a multiple of this.
 
   A strategy that sends results back (``alltoall``) splits the message
@@ -66,14 +65,15 @@ def message_word_multiple(comm: str, num_workers: int, *, aggregation: str,
   of what it gathers back, which unpack straight into the message's order
   (a shard that only filled whole words with all its places' results
   together, ternary MaVo's, transposed its unpacked digits: design notes,
-  "Planar digits").
+  "Planar digits"). With abstention a step whose results go back in
+  another radix pads the message for it on that step alone
+  (:func:`dlion_jax._strategies.exchange_alltoall`).
   """
   if not _strategies.STRATEGIES[comm].sends_back:
     return 1
-  return num_workers * math.lcm(*[
-      _packing.digits_per_word(radix) for radix in
-      _strategies.alltoall_down_radices(num_workers, aggregation=aggregation,
-                                        spec=spec, ties=ties)])
+  return num_workers * _packing.digits_per_word(
+      _strategies.alltoall_down_radix(num_workers, aggregation=aggregation,
+                                      spec=spec))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +115,6 @@ class MessageLayout:
   comm: str
   runs: tuple[int, ...] | None = None
   result_blocks: int | None = None
-  ties: bool = False
 
   def __post_init__(self):
     check_choice("comm", self.comm, COMMS)
@@ -169,8 +168,7 @@ class MessageLayout:
     if self.result_blocks:
       return self.num_workers * self.result_blocks
     return message_word_multiple(self.comm, self.num_workers,
-                                 aggregation=self.aggregation, spec=self.spec,
-                                 ties=self.ties)
+                                 aggregation=self.aggregation, spec=self.spec)
 
   @functools.cached_property
   def down_radix(self) -> int:
@@ -264,6 +262,13 @@ class MessageLayout:
     return [self.leaf_values(run_values[self.run_of(k)], k)
             for k in range(len(self.leaf_sizes))]
 
+  def runs_of(self, leaf_values: Sequence[jax.Array]) -> list[jax.Array]:
+    """Each run's per-digit vector from every leaf's values (the inverse
+    of :meth:`split`; zeros in the padding)."""
+    ends = self.runs[1:] + (len(self.leaf_sizes),)
+    return [self.concatenate(leaf_values[first:end], first)
+            for first, end in zip(self.runs, ends)]
+
 
 def vote_bits(num_workers: int, *, aggregation: str, spec: _quantize.VoteSpec,
               comm: str) -> float:
@@ -306,7 +311,7 @@ def _total(num_workers: int, strategy: _strategies.Strategy, up, down):
 def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
                   aggregation: str = "mavo",
                   spec: _quantize.VoteSpec = _quantize.BINARY, comm: str,
-                  min_compress_size: int = 0, ties: bool = False) -> float:
+                  min_compress_size: int = 0) -> float:
   """Exact bytes each worker sends for leaves of ``leaf_sizes``.
 
   The voted leaves' :class:`MessageLayout`, plus the exact float32
@@ -318,21 +323,20 @@ def message_bytes(leaf_sizes: Sequence[int], num_workers: int, *,
   voted = [s for s in leaf_sizes if s >= min_compress_size]
   exact_bytes = 2 * (n - 1) / n * 4 * exact if n > 1 else 0.0
   return exact_bytes + MessageLayout(tuple(voted), n, spec, aggregation,
-                                     comm, ties=ties).sent_bytes()
+                                     comm).sent_bytes()
 
 
 def choose_comm(num_workers: int, *, aggregation: str,
                 spec: _quantize.VoteSpec = _quantize.BINARY,
                 leaf_sizes: Sequence[int] | None = None,
-                gathers: bool = True, ties: bool = False) -> str:
+                gathers: bool = True) -> str:
   """The strategy that sends the fewest bytes (what ``comm='auto'`` means).
 
   With ``leaf_sizes`` the exact message sizes, padding included, decide (on
   a small model padding can outweigh the asymptotic figure); without, the
   bits per parameter of :func:`vote_bits`. Ties go to the strategy with
   fewer collectives. ``gathers=False`` leaves out the strategies that
-  all-gather (see :func:`dlion_jax.exchange.can_gather`); ``ties`` as in
-  :class:`MessageLayout`.
+  all-gather (see :func:`dlion_jax.exchange.can_gather`).
   """
   candidates = sorted((s for s in _strategies.STRATEGIES.values()
                        if gathers or not s.gathers), key=lambda s: s.latency)
@@ -340,7 +344,7 @@ def choose_comm(num_workers: int, *, aggregation: str,
   def cost(comm):
     if leaf_sizes is not None:
       return MessageLayout(tuple(leaf_sizes), num_workers, spec, aggregation,
-                           comm, ties=ties).sent_bytes()
+                           comm).sent_bytes()
     return round(vote_bits(num_workers, aggregation=aggregation, spec=spec,
                            comm=comm), 9)
   return min(candidates, key=cost)

@@ -250,7 +250,9 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
   (or None) as in :func:`signed_sum`, the same on every worker: a binary
   majority at odd N can then tie, where an odd number abstained, and the
   results of such a step go back in radix 3 (a ``lax.cond``; the other
-  steps' in radix 2, as without abstention).
+  steps' in radix 2, as without abstention). The message is laid out for
+  radix 2, so every step but those sends the default's bytes; that step
+  pads it to shards of whole words of radix-3 results.
   """
   n = num_workers
 
@@ -305,9 +307,20 @@ def exchange_alltoall(message, *, axis_name, num_workers, spec, aggregation,
       outcome, first, first + size, axis=1))
   if len(alltoall_down_radices(n, aggregation=aggregation, spec=spec,
                                ties=abstained is not None)) > 1:
-    branches = [lambda m, a, r=r: decode_with_radix(r)(unpacked(
-        results(m, a, r), r)).astype(jnp.int8) for r in (2, 3)]
-    outcome = lax.cond(abstained % 2 == 0, *branches, message, abstained)
+    width = message.shape[-1]
+
+    def branch(radix):
+      def run(message, abstained):
+        # The layout's shards are whole words of radix-2 results; the
+        # radix-3 step pads the message for its own on that step alone.
+        message = _packing.pad_to_multiple(
+            message, n * _packing.digits_per_word(radix))
+        outcome = decode_with_radix(radix)(unpacked(
+            results(message, abstained, radix), radix))
+        return outcome[:, :width].astype(jnp.int8)
+      return run
+    outcome = lax.cond(abstained % 2 == 0, branch(2), branch(3), message,
+                       abstained)
     return planes_of(outcome), (lambda outcome: outcome), None
   down_radix = alltoall_down_radix(n, aggregation=aggregation, spec=spec)
   words = results(message, abstained, down_radix)

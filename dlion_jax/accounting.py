@@ -28,13 +28,17 @@ __getattr__ = _deprecations.old_paths(__name__)
 def cheapest_comm(num_workers: int, *, aggregation: str = "mavo",
                   vote: str = "binary", quantizer: str = "sign",
                   bits: int | None = None,
-                  leaf_sizes: Sequence[int] | None = None) -> str:
+                  leaf_sizes: Sequence[int] | None = None,
+                  abstain_nonfinite: bool = False) -> str:
   """The strategy ``comm='auto'`` takes: the one a worker sends the fewest
   bytes with, ties to the one with fewer collectives.
 
   Without ``leaf_sizes`` by the bits a parameter of :func:`wire_bits` (a
   large model); with a model's leaf sizes by its exact message, padding
   included (on a small model padding can outweigh the asymptotic figure).
+  ``abstain_nonfinite`` as the transform's option: ``'auto'`` weighs the
+  step no worker abstains from, whose message is the default's (see
+  :func:`wire_bits`), so the pick is the same.
 
   Example:
     >>> from dlion_jax import accounting
@@ -45,8 +49,14 @@ def cheapest_comm(num_workers: int, *, aggregation: str = "mavo",
   spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   _checks.check_choice("aggregation", aggregation, _message.AGGREGATIONS)
   n = _check_workers(num_workers, spec)
+  _abstains(abstain_nonfinite)
   return _message.choose_comm(n, aggregation=aggregation, spec=spec,
                               leaf_sizes=leaf_sizes)
+
+
+def _abstains(value) -> bool:
+  return _checks.flag("abstain_nonfinite", value,
+                      "whether a worker with a non-finite gradient abstains")
 
 
 def _fraction(name: str, value, what: str) -> float:
@@ -165,10 +175,14 @@ def wire_bits(num_workers: int, *,
     leaf_sizes: the number of entries of each leaf of the model, for its
       exact figure (``comm='auto'`` then takes the strategy that sends the
       fewest bytes for these sizes, as the transform does).
-    abstain_nonfinite: as the transform's option: the abstainers' count
-      (an int32 all-reduce a step, counted with ``leaf_sizes``), on a step
-      where no majority can tie (binary MaVo at odd N: none or an even
-      number abstained; ``alltoall`` sends radix-3 results on the others).
+    abstain_nonfinite: as the transform's option: a step no worker
+      abstains from, the default's message and the abstainers' count (an
+      int32 all-reduce, counted with ``leaf_sizes``). Two kinds of step
+      send more, in conditionals: a binary MaVo over ``alltoall`` at odd
+      N sends radix-3 results where an odd number abstained, and a step
+      one worker alone votes in sends its ternary signs beside the vote
+      (:func:`dlion_jax.collective_bytes` counts each conditional's
+      largest branch; with ``conditional=False`` it reads this figure).
 
   Returns:
     Bits per parameter per step, e.g. ``2.275`` for binary MaVo through
@@ -196,17 +210,15 @@ def wire_bits(num_workers: int, *,
                                  synced_fraction=synced_fraction)
   if n == 1:
     return 0.0
-  ties = _checks.flag("abstain_nonfinite", abstain_nonfinite,
-                      "whether a worker with a non-finite gradient abstains")
+  abstains = _abstains(abstain_nonfinite)
   if comm == "auto":
     comm = _message.choose_comm(n, aggregation=aggregation, spec=spec,
-                                leaf_sizes=leaf_sizes, ties=ties)
+                                leaf_sizes=leaf_sizes)
   if leaf_sizes is not None:
     size = sum(leaf_sizes)
-    count = 2 * (n - 1) / n * 4 if ties else 0.0   # the int32 psum
+    count = 2 * (n - 1) / n * 4 if abstains else 0.0   # the int32 psum
     sent = count + _message.message_bytes(
-        leaf_sizes, n, aggregation=aggregation, spec=spec, comm=comm,
-        ties=ties)
+        leaf_sizes, n, aggregation=aggregation, spec=spec, comm=comm)
     return (8 * sent / size if size else 0.0) + sync_bits
   return (_message.vote_bits(n, aggregation=aggregation, spec=spec, comm=comm)
           + sync_bits)

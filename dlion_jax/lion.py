@@ -207,7 +207,8 @@ def scale_by_distributed_lion(
     the updates the schedule names, every worker's momentum (the leaves
     ``momentum_sync_mask`` selects; a pytree of bools or a function of the
     params, like :func:`optax.masked`'s mask) becomes the mean over the
-    workers: one ``pmean`` in ``mu_dtype`` inside :func:`jax.lax.cond`.
+    workers (those present, with ``abstain_nonfinite``): one ``pmean`` in
+    ``mu_dtype`` inside :func:`jax.lax.cond`.
   * ``min_compress_size=s``: leaves with fewer than ``s`` elements skip the
     vote and get :math:`D = \mathrm{sign}(\sum_i c_i)`, exactly global
     Lion's update for them, through one float32 ``psum``.
@@ -223,14 +224,31 @@ def scale_by_distributed_lion(
   binary vote's ``-1``, which every tally takes back out), so :math:`D`
   is the majority (``mavo``) or the mean (``avg``) of the :math:`N - a`
   workers present; its momentum (and residual) stay as they were, and
-  every worker applies the same :math:`D`. The count :math:`a` is one
-  int32 ``psum`` a step (4 bytes), in the state
-  (:class:`AbstainingState`) with the running total. With every gradient
-  finite the update and the state are the default's, bit for bit; with
-  :math:`a` abstainers it is the run of the others alone. Where all
-  abstain, :math:`D = 0` and the state is unchanged. A binary MaVo
-  over ``alltoall`` at odd :math:`N` sends its results in radix 3 on a
-  step where an odd number abstained (the present may tie); the fused
+  every worker applies the same :math:`D`. A momentum sync averages the
+  present workers' momenta (their sum times :math:`1 / (N - a)`, as a
+  ``pmean`` over :math:`N - a` workers rounds it); an abstainer keeps
+  its own. Where one worker alone is present, the step is one worker's
+  Lion: :math:`D = \mathrm{sign}(c)` of that worker, 0 where its
+  :math:`c` is (which no binary or L1-scaled vote can say), its residual
+  kept and no sync; its ternary signs reach every worker through the
+  vote's ``comm``, in a :func:`jax.lax.cond`. Where all abstain,
+  :math:`D = 0` and the state is unchanged. The count :math:`a` is in
+  the state (:class:`AbstainingState`) with the running total. With
+  every gradient finite the update and the state are the default's, bit
+  for bit; with :math:`a` abstainers the others' update and state are
+  their run alone, bit for bit where the all-reduces sum in the workers'
+  order (XLA:CPU's do; in another order a synced momentum may round
+  apart in its last bits).
+
+  What it sends: the count, one int32 ``psum`` a step (4 bytes, counted
+  ``2 (N - 1) / N`` times as a ring sends it), and the default's message.
+  Two kinds of step send more, each in a :func:`jax.lax.cond`: a binary
+  MaVo over ``alltoall`` at odd :math:`N` sends its results in radix 3
+  where an odd number abstained (the present may tie), and a step one
+  worker alone votes in sends its signs beside the vote.
+  :func:`dlion_jax.wire_bits` models the step no worker abstains from,
+  :func:`dlion_jax.collective_bytes` reads it with ``conditional=False``
+  (by default it counts each conditional's largest branch). The fused
   kernels are not used.
 
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
@@ -366,13 +384,20 @@ def scale_by_distributed_lion(
     old = jnp.asarray(rate, m.dtype).astype(wide)
     return new * g.astype(wide) + old * m.astype(wide)
 
-  def lion_pre_sign(g, m):
+  def lion_pre_sign(g, m, *traced_b1):
     """``c`` with no vote (one worker): :func:`optax.scale_by_lion`'s
     arithmetic, in the dtype ``g`` and ``m`` promote to, ``b1 m`` in the
     wider of the two (as :func:`moment`)."""
+    rate = traced_b1[0] if traced_b1 else b1
     wide = jnp.promote_types(g.dtype, m.dtype)
-    return (1.0 - b1) * g + jnp.asarray(b1, m.dtype).astype(wide) * m.astype(
-        wide)
+    return (1.0 - rate) * g + jnp.asarray(rate, m.dtype).astype(
+        wide) * m.astype(wide)
+
+  def lone_pre_sign(g, m, *constants):
+    """One worker's ``c`` (:func:`lion_pre_sign`) where it is the one worker
+    present (``ok`` the last constant), 0 on every other."""
+    *traced_b1, ok = constants
+    return jnp.where(ok, lion_pre_sign(g, m, *traced_b1), 0)
 
   def moment(g, m):
     """``(1 - b2) g + b2 m`` in the wider dtype of the two, each rate taken
@@ -396,13 +421,13 @@ def scale_by_distributed_lion(
     return jnp.where(ok, pre_sign(g, m, *constants), 0)
 
   def voted_update(combine, num_workers, *trees, constants=(), also=None,
-                   abstained=None):
+                   abstained=None, lone=None):
     return _exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
         bucket_bytes=bucket_bytes, with_done=True, kernels=kernels,
-        also=also, abstained=abstained)
+        also=also, abstained=abstained, lone=lone)
 
   def update_fn(updates, state, params=None):
     del params
@@ -414,11 +439,15 @@ def scale_by_distributed_lion(
       _drift.check_local_gradients(updates, axis_name)
     ok = abstained = None
     if abstain_nonfinite:
-      ok = _checks.all_finite(updates)
+      # The test reads the gradients through a barrier: read beside the
+      # update's own reads of them, it changed XLA:CPU's fusions and how
+      # the update rounds (the plain jitted step's residuals moved by an
+      # ulp with every gradient finite).
+      ok = _checks.all_finite(lax.optimization_barrier(updates))
       abstained = (~ok).astype(jnp.int32)
       if num_workers > 1:
         abstained = _collectives.psum(abstained, axis_name)
-    kept = lambda new, old: new if ok is None else jax.tree.map(
+    kept = lambda new, old, ok=ok: new if ok is None else jax.tree.map(
         lambda n, o: jnp.where(ok, n, o), new, old)
     extra, done, fused_mu = {}, None, {}
     if num_workers == 1:
@@ -430,22 +459,32 @@ def scale_by_distributed_lion(
     elif error_feedback:
       corrected = jax.tree.map(lambda g, m, e: pre_sign(g, m) + e, updates,
                                state.mu, state.error)
-      if ok is not None:
+      if ok is None:
+        new_updates, done, _ = voted_update(lambda c: c, num_workers,
+                                            corrected)
+      else:   # g and m for a lone worker's c (see lone_pre_sign)
         corrected = jax.tree.map(lambda p: jnp.where(ok, p, 0), corrected)
-      new_updates, done, _ = voted_update(lambda c: c, num_workers,
-                                          corrected, abstained=abstained)
+        new_updates, done, _ = voted_update(
+            lambda p, g, m, *_: p, num_workers, corrected, updates, state.mu,
+            constants=constants + (ok,), abstained=abstained,
+            lone=lambda p, *rest: lone_pre_sign(*rest))
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
       leaves, treedef = jax.tree.flatten(corrected)
+      # A lone worker keeps its residual, as one worker's Lion does.
+      residual_kept = None if ok is None else ok & (
+          abstained < num_workers - 1)
       extra = {"error": kept(treedef.unflatten([
           _residual(p, d, e.dtype) for p, d, e in zip(
               leaves, treedef.flatten_up_to(new_updates),
-              treedef.flatten_up_to(state.error))]), state.error)}
+              treedef.flatten_up_to(state.error))]), state.error,
+                             residual_kept)}
     else:   # c computed inside the vote, on the whole message at once
       new_updates, done, fused_mu = voted_update(
           pre_sign if ok is None else present_pre_sign, num_workers,
           updates, state.mu,
           constants=constants + (() if ok is None else (ok,)),
-          also=fused_moment, abstained=abstained)
+          also=fused_moment, abstained=abstained,
+          lone=None if ok is None else lone_pre_sign)
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
     mu = kept(_moments(moment, updates, state.mu, fused_mu), state.mu)
     if done is not None and not _mesh.on_tpu():
@@ -459,9 +498,13 @@ def scale_by_distributed_lion(
                    abstentions=state.abstentions + abstained)
     if schedule is not None and num_workers > 1:
       flags = sync.resolve_mask(momentum_sync_mask, updates)
-      mu = sync.sync_momenta(
-          mu, flags, schedule(_collectives.alike(count, axis_name)) & voted,
-          axis_name)
+      do_sync = schedule(_collectives.alike(count, axis_name))
+      if abstained is None:
+        mu = sync.sync_momenta(mu, flags, do_sync, axis_name)
+      else:   # the present workers' mean, where two or more are
+        mu = sync.sync_momenta(
+            mu, flags, do_sync & (abstained < num_workers - 1), axis_name,
+            present=ok, count=num_workers - abstained)
     return new_updates, state_type(count=count, mu=mu, **extra)
 
   return optax.GradientTransformation(init_fn, update_fn)
@@ -585,8 +628,10 @@ def distributed_lion(
       abstains from the vote, its state unchanged; the others' majority
       (or mean) is every worker's update (see
       :func:`scale_by_distributed_lion`). A step where every worker
-      abstains is skipped whole, weight decay and schedules included, as
-      :func:`dlion_jax.apply_if_finite` skips one.
+      abstains is skipped whole, weight decay and the schedules given
+      here included, as :func:`dlion_jax.apply_if_finite` skips one;
+      :func:`optax.inject_hyperparams` counts its steps outside this
+      transform: wrap it in :func:`dlion_jax.skip_if_none_voted`.
 
   Returns:
     An :class:`optax.GradientTransformationExtraArgs`.
@@ -621,26 +666,63 @@ def distributed_lion(
       optax.scale_by_learning_rate(_replicated_schedule(learning_rate,
                                                        axis_name)),
   )
-  return _skipped_if_none_voted(tx, axis_name) if abstain_nonfinite else tx
+  if abstain_nonfinite:
+    return skip_if_none_voted(tx, axis_name=axis_name)
+  return tx
 
 
-def _skipped_if_none_voted(chain: optax.GradientTransformationExtraArgs,
-                           axis_name) -> optax.GradientTransformationExtraArgs:
-  """``chain`` (Distributed Lion's, the vote first) whose update is 0 and
-  whose state stays as it was where every worker abstained: weight decay
-  and the schedules' counts skip the step too."""
+def skip_if_none_voted(
+    inner: optax.GradientTransformation, *,
+    axis_name: _exchange.AxisName | None = "data",
+) -> optax.GradientTransformationExtraArgs:
+  """``inner`` with every step that no worker voted in skipped whole.
+
+  ``inner`` holds :func:`scale_by_distributed_lion` with
+  ``abstain_nonfinite=True`` (an :class:`AbstainingState`, or several).
+  On a step every worker abstained from (from each of them) the update
+  is 0 and the state stays as it was, schedules' counts included; the
+  abstention counts record the step. :func:`distributed_lion` does this
+  for its own chain; wrap what counts steps outside it, as
+  :func:`optax.inject_hyperparams` does (its schedules read its count):
+  ``dl.skip_if_none_voted(optax.inject_hyperparams(dl.distributed_lion)(
+  learning_rate=schedule, axis_name="data", abstain_nonfinite=True))``.
+
+  Args:
+    inner: the transformation to skip steps of.
+    axis_name: the axis its abstaining transforms vote over (``None``: one
+      worker).
+
+  Returns:
+    An :class:`optax.GradientTransformationExtraArgs`, ``inner``'s state.
+  """
+  inner = optax.with_extra_args_support(inner)
 
   def update_fn(updates, state, params=None, **extra_args):
-    new_updates, new_state = chain.update(updates, state, params,
+    new_updates, new_state = inner.update(updates, state, params,
                                           **extra_args)
-    voted = new_state[0].abstained < _exchange.workers_along(axis_name)
+    counts = [s.abstained for s in jax.tree.leaves(
+        new_state, is_leaf=_abstaining) if _abstaining(s)]
+    if not counts:
+      raise ValueError(
+          "skip_if_none_voted(inner): inner's state (a "
+          f"{type(state).__name__}) holds no dl.AbstainingState, so nothing "
+          "says when every worker abstained. Build the dl.distributed_lion "
+          "(or scale_by_distributed_lion) in it with abstain_nonfinite=True, "
+          "or drop the wrapper.")
+    workers = _exchange.workers_along(axis_name)
+    voted = jnp.any(jnp.stack([count < workers for count in counts]))
     new_updates = jax.tree.map(
         lambda u: jnp.where(voted, u, jnp.zeros_like(u)), new_updates)
-    rest = jax.tree.map(lambda new, old: jnp.where(voted, new, old),
-                        new_state[1:], state[1:])
-    return new_updates, type(new_state)((new_state[0],) + tuple(rest))
+    new_state = jax.tree.map(
+        lambda new, old: new if _abstaining(new) else jnp.where(
+            voted, new, old), new_state, state, is_leaf=_abstaining)
+    return new_updates, new_state
 
-  return optax.GradientTransformationExtraArgs(chain.init, update_fn)
+  return optax.GradientTransformationExtraArgs(inner.init, update_fn)
+
+
+def _abstaining(state) -> bool:
+  return isinstance(state, (AbstainingState, AbstainingErrorFeedbackState))
 
 
 def _replicated_schedule(value: optax.ScalarOrSchedule, axis_name):

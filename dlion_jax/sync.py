@@ -156,16 +156,38 @@ def resolve_mask(mask: Any, tree: Any) -> list[bool]:
   return [bool(f) for f in flags]
 
 
-def _mean_over(xs: list[jax.Array], axis_name) -> list[jax.Array]:
+def _mean_over(xs: list[jax.Array], axis_name, present=None,
+               count=None) -> list[jax.Array]:
   """``pmean`` with non-finite entries counted as 0, typed like its inputs
   (per-worker under ``check_vma``).
 
   A worker whose momentum went NaN or Inf (a bad gradient) would otherwise
   hand it to every worker for good; this way the sync repairs it.
+
+  With ``present`` (whether this worker takes part, a bool scalar) and
+  ``count`` (how many do, an int32 scalar the same on every worker) the
+  mean is the present workers' (the others send zeros) and a worker not
+  present keeps its own.
   """
   finite = [jnp.where(jnp.isfinite(x), x, 0) for x in xs]
-  means = _collectives.pmean(finite, axis_name)
+  if present is None:
+    return _typed_like(_collectives.pmean(finite, axis_name), xs)
+  sums = _collectives.psum([jnp.where(present, x, 0) for x in finite],
+                           axis_name)
+  size = jax.lax.axis_size(axis_name)
+  means = [jnp.where(present, total * _reciprocals(size, total.dtype)[
+      count - 1], x) for total, x in zip(sums, xs)]
   return _typed_like(means, xs)
+
+
+def _reciprocals(size: int, dtype) -> jax.Array:
+  """``1 / k`` for ``k = 1 .. size`` in ``dtype``, as XLA folds the
+  constant of a ``pmean`` over ``k`` workers (``sum / k`` becomes ``sum``
+  times it): a mean over the workers present then rounds as the ``pmean``
+  of those workers alone."""
+  wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
+  return jnp.asarray((wide(1) / np.arange(1, size + 1, dtype=wide)).astype(
+      dtype))
 
 
 def _typed_like(means: list[jax.Array], xs: list[jax.Array]
@@ -182,7 +204,8 @@ def _typed_like(means: list[jax.Array], xs: list[jax.Array]
 
 
 def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
-                 axis_name) -> Any:
+                 axis_name, *, present: jax.Array | None = None,
+                 count: jax.Array | None = None) -> Any:
   """Replaces the flagged leaves of ``mu`` by their mean over the workers
   when ``do_sync`` (a scalar bool, the same on every worker) holds.
 
@@ -190,18 +213,28 @@ def sync_momenta(mu: Any, flags: list[bool], do_sync: jax.Array,
   without a sync send nothing. Where the mesh has axes the compiler owns,
   each device averages its own part of each leaf with its peers
   (``dlion_jax._blocks.on_own_shards``).
+
+  With ``present`` (whether this worker takes part in the step, a bool
+  scalar) and ``count`` (how many workers do, an int32 scalar the same on
+  every worker): the mean of the present workers' momenta alone (one
+  ``psum`` of theirs, the others' zeros, divided by ``count``), which a
+  worker not present does not take: its momenta stay as they were
+  (``abstain_nonfinite`` of :func:`dlion_jax.scale_by_distributed_lion`).
   """
   leaves, treedef = jax.tree.flatten(mu)
   chosen = [x for x, f in zip(leaves, flags) if f]
   if not chosen:
     return mu
   axes = _blocks.compiler_axes(axis_name)
-  mean = lambda xs: _mean_over(xs, axis_name)
+  constants = () if present is None else (present, count)
+  mean = lambda xs: _mean_over(xs, axis_name, *constants)
   if axes:
     # The region is check_vma=False inside, so its means come out typed
-    # alike on every worker: typed back as the momenta are.
+    # alike on every worker: typed back as the momenta are. The traced
+    # present and count enter it as constants.
     mean = lambda xs: _typed_like(_blocks.on_own_shards(
-        lambda ys, **_: _mean_over(ys, axis_name), (xs,), axes), xs)
+        lambda ys, constants, **_: _mean_over(ys, axis_name, *constants),
+        (xs,), axes, constants), xs)
   synced = iter(jax.lax.cond(do_sync, mean, lambda xs: xs, chosen))
   return jax.tree.unflatten(
       treedef, [next(synced) if f else x for x, f in zip(leaves, flags)])

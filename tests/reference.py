@@ -118,8 +118,10 @@ class DistributedLionReference:
   all by default, become their mean), ``min_compress_size`` (smaller leaves
   get sign(sum_i c_i)), ``error_feedback`` (vote on c + e, keep
   e <- p - mean|p| * D), ``abstain_nonfinite`` (a worker whose gradients
-  are not all finite is left out of the step: the vote is the others',
-  its momentum and residual unchanged; none left, the step is skipped).
+  are not all finite is left out of the step: the vote and a momentum
+  sync are the others', its momentum and residual unchanged; one left,
+  the step is that worker's one-worker Lion, ``sign(c)``, its residual
+  kept and no sync; none left, the step is skipped).
   """
 
   def __init__(self, params, num_workers, *, b1=0.9, b2=0.99, mu_dtype=None,
@@ -169,11 +171,13 @@ class DistributedLionReference:
       self.error[i][k] = np.where(np.isfinite(e), e, 0).astype(
           self.error[i][k].dtype)
 
-  def sync(self):
+  def sync(self, present=None):
+    """The momenta of ``present`` (all workers: None) become their mean."""
+    mu = self.mu if present is None else [self.mu[i] for i in present]
     for k in self.sync_leaves:
       mean = np.mean([np.where(np.isfinite(m[k]), m[k], 0).astype(np.float64)
-                      for m in self.mu], axis=0)
-      for m in self.mu:
+                      for m in mu], axis=0)
+      for m in mu:
         m[k] = mean.astype(m[k].dtype)
 
   def present(self, grads):
@@ -192,26 +196,28 @@ class DistributedLionReference:
     if not present:
       return None
     self.t += 1
+    alone = len(present) == 1     # one worker's Lion (N = 1, or the rest out)
     for k in self.params:
       cs = []
       for i in present:
         g, m = grads[i][k], self.mu[i][k]
-        c = (lin_comb(1.0 - self.b1, g, self.b1, m) if self.n == 1
+        c = (lin_comb(1.0 - self.b1, g, self.b1, m) if alone
              else vote_input(self.b1, g, m))
-        if self.error_feedback and self.n > 1:
+        if self.error_feedback and not alone:
           c = c + self.error[i][k]
         cs.append(c)
         new_m = lin_comb(1.0 - self.b2, g, self.b2, m)
         self.mu[i][k] = new_m.astype(self.mu_dtype or new_m.dtype)
-      if self.n == 1:
-        out[k] = np.sign(cs[0])
+      if alone:
+        out[k] = np.sign(cs[0]).astype(
+            np.result_type(grads[0][k].dtype, self.mu[0][k].dtype))
         continue
       out[k] = self.combine(
           cs, np.result_type(grads[0][k].dtype, self.mu[0][k].dtype))
       if self.error_feedback:
         self.feed_back(k, cs, out[k], present)
-    if self.t in self.sync_steps and self.n > 1:
-      self.sync()
+    if self.t in self.sync_steps and not alone:
+      self.sync(present)
     return out
 
   def step(self, grads):
