@@ -90,12 +90,15 @@ VOTED_ROWS = {
         **_VOTED, "optimizer.outer_sparse_chunk": 128,
         "optimizer.outer_scale_chunk": 4096,
         "optimizer.outer_error_decay": 0.95},
-    "EF sparse 16/4096, 2-bit, decay 0.95": {
-        **_VOTED, "optimizer.outer_sparse_chunk": 4096,
-        "optimizer.outer_sparse_keep": 16,
+    # SparseLoCo's way (0.4 % of each chunk at 2 bits, two scales a
+    # chunk): the chunk at one density, then the density at one chunk.
+    **{f"EF sparse {keep}/{chunk}, 2-bit, decay 0.95": {
+        **_VOTED, "optimizer.outer_sparse_chunk": chunk,
+        "optimizer.outer_sparse_keep": keep,
         "optimizer.outer_sparse_value_bits": 2,
-        "optimizer.outer_scale_chunk": 4096,
-        "optimizer.outer_error_decay": 0.95},
+        "optimizer.outer_scale_chunk": chunk,
+        "optimizer.outer_error_decay": 0.95}
+       for keep, chunk in ((4, 1024), (16, 4096), (64, 16384), (8, 4096))},
 }
 FP32_ROWS = {
     "DiLoCo plain outer": {"optimizer.outer_momentum": 0.0},
