@@ -503,7 +503,8 @@ def check_saved_text(saved, tasks) -> None:
 
 def run_study(tasks, rows, workers, seeds, tune_workers, tune_seed,
               json_path=None, saved=()) -> list[dict]:
-  """Tunes every row of every task, then runs the picks at every N."""
+  """Tunes every row of every task, then runs the picks at every N and
+  seed (none: the rows are tuned only)."""
   check_saved_text(saved, tasks)
   runs = list(saved)
   done = {_key(r): r for r in runs}
@@ -1052,6 +1053,9 @@ def parse_args(argv):
                       help="the evaluation seeds (default 0 1); with "
                       "--from-json or --resume, the report shows these "
                       "seeds' runs alone")
+  parser.add_argument("--tune-only", action="store_true",
+                      help="tune the rows, evaluate none (a screening: "
+                      "evaluate the picks later with --seeds)")
   parser.add_argument("--tune-workers", type=int, default=8)
   parser.add_argument("--tune-seed", type=int, default=100)
   parser.add_argument("--json", help="save every run here (after each run)")
@@ -1087,7 +1091,7 @@ def main(argv=None) -> str:
                                    for n in TASKS[t].workers)]))
     try:
       runs = run_study(args.tasks, args.rows, args.workers,
-                       args.seeds or [0, 1],
+                       [] if args.tune_only else args.seeds or [0, 1],
                        args.tune_workers, args.tune_seed, args.json, saved)
     except SavedRunsMismatch as e:
       sys.exit(f"error: {e}")

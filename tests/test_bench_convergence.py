@@ -490,3 +490,19 @@ def test_the_momentum_table_takes_every_fp32_rows_tuning():
   assert "| 0 | 1 | 1 | 0 | 86.000 |" in text
   assert "| 0.5 | 0.7 | 1.4 | 3 | 85.900 |" in text
   assert "| 0.9 | 0.1 | 1 | 22 | 84.000 |" in text
+
+
+def test_tune_only_evaluates_nothing(monkeypatch, tmp_path):
+  phases = []
+
+  def train(task, overrides, workers, seed):
+    phases.append(seed)
+    return {"workers": workers, "seed": seed, "bits": 1.0, "steps": 1,
+            "seconds": 0.0, "diverged": False, "curve": [],
+            "metric": 0.5 + overrides["optimizer.learning_rate"]}
+  monkeypatch.setattr(convergence.study, "train", train)
+  convergence.main(["--tasks", "digits", "--rows", "global Lion",
+                    "--tune-only", "--json", str(tmp_path / "r.json")])
+  runs = json.loads((tmp_path / "r.json").read_text())
+  assert phases and set(phases) == {100}
+  assert {r["phase"] for r in runs} == {"tune"}
