@@ -217,26 +217,30 @@ def test_workers_with_nan_batches_leave_the_others_run(door, comm, n, bad):
   assert np.isfinite(voted["w"]).all()
 
 
+def run_nodes(nodes, batch, tx):
+  """5 steps of ``tx`` on nodes of 2 devices, ``w`` sharded over a node's
+  devices (FSDP); the params."""
+  mesh = jax.make_mesh((nodes, 2), ("data", "model"),
+                       axis_types=(AxisType.Explicit,) * 2,
+                       devices=jax.devices()[:2 * nodes])
+  params = {"w": np.linspace(-1, 1, 40, dtype=np.float32).reshape(8, 5),
+            "b": np.zeros(5, np.float32)}
+  placement = {"w": P("model", None), "b": P()}
+  p = jax.device_put(params, {k: NamedSharding(mesh, s)
+                              for k, s in placement.items()})
+  s = parallel.init_worker_states(tx, p, mesh)
+  step = parallel.make_train_step(
+      lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), tx,
+      mesh, donate=False)
+  b = devices.shard_batch(batch, mesh)
+  for _ in range(5):
+    p, s, _ = step(p, s, b)
+  return jax.device_get(p)
+
+
 def test_a_hybrid_mesh_leaves_out_a_node_with_nan_gradients():
   """4 nodes of 2 devices, params sharded over the node's devices (FSDP):
   node 1's NaN leaves the 3 others' run, bit for bit."""
-  def run_nodes(nodes, batch, tx):
-    mesh = jax.make_mesh((nodes, 2), ("data", "model"),
-                         axis_types=(AxisType.Explicit,) * 2,
-                         devices=jax.devices()[:2 * nodes])
-    params = {"w": np.linspace(-1, 1, 40, dtype=np.float32).reshape(8, 5),
-              "b": np.zeros(5, np.float32)}
-    placement = {"w": P("model", None), "b": P()}
-    p = jax.device_put(params, {k: NamedSharding(mesh, s)
-                                for k, s in placement.items()})
-    s = parallel.init_worker_states(tx, p, mesh)
-    step = parallel.make_train_step(
-        lambda p, b: jnp.mean((b["x"] @ p["w"] + p["b"] - b["y"]) ** 2), tx,
-        mesh, donate=False)
-    b = devices.shard_batch(batch, mesh)
-    for _ in range(5):
-      p, s, _ = step(p, s, b)
-    return jax.device_get(p)
   rng = np.random.default_rng(0)
   batch = {"x": rng.normal(size=(16, 8)).astype(np.float32),
            "y": rng.normal(size=(16, 5)).astype(np.float32)}
@@ -450,7 +454,7 @@ def test_the_last_worker_present_trains_as_one_worker(door, comm):
   alone (a data axis of one device, optax.lion), bit for bit, for every
   comm, through both doors; at N = 2 too."""
   params, batch = problem(rows=20)
-  batch["y"][:, 0] = batch["x"] @ params["w"][:, 0]   # a zero gradient
+  batch["x"][:, 4] = 0.0          # w's last row: a zero gradient
   tx = lambda n: dl.distributed_lion(LR, axis_name="data", comm=comm,
                                      abstain_nonfinite=n > 1)
   one = run(door, tx(1), mesh_of(1), params,
@@ -460,6 +464,27 @@ def test_the_last_worker_present_trains_as_one_worker(door, comm):
     bad["x"][4:rows:4] = np.nan
     assert_same(run(door, tx(n), mesh_of(n), params, bad, steps=6), one,
                 f"{n} workers")
+
+
+@pytest.mark.parametrize("options", [
+    {}, {"quantizer": "ternary_l1", "error_feedback": True},
+    {"aggregation": "avg", "min_compress_size": 6},
+], ids=["binary", "ternary_l1-ef", "avg-exact-bias"])
+def test_one_node_left_on_a_hybrid_mesh_trains_as_that_node(options):
+  """3 nodes of 2 devices (FSDP params), nodes 1 and 2 NaN on every step:
+  node 0's run on its own, bit for bit (each device sends its block's
+  signs; the bias, under min_compress_size, summed exactly); a zero
+  gradient in one row of w."""
+  rng = np.random.default_rng(0)
+  batch = {"x": rng.normal(size=(12, 8)).astype(np.float32),
+           "y": rng.normal(size=(12, 5)).astype(np.float32)}
+  batch["x"][:, 7] = 0.0          # w's last row: a zero gradient
+  bad = {k: v.copy() for k, v in batch.items()}
+  bad["x"][[4, 8]] = np.nan              # nodes 1 and 2's first rows
+  tx = lambda **kw: dl.distributed_lion(LR, axis_name="data", **options, **kw)
+  three = run_nodes(3, bad, tx(abstain_nonfinite=True))
+  one = run_nodes(1, {k: v[:4] for k, v in batch.items()}, tx())
+  assert_same(three, one)
 
 
 # With every gradient finite, the plain jitted step is the default's too.
