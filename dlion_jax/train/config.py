@@ -108,6 +108,10 @@ class OptimizerConfig:
   # above) or nesterov (DiLoCo's, an fp32 all-reduce). 1: every step is
   # an optimizer step over the workers.
   local_steps: int = 1
+  # With local_steps: the workers' own steps on their mean gradient (an
+  # fp32 all-reduce every step), so every worker's params stay alike and
+  # the outer step is Lookahead's slow step (Zhang et al., 2019).
+  inner_allreduce: bool = False
   outer: str = "voted"              # voted | dlion | nesterov
   # nesterov, voted: constant, null 0.7 (DiLoCo's) and 0.5; dlion: the
   # peak, null 10 x learning_rate, shaped by the schedule above at each
@@ -311,6 +315,12 @@ def _validate_local_steps(config: Config) -> None:
   sync inside the outer vote."""
   opt = config.optimizer
   if opt.local_steps == 1:
+    if opt.inner_allreduce:
+      raise ConfigError(
+          "optimizer.inner_allreduce=true needs optimizer.local_steps above "
+          "1 (the workers' steps between outer steps); every step is over "
+          "the workers without it: set optimizer.local_steps (e.g. 32), or "
+          "drop optimizer.inner_allreduce.", key="optimizer.inner_allreduce")
     return
   fix = "or drop optimizer.local_steps"
   if opt.momentum_sync:

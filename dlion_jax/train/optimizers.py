@@ -81,12 +81,22 @@ def lion_cub_options(cfg: OptimizerConfig) -> dict:
 
 
 def build_optimizer(cfg: OptimizerConfig, *, total_steps: int,
-                    axis_name: str = "data") -> optax.GradientTransformation:
-  """The optimizer a config names, bound to the data-parallel axis."""
+                    axis_name: str = "data",
+                    outer_faults: optax.GradientTransformation | None = None
+                    ) -> optax.GradientTransformation:
+  """The optimizer a config names, bound to the data-parallel axis;
+  ``outer_faults`` (the fault studies') goes first in local steps' outer
+  step."""
   lr = make_schedule(cfg, total_steps)
   if cfg.local_steps > 1:
-    return dl.local_steps(_alone(cfg, lr), _outer(cfg, lr, axis_name),
-                          every=cfg.local_steps, late=cfg.outer_late)
+    outer = _outer(cfg, lr, axis_name)
+    if outer_faults is not None:
+      outer = optax.chain(outer_faults, outer)
+    inner = _alone(cfg, lr)
+    if cfg.inner_allreduce:    # every worker alike: Lookahead's fast steps
+      inner = optax.chain(pmean_gradients(axis_name), inner)
+    return dl.local_steps(inner, outer, every=cfg.local_steps,
+                          late=cfg.outer_late)
   if cfg.name == "dlion":
     return dl.distributed_lion(
         lr, b1=_or(cfg.b1, 0.9), b2=_or(cfg.b2, 0.99),
@@ -182,17 +192,18 @@ def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
   if cfg.local_steps > 1:
     rate = (1 / cfg.local_steps if steps is None
             else outer_steps(cfg, steps) / steps)
+    inner = dl.allreduce_bits(num_workers) if cfg.inner_allreduce else 0.0
     if cfg.outer == "nesterov":
-      return dl.allreduce_bits(num_workers) * rate
+      return inner + dl.allreduce_bits(num_workers) * rate
     if cfg.outer == "voted" and cfg.outer_sparse_chunk:
-      return rate * dl.sparse_vote_bits(
+      return inner + rate * dl.sparse_vote_bits(
           num_workers, sparse_chunk=cfg.outer_sparse_chunk,
           sparse_keep=cfg.outer_sparse_keep,
           sparse_value_bits=cfg.outer_sparse_value_bits,
           scale_chunk=cfg.outer_scale_chunk)
     if cfg.outer == "voted":
       rate /= cfg.outer_fragments
-    return rate * dl.wire_bits(
+    return inner + rate * dl.wire_bits(
         num_workers, aggregation=cfg.aggregation, vote=cfg.vote,
         comm=cfg.comm, quantizer=cfg.quantizer, bits=cfg.bits)
   if cfg.name == "signum":
