@@ -142,6 +142,12 @@ ROWS = {
                           "optimizer.local_steps": h,
                           "optimizer.outer": "nesterov", **options}
        for name, options in FP32_ROWS.items() for h in LOCAL_STEPS},
+    # The control of why a damped outer step helps: global Lion (an fp32
+    # all-reduce every step) with Lookahead's slow step every H steps.
+    **{f"Lookahead on global Lion, H={h}": {
+        "optimizer.name": "lion", "optimizer.local_steps": h,
+        "optimizer.inner_allreduce": True, "optimizer.outer": "nesterov",
+        "optimizer.outer_momentum": 0.0} for h in LOCAL_STEPS},
 }
 PAPER_ROWS = tuple(ROWS)[:6]
 LOCAL_ROWS = tuple(row for row in ROWS if ", H=" in row)
@@ -213,6 +219,8 @@ AXES = {
             OUTER_MOMENTUM, OUTER_MOMENTA, OUTER_MOMENTA)}
             if "tuned momentum" in row else {})}
        for row in VOTED_LOCAL_ROWS},
+    **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, FP32_OUTER_LRS, (0.3, 1.0))}
+       for row in LOCAL_ROWS if row.startswith("Lookahead")},
     # The fp32 baselines: the outer rate (and Nesterov's momentum, all of
     # OUTER_MOMENTA first) at the inner_lr, as the voted means.
     **{row: {**_SIGN, "outer_lr": Axis(OUTER_LR, FP32_OUTER_LRS, (0.3, 1.0)),
@@ -263,6 +271,7 @@ class ConvergenceTask:
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
 _LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
                 "D-Lion outer, H=32", "DiLoCo outer, H=32",
+                "Lookahead on global Lion, H=32",
                 *(f"{row}, H=32" for row in (*VOTED_ROWS, *FP32_ROWS)))
 # Tasks that more than one study runs (each study its own rows).
 _CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
