@@ -601,14 +601,15 @@ def _describe(point: dict) -> str:
 
 
 def summary_table(runs: list[dict], task: str) -> str:
-  """Rows x N: metric mean +- half-range, bits sent, the pick and whether
-  it is interior."""
+  """Rows x N: metric mean (min-max), bits sent, the pick and whether it
+  is interior; the rows evaluated at their pick (the others are in
+  :func:`screen_table`)."""
   conv = TASKS[task]
   workers = eval_workers(runs, task)
   if not workers:
     return "(tuned only: no run at the picked settings yet)"
-  rows = [row for row in ROWS if any(
-      r["task"] == task and r["row"] == row for r in runs)]
+  rows = [row for row in ROWS if any(_evals(runs, task, row, n)
+                                     for n in workers)]
   headers = (["optimizer"] + [f"N={n}: test {conv.task.unit}, mean "
                               "(min-max)" for n in workers]
              + ["bits/param/step", "picked", "pick", "seeds"])
@@ -979,6 +980,31 @@ def plot_curves(runs: list[dict], path: str) -> None:
   fig.savefig(path, dpi=110)
 
 
+def screen_table(runs: list[dict], task: str) -> str:
+  """Every tuned row at its pick at the tuning seed, best first: the
+  screen that chose which rows to evaluate at more seeds."""
+  conv = TASKS[task]
+  if conv.picks_from:
+    return ""
+  rows = [row for row in ROWS if _tuning(runs, task, row)]
+  if not rows:
+    return ""
+  best = {row: _best(_tuning(runs, task, row), task) for row in rows}
+  sign = -1 if conv.task.higher_is_better else 1
+  evaluated = set(r["row"] for r in runs
+                  if r["task"] == task and r["phase"] == "eval")
+  body = [[row, f"{best[row]['metric'] * conv.task.scale:.2f}",
+           f"{best[row]['bits']:.4f}",
+           _describe(best_setting(runs, task, row)),
+           "yes" if row in evaluated else "no"]
+          for row in sorted(rows, key=lambda r: sign * best[r]["metric"])]
+  seed = best[rows[0]]["seed"]
+  return (f"Every row tuned, at its pick at the tuning seed ({seed}), best "
+          "first:\n\n" + reporting.markdown_table(
+              ["optimizer", f"test {conv.task.unit}", "bits/param/step",
+               "pick", "evaluated"], body))
+
+
 def momentum_table(runs: list[dict], task: str, h: int = 32) -> str:
   """The fp32 mean's outer step at the tuning seed, by momentum: the best
   rate ``eta`` tried with each momentum ``mu`` (every fp32 outer row's
@@ -1038,7 +1064,8 @@ def report(runs: list[dict], heading: str) -> str:
                  f"{conv.task.unit})\n\n" + summary_table(runs, task))
     parts.append(protocol(runs, task))
     parts += ["\n".join(f"- {line}" for line in verdicts(runs, task)),
-              momentum_table(runs, task), matched_table(runs, task),
+              screen_table(runs, task), momentum_table(runs, task),
+              matched_table(runs, task),
               grid_table(runs, task)]
   minutes = sum(r["seconds"] for r in runs) / 60
   parts.append(f"{len(runs)} runs, {minutes:.0f} min of training.")

@@ -506,3 +506,26 @@ def test_tune_only_evaluates_nothing(monkeypatch, tmp_path):
   runs = json.loads((tmp_path / "r.json").read_text())
   assert phases and set(phases) == {100}
   assert {r["phase"] for r in runs} == {"tune"}
+
+
+def test_the_screen_lists_every_tuned_row_best_first():
+  task = "charlm_local_steps"
+  base = dict(task=task, phase="tune", workers=8, seed=100, lr=3e-3,
+              wd=0.01, bits=0.07, steps=300, seconds=0.0, diverged=False,
+              curve=[])
+  runs = [dict(base, row="EF vote, H=32", outer_lr=0.5, metric=4.48),
+          dict(base, row="EF vote, H=32", outer_lr=1.0, metric=4.57),
+          dict(base, row="EF vote, decay 0.9, H=32", outer_lr=0.5,
+               metric=4.50),
+          dict(base, row="EF vote, H=32", outer_lr=0.5, metric=4.51,
+               phase="eval", seed=200)]
+  text = convergence.screen_table(runs, task)
+  lines = [line for line in text.splitlines() if line.startswith("| EF")]
+  assert lines == [
+      "| EF vote, H=32 | 4.48 | 0.0700 | lr 0.003, wd 0.01, outer_lr 0.5 "
+      "| yes |",
+      "| EF vote, decay 0.9, H=32 | 4.50 | 0.0700 | lr 0.003, wd 0.01, "
+      "outer_lr 0.5 | no |"]
+  # The summary lists the evaluated row alone.
+  summary = convergence.summary_table(runs, task)
+  assert "| EF vote, H=32 |" in summary and "decay" not in summary
