@@ -3,11 +3,15 @@
 ``f`` of the 8 workers send faulty gradients (:mod:`dlion_jax.train.faults`:
 sign-flipped, random, scaled by 1e6, or NaN on half the steps) into D-Lion
 MaVo and Avg (``abstain_nonfinite=True``), global Lion and AdamW (fp32
-all-reduce), and local steps at H = 32 with DiLoCo's Nesterov outer step or
-the 1-bit outer vote. Each row runs at the settings the convergence study
-tuned at f = 0 (``docs/data``: ``convergence.json``, ``local_steps.json``,
-``cnn_local_steps.json``), at 2 seeds; "D-Lion MaVo, no abstention" shows
-NaN votes counted as votes.
+all-reduce), and local steps at H = 32 with DiLoCo's Nesterov outer step,
+the 1-bit outer vote or the voted mean ("EF vote", ``dl.rounds.voted_outer``,
+the CLI's default, with ``abstain_nonfinite=True``); "outer_scale" scales
+what a faulty worker sends the outer step (its pseudo-gradient, so the
+voted mean's scale) by 1e6 instead. Each row runs at the settings the
+convergence study tuned at f = 0 (``docs/data``: ``convergence.json``,
+``local_steps.json``, ``cnn_local_steps.json``), at 2 seeds; "D-Lion
+MaVo, no abstention" shows NaN votes counted as votes, "EF vote, H=32,
+plain scale mean" the voted mean with ``scale_clip=None``.
 
 Usage::
 
@@ -32,12 +36,22 @@ from benchmarks import study
 from dlion_jax import devices
 from dlion_jax.bench import reporting
 
-KINDS = ("sign_flip", "random", "scale", "nonfinite")
+KINDS = ("sign_flip", "random", "scale", "nonfinite", "outer_scale")
+# A kind -> the faults.* overrides that inject it: "outer_scale" scales
+# what a faulty worker sends the outer step (its pseudo-gradient), the
+# others its gradients.
+INJECTED = {kind: {"faults.kind": kind} for kind in KINDS}
+INJECTED["outer_scale"] = {"faults.kind": "scale",
+                           "faults.on": "pseudo_gradients"}
 FAULTY = (1, 2, 3)
 WORKERS = 8
 ROWS = ("D-Lion MaVo", "D-Lion Avg", "global Lion", "global AdamW",
-        "DiLoCo outer, H=32", "D-Lion outer, H=32")
+        "DiLoCo outer, H=32", "D-Lion outer, H=32", "EF vote, H=32")
 NO_ABSTENTION = "D-Lion MaVo, no abstention"
+# The voted mean with its scales' plain mean (scale_clip=None), which one
+# worker's huge scale moves; its own f = 0.
+PLAIN_SCALES = "EF vote, H=32, plain scale mean"
+EXTRA = (NO_ABSTENTION, PLAIN_SCALES)
 # task -> (the convergence study's task, and where each row's tuned
 # settings were saved: docs/data file, the study's task name).
 TASKS = {
@@ -56,6 +70,9 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "docs" / "data"
 def tuned(task: str, row: str) -> dict:
   """The config overrides of ``row`` at its f = 0 pick on ``task``."""
   sources = TASKS[task][1]
+  if row == PLAIN_SCALES:
+    return {**tuned(task, "EF vote, H=32"),
+            "optimizer.outer_scale_clip": None}
   base = "D-Lion MaVo" if row == NO_ABSTENTION else row
   overrides = dict(convergence.ROWS[base])
   if sources:
@@ -64,17 +81,27 @@ def tuned(task: str, row: str) -> dict:
     point = convergence.best_setting(runs, study_task, base)
     axes = convergence.TASKS[study_task].axes(base)
     overrides.update({axis.key: point[n] for n, axis in axes.items()})
-  if row.startswith("D-Lion") and row != NO_ABSTENTION:
+  if row.startswith(("D-Lion", "EF vote")) and row != NO_ABSTENTION:
     overrides["optimizer.abstain_nonfinite"] = True
   return overrides
 
 
-def jobs(tasks, seeds, *, rows=ROWS + (NO_ABSTENTION,), kinds=KINDS,
+def rows_of(kind: str, rows=ROWS + EXTRA) -> tuple[str, ...]:
+  """The rows of ``rows`` a fault applies to: "no abstention" NaN's only,
+  a scaled pseudo-gradient the local steps' only (the plain scale mean
+  that alone)."""
+  if kind == "outer_scale":
+    return tuple(r for r in rows if ", H=" in r)
+  return tuple(r for r in rows if r not in EXTRA or (
+      r == NO_ABSTENTION and kind == "nonfinite"))
+
+
+def jobs(tasks, seeds, *, rows=ROWS + EXTRA, kinds=KINDS,
          faulty=(1, 3, 2)) -> list[dict]:
   """Every run of a task: f = 0 first, then a seed at a time every fault
   at f = 1, 3 and 2 (a study stopped early has the ends at one seed)."""
   out = []
-  clean = [r for r in ROWS if r in rows or (
+  clean = [r for r in ROWS + (PLAIN_SCALES,) if r in rows or (
       r == ROWS[0] and NO_ABSTENTION in rows)]
   for task in tasks:
     for seed in seeds:
@@ -84,8 +111,7 @@ def jobs(tasks, seeds, *, rows=ROWS + (NO_ABSTENTION,), kinds=KINDS,
       for f in faulty:
         for kind in kinds:
           out += [dict(task=task, row=row, kind=kind, faulty=f, seed=seed)
-                  for row in rows
-                  if row != NO_ABSTENTION or kind == "nonfinite"]
+                  for row in rows_of(kind, rows)]
   return out
 
 
@@ -107,7 +133,7 @@ def run_all(tasks, seeds, json_path, runs, **which) -> list[dict]:
       conv_task = dataclasses.replace(conv_task, local_batch=8)
     overrides = tuned(job["task"], job["row"])
     if job["faulty"]:
-      overrides.update({"faults.kind": job["kind"],
+      overrides.update({**INJECTED[job["kind"]],
                         "faults.workers": job["faulty"]})
     run = {**job, **study.train(conv_task, overrides, WORKERS, job["seed"])}
     run.pop("curve", None)
@@ -132,20 +158,22 @@ def _cell(runs, task, row, kind, f) -> str:
 
 def table(runs, task: str) -> str:
   """Rows x (f = 0, each fault at f = 1, 2, 3): test accuracy %, mean
-  ± half-range over seeds."""
+  ± half-range over seeds; a row no fault was run on left out."""
   lines = []
   for kind in KINDS:
-    rows = ROWS + ((NO_ABSTENTION,) if kind == "nonfinite" else ())
+    body = []
+    for row in rows_of(kind):
+      cells = [_cell(runs, task, row, kind, f) for f in FAULTY]
+      if any(cells):
+        body.append(f"| {row} | " + " | ".join([_cell(
+            runs, task, ROWS[0] if row == NO_ABSTENTION else row, kind, 0),
+                                               *cells]) + " |")
+    if not body:
+      continue
     head = ["row", "f = 0", *(f"f = {f}" for f in FAULTY)]
     lines += [f"**{task}, {kind.replace('_', ' ')}**", "",
               "| " + " | ".join(head) + " |",
-              "|" + "---|" * len(head)]
-    for row in rows:
-      cells = [_cell(runs, task, ROWS[0] if row == NO_ABSTENTION else row,
-                     kind, 0)]
-      cells += [_cell(runs, task, row, kind, f) for f in FAULTY]
-      lines.append(f"| {row} | " + " | ".join(cells) + " |")
-    lines.append("")
+              "|" + "---|" * len(head), *body, ""]
   return "\n".join(lines)
 
 
@@ -154,13 +182,13 @@ def plot(runs, path: str) -> None:
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt   # pylint: disable=g-import-not-at-top
   tasks = sorted({r["task"] for r in runs}, key=list(TASKS).index)
+  colors = {row: f"C{i}" for i, row in enumerate(ROWS + EXTRA)}
   fig, axes = plt.subplots(len(tasks), len(KINDS), squeeze=False,
                            figsize=(4 * len(KINDS), 3.4 * len(tasks)))
   for i, task in enumerate(tasks):
     for j, kind in enumerate(KINDS):
       ax = axes[i][j]
-      rows = ROWS + ((NO_ABSTENTION,) if kind == "nonfinite" else ())
-      for row in rows:
+      for row in rows_of(kind):
         xs, ys = [], []
         for f in (0, *FAULTY):
           base = ROWS[0] if (row == NO_ABSTENTION and f == 0) else row
@@ -170,17 +198,22 @@ def plot(runs, path: str) -> None:
             xs.append(f)
             ys.append(statistics.fmean(
                 10.0 if r["diverged"] else 100 * r["metric"] for r in mine))
-        if xs:
-          ax.plot(xs, ys, marker="o", label=row,
-                  linestyle="--" if row == NO_ABSTENTION else "-")
+        if len(xs) > 1:      # a fault run beside f = 0
+          ax.plot(xs, ys, marker="o", label=row, color=colors[row],
+                  linestyle="--" if row in EXTRA else "-")
+      if not ax.lines:
+        ax.set_axis_off()
       ax.set_title(f"{task}: {kind.replace('_', ' ')}")
       ax.set_xlabel("faulty workers of 8")
       ax.set_xticks([0, *FAULTY])
       if j == 0:
         ax.set_ylabel("test accuracy % (diverged: 10)")
-  handles, labels = axes[0][-1].get_legend_handles_labels()   # every row
-  fig.legend(handles, labels, loc="lower center", ncol=len(labels),
-             fontsize=8)
+  legend = {}    # every row's line, once
+  for ax in axes.flat:
+    for handle, label in zip(*ax.get_legend_handles_labels()):
+      legend.setdefault(label, handle)
+  fig.legend(legend.values(), legend.keys(), loc="lower center",
+             ncol=max(len(legend), 1), fontsize=8)
   fig.tight_layout(rect=(0, 0.05, 1, 1))
   fig.savefig(path, dpi=110)
 
@@ -200,8 +233,8 @@ def main(argv=None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   parser.add_argument("--tasks", nargs="+", default=["mlp", "cnn"],
                       choices=list(TASKS))
-  parser.add_argument("--rows", nargs="+", default=ROWS + (NO_ABSTENTION,),
-                      choices=ROWS + (NO_ABSTENTION,))
+  parser.add_argument("--rows", nargs="+", default=ROWS + EXTRA,
+                      choices=ROWS + EXTRA)
   parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
   parser.add_argument("--faulty", nargs="+", type=int, default=[1, 3, 2],
                       choices=FAULTY, help="f: faulty workers of 8")

@@ -22,10 +22,12 @@ from typing import Any, Callable, Hashable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax import lax
 from jax.sharding import PartitionSpec as P
 
+from dlion_jax import _checks
 from dlion_jax import _drift
 from dlion_jax import _mesh
 
@@ -179,6 +181,41 @@ def pmean(x: Any, axis_name) -> Any:
           lambda r: _mesh.place(r.sum(0, dtype=r.dtype) / r.shape[0], P()),
           rows),
       axis_name)(x)
+
+
+def abstainers(tree: Any, axis_name, size: int) -> tuple[jax.Array, jax.Array]:
+  """Whether this worker's ``tree`` is all finite (a bool scalar), and how
+  many of the ``size`` workers' are not (int32, the same on every worker:
+  one :func:`psum`). The test reads ``tree`` through a barrier: fused
+  with the reads of what uses the tree, it could change how that rounds
+  (XLA:CPU's sibling fusion), and a run with every value finite would
+  differ from one without the test."""
+  ok = _checks.all_finite(lax.optimization_barrier(tree))
+  count = (~ok).astype(jnp.int32)
+  return ok, psum(count, axis_name) if size > 1 else count
+
+
+def reciprocal_of_count(count, size: int, dtype) -> jax.Array:
+  """``1 / count`` in ``dtype`` for ``count`` in ``0 .. size`` (an int, or
+  a traced int32 scalar), 0 for 0: the constant a :func:`pmean` over
+  ``count`` workers multiplies their sum by (XLA folds its division by the
+  workers' number into that product), so a mean over the workers present
+  rounds as the ``pmean`` of those workers alone."""
+  wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
+  table = np.concatenate([[0], wide(1) / np.arange(1, size + 1, dtype=wide)])
+  return jnp.asarray(table.astype(dtype))[count]
+
+
+def present_mean(x: Any, axis_name, count, size: int) -> Any:
+  """:func:`pmean` of ``x`` (a pytree) over the ``count`` workers present of
+  ``size``, ``x`` zero on every worker absent: the :func:`psum`, times
+  :func:`reciprocal_of_count` (0 where none is present). Where the
+  all-reduce sums in the workers' order (XLA:CPU's) the zeros add
+  nothing, and the mean is the ``pmean`` of the present workers alone, bit
+  for bit."""
+  return jax.tree.map(
+      lambda total: total * reciprocal_of_count(count, size, total.dtype),
+      psum(x, axis_name))
 
 
 def alike(x: jax.Array, axis_name=None) -> jax.Array:

@@ -209,15 +209,30 @@ def _decoded(words: jax.Array, scales: jax.Array, sparse: Sparsity,
       values.ravel(), unique_indices=True)
 
 
-def _gathered(x: jax.Array, axis_name) -> jax.Array:
+def gathered(x: jax.Array, axis_name) -> jax.Array:
   """Every worker's ``x``, stacked on a leading axis, on every worker."""
   return _collectives.exchanged(
       lambda x: lax.all_gather(x, axis_name),
       lambda rows: _mesh.place(rows, P()), axis_name)(x)
 
 
+def clipped(scales: jax.Array, clip: float, count) -> jax.Array:
+  """Every worker's ``scales`` (stacked on a leading axis, NaN where a
+  worker is absent), each at most ``clip`` times the median of the
+  ``count`` present workers' (the mean of the middle two where ``count``
+  is even), 0 where absent. A scale within that of the median is kept
+  bit for bit; fewer than half the present workers can move the median
+  only within the others' range."""
+  ordered = jnp.sort(scales, axis=0)          # NaN (the absent) last
+  low = jnp.take(ordered, jnp.maximum(count - 1, 0) // 2, axis=0)
+  high = jnp.take(ordered, count // 2, axis=0)
+  limit = clip * (low * 0.5 + high * 0.5)
+  return jnp.where(jnp.isnan(scales), 0, jnp.minimum(scales, limit))
+
+
 def mean_of_votes(leaves: list[jax.Array], sparse: Sparsity, *,
-                  axis_name, num_workers: int):
+                  axis_name, num_workers: int, clip: float | None = None,
+                  present=None):
   """The sparse vote of one worker's ``leaves`` over ``axis_name``.
 
   Every leaf's words travel in one ``all_gather`` and the scales in a
@@ -225,33 +240,48 @@ def mean_of_votes(leaves: list[jax.Array], sparse: Sparsity, *,
   (a hybrid or sharded step), each device votes on its own part of every
   leaf, in chunks of its own, as the dense vote does
   (``dlion_jax._blocks.on_own_shards``): it sends only that part's words.
+  With ``clip`` every worker's scales are :func:`clipped` before the
+  decode. ``present`` (or None): ``(ok, abstained)``, whether this
+  worker takes part (its leaves then 0) and how many do not: an absent
+  worker's scales go out as NaN and decode as 0, and the sum is divided
+  by the present workers' count.
 
   Returns:
     ``(means, said)``: per leaf, the decoded mean ``U`` (float32, the
     same on every worker) and this worker's own ``s q``.
   """
   axes = _blocks.compiler_axes(axis_name, leaves)
+  options = dict(axis_name=axis_name, num_workers=num_workers, clip=clip)
   if not axes:
-    return _mean_of_votes(leaves, sparse, axis_name=axis_name,
-                          num_workers=num_workers)
+    return _mean_of_votes(leaves, sparse, present=present, **options)
 
   def own_part(both, *, leaf_shards, constants):
-    del constants
-    return list(_mean_of_votes(both[0], sparse, axis_name=axis_name,
-                               num_workers=num_workers,
-                               shards=leaf_shards[:len(leaves)]))
+    return list(_mean_of_votes(both[0], sparse,
+                               shards=leaf_shards[:len(leaves)],
+                               present=constants or None, **options))
   # Two outputs a leaf, so the leaves twice: the mean and what was said.
-  means, said = _blocks.on_own_shards(own_part, ([leaves, leaves],), axes)
+  means, said = _blocks.on_own_shards(own_part, ([leaves, leaves],), axes,
+                                      tuple(present or ()))
   return means, said
 
 
-def _mean_of_votes(leaves, sparse, *, axis_name, num_workers, shards=None):
+def _mean_of_votes(leaves, sparse, *, axis_name, num_workers, clip=None,
+                   present=None, shards=None):
   coded = [encode(p, sparse, shard) for p, shard in zip(
       leaves, shards or [None] * len(leaves))]
-  words = _gathered(jnp.concatenate([w.ravel() for w, _, _ in coded]),
-                    axis_name)
-  scales = _gathered(jnp.concatenate([s.ravel() for _, s, _ in coded]),
-                     axis_name)
+  words = gathered(jnp.concatenate([w.ravel() for w, _, _ in coded]),
+                   axis_name)
+  scales = jnp.concatenate([s.ravel() for _, s, _ in coded])
+  count = num_workers
+  if present is not None:
+    ok, abstained = present
+    count = num_workers - abstained
+    scales = jnp.where(ok, scales, jnp.nan)
+  scales = gathered(scales, axis_name)
+  if clip is not None:
+    scales = clipped(scales, clip, count)
+  elif present is not None:
+    scales = jnp.where(jnp.isnan(scales), 0, scales)
   means, start, scale_start = [], 0, 0
   for p, (mine, own, _) in zip(leaves, coded):
     shape = (mine.shape[0], sparse.chunk)
@@ -267,6 +297,7 @@ def _mean_of_votes(leaves, sparse, *, axis_name, num_workers, shards=None):
       return total + _decoded(theirs[j], their_scales[j], sparse, shape)
     total = lax.fori_loop(0, num_workers, add,
                           jnp.zeros(shape[0] * shape[1], scales.dtype))
-    mean = total * scales.dtype.type(1.0 / num_workers)
+    mean = total * _collectives.reciprocal_of_count(count, num_workers,
+                                                    scales.dtype)
     means.append(mean[:p.size].reshape(p.shape))
   return means, [said for _, _, said in coded]

@@ -37,7 +37,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from jax import lax
 
@@ -48,6 +47,7 @@ from dlion_jax import _exchange
 from dlion_jax import _message
 from dlion_jax import _quantize
 from dlion_jax import _sparse
+from dlion_jax import _voted
 from dlion_jax import transforms
 
 # Old paths (dlion_jax._deprecations.MOVED).
@@ -250,11 +250,21 @@ def _fresh_if_lost(inner, inner_state, delta, anchor):
 
 
 def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
-                   momentum: float = 0.9,
-                   axis_name: str = "data") -> optax.GradientTransformation:
+                   momentum: float = 0.9, axis_name: str = "data",
+                   abstain_nonfinite: bool = False
+                   ) -> optax.GradientTransformation:
   """DiLoCo's outer optimizer: Nesterov SGD on the workers' mean
   pseudo-gradient, an fp32 all-reduce a round (Douillard et al., 2023, use
   ``learning_rate=0.7``, ``momentum=0.9``).
+
+  With ``abstain_nonfinite=True`` a worker whose round ended non-finite
+  (its pseudo-gradient not all finite) is left out of the mean
+  (:func:`dlion_jax.transforms.pmean_gradients`: the others' mean, where
+  the all-reduce sums in the workers' order the present workers' run bit
+  for bit; the count in the state, an
+  :class:`~dlion_jax.transforms.AbstainingMeanState`); a round every
+  worker abstains from moves nothing, the momentum and the learning
+  rate's schedule included.
 
   Example:
     >>> import optax, dlion_jax as dl
@@ -266,9 +276,42 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
   """
   _checks.decay_rate("momentum", momentum, "the outer step's Nesterov momentum",
                      example="momentum=0.9 (DiLoCo's)")
-  return optax.chain(transforms.pmean_gradients(axis_name),
-                     optax.sgd(learning_rate, momentum=momentum,
-                               nesterov=True))
+  mean = transforms.pmean_gradients(axis_name,
+                                    abstain_nonfinite=abstain_nonfinite)
+  step = optax.sgd(learning_rate, momentum=momentum, nesterov=True)
+  if abstain_nonfinite:
+    return _skipped_if_none_present(mean, step, axis_name=axis_name)
+  return optax.chain(mean, step)
+
+
+def _skipped_if_none_present(mean: optax.GradientTransformation, *steps,
+                             axis_name) -> optax.GradientTransformation:
+  """``optax.chain(mean, *steps)``, ``mean`` an abstaining mean (its
+  state's ``abstained`` the count), with a round every worker abstained
+  from skipped: ``steps`` then run from their state's float leaves zeroed
+  and return 0 (as Nesterov's trace, Lion's momentum and a learning rate
+  do from 0 with the mean's 0), and their state stays as it was (a
+  :func:`jax.lax.cond` picks it). Neither is a select: XLA would contract
+  the multiply-adds of the update and the momentum otherwise, and a round
+  every worker votes in would not be the step without abstention's, bit
+  for bit (measured on XLA:CPU)."""
+  rest = optax.chain(*steps)
+
+  def init_fn(params):
+    return (mean.init(params),) + tuple(rest.init(params))
+
+  def update_fn(updates, state, params=None):
+    updates, counted = mean.update(updates, state[0], params)
+    voted = counted.abstained < _exchange.workers_along(axis_name)
+    zeroed = jax.tree.map(
+        lambda x: jnp.where(voted, x, jnp.zeros_like(x)) if jnp.issubdtype(
+            x.dtype, jnp.inexact) else x, state[1:])
+    updates, new = rest.update(updates, zeroed, params)
+    new = lax.cond(voted, lambda new, old: new, lambda new, old: old,
+                   tuple(new), state[1:])
+    return updates, (counted,) + tuple(new)
+
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 class VotedMeanState(NamedTuple):
@@ -285,6 +328,25 @@ class VotedMeanState(NamedTuple):
   error: optax.Updates
 
 
+class AbstainingVotedMeanState(NamedTuple):
+  """State of :func:`scale_by_voted_mean` with error feedback and
+  ``abstain_nonfinite=True``: the fields of :class:`VotedMeanState` and
+  the abstainers' count.
+
+  Attributes:
+    count: outer steps taken, a step no worker voted in not counted.
+    error: this worker's residual, kept as it was on a step it abstained
+      from.
+    abstained: how many workers abstained from the last outer step (int32
+      scalar, the same on every worker).
+    abstentions: the running total of ``abstained``.
+  """
+  count: jax.Array
+  error: optax.Updates
+  abstained: jax.Array
+  abstentions: jax.Array
+
+
 def scale_by_voted_mean(
     *, axis_name: _exchange.AxisName = "data",
     aggregation: _message.Aggregation = "mavo",
@@ -293,7 +355,8 @@ def scale_by_voted_mean(
     error_feedback: bool = True, error_decay: float = 1.0,
     scale_chunk: int | None = None, fragments: int = 1,
     sparse_chunk: int | None = None, sparse_keep: int = 1,
-    sparse_value_bits: int = 1) -> optax.GradientTransformation:
+    sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
+    abstain_nonfinite: bool = False) -> optax.GradientTransformation:
   r"""The workers' mean pseudo-gradient, each worker sending a few bits.
 
   Worker :math:`i`, given :math:`\delta_i` (an outer step's pseudo-gradient),
@@ -314,11 +377,12 @@ def scale_by_voted_mean(
     :math:`U = \bar s\, V`, with :math:`V = \mathrm{sign}(\sum_i
     q_i)` (``'mavo'``) or :math:`\frac1N \sum_i q_i` (``'avg'``) exchanged
     as Distributed Lion's votes are (``comm``) and :math:`\bar s` the
-    workers' mean scale (float32, all-reduced). With ``fragments=M`` only
-    the entries :math:`k, k + M, k + 2M, \dots` of each flattened leaf
-    vote in outer step :math:`t` (:math:`k = t \bmod M`): the others
-    send nothing and keep all of :math:`p_i` as their residual, so every
-    entry votes once every :math:`M` steps, at :math:`1/M` of the bits
+    workers' mean scale (float32, each :math:`s_i` clipped, below).
+    With ``fragments=M`` only the entries :math:`k, k + M, k + 2M, \dots`
+    of each flattened leaf vote in outer step :math:`t`
+    (:math:`k = t \bmod M`): the others send nothing and keep all of
+    :math:`p_i` as their residual, so every entry votes once every
+    :math:`M` steps, at :math:`1/M` of the bits
     (the scales are then the fragment's; its last entries may be zero
     padding);
   * sparse (``sparse_chunk=C``): :math:`q_i` is the sign of the
@@ -326,9 +390,42 @@ def scale_by_voted_mean(
     :math:`C` and 0 elsewhere (with ``sparse_value_bits=2``, also whether
     each is above its scale's mean magnitude, the two sides decoded as
     their own means), :math:`s_i` their mean magnitude, and
-    :math:`U = \frac1N \sum_i s_i q_i` from every worker's positions and
-    values, one word an entry, gathered (``aggregation`` and ``comm`` do
-    not apply): at :math:`C = 128` a worker sends 8 bits for 128 entries.
+    :math:`U = \frac1N \sum_i s_i q_i` (each :math:`s_i` clipped) from
+    every worker's positions and values, one word an entry, gathered
+    (``aggregation`` and ``comm`` do not apply): at :math:`C = 128` a
+    worker sends 8 bits for 128 entries.
+
+  ``scale_clip=c`` bounds what one worker's scale can do to :math:`U`:
+  every worker gathers every worker's scales and takes each at most
+  :math:`c` times their median, :math:`\min(s_i, c\,
+  \mathrm{median}_j s_j)` (of each leaf, chunk or side), summed in the
+  workers' order. A worker whose scale is a million times the others'
+  then counts as :math:`c` medians (in the plain mean it makes
+  :math:`\bar s`, and every entry of :math:`U`, about :math:`10^6 / N`
+  times as large, and the run is lost: docs/guides/faulty_workers.md),
+  while scales within :math:`c` medians, honest workers', are kept bit
+  for bit: where the all-reduce sums in the workers' order (XLA:CPU's),
+  the run is the plain mean's (``scale_clip=None``). It holds while
+  fewer than half the workers send such scales. The dense vote's scales
+  are then gathered, :math:`4 (N - 1)` bytes a scale a worker instead of
+  an all-reduce's :math:`8 (N - 1) / N`.
+
+  ``abstain_nonfinite=True``: a worker whose round ended non-finite (its
+  pseudo-gradient :math:`\delta_i` not all finite) abstains. It says
+  :math:`p_i = 0` (the dense vote's tallies take its codes back out, as
+  :func:`dlion_jax.scale_by_distributed_lion`'s abstention does), its
+  scales count for nothing and the mean is over the :math:`N - a` workers
+  present (the sum times :math:`1 / (N - a)`, as a ``pmean`` over them
+  rounds it); its residual stays as it was (what its earlier rounds could
+  not say is said in its next finite round; its lost round adds
+  nothing), as does everyone's step count where all abstain (then
+  :math:`U = 0`). The count :math:`a` (one int32 all-reduce a round) is
+  in the state with the running total. With :math:`a` abstainers every
+  worker's :math:`U`, and the present workers' residuals, are those of a
+  run of the present workers alone, bit for bit where the all-reduces
+  sum in the workers' order (XLA:CPU's: the sparse vote's sums and the
+  clipped scales' are the workers' order everywhere); with every round
+  finite, the run without abstention's.
 
   Every worker returns the same :math:`U`, an estimate of the mean
   :math:`\frac1N \sum_i \delta_i` (what DiLoCo all-reduces in fp32), to
@@ -362,11 +459,18 @@ def scale_by_voted_mean(
     sparse_keep: entries of every chunk that vote (sparse only).
     sparse_value_bits: 1 (a kept entry's sign) or 2 (and one bit of its
       magnitude; sparse only).
+    scale_clip: :math:`c \ge 1`, each worker's scale at most :math:`c`
+      times the workers' median; ``None``: the plain mean of the scales
+      (dense: all-reduced).
+    abstain_nonfinite: a worker whose pseudo-gradient is not all finite
+      abstains (see above).
 
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
     :class:`VotedMeanState` (:class:`optax.EmptyState` without error
-    feedback).
+    feedback); with ``abstain_nonfinite``, an
+    :class:`AbstainingVotedMeanState` (a
+    :class:`~dlion_jax.transforms.AbstainingMeanState`).
 
   References:
     Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient
@@ -379,7 +483,11 @@ def scale_by_voted_mean(
   spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   error_feedback = _checks.flag("error_feedback", error_feedback,
                                 "whether each worker keeps its residual")
-  error_decay = _residual_weight(error_decay, error_feedback)
+  error_decay = _voted.residual_weight(error_decay, error_feedback)
+  scale_clip = _voted.clip_factor(scale_clip)
+  abstain_nonfinite = _checks.flag(
+      "abstain_nonfinite", abstain_nonfinite,
+      "whether a worker whose round ended non-finite abstains")
   fragments = _checks.positive_int("fragments", fragments,
                                    "the dense vote on one entry in M a step")
   if fragments > 1 and not error_feedback:
@@ -420,128 +528,65 @@ def scale_by_voted_mean(
 
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
+    none = jnp.zeros([], jnp.int32)
     if not error_feedback:
-      return optax.EmptyState()
-    return VotedMeanState(jnp.zeros([], jnp.int32), jax.tree.map(
-        lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)),
-        params))
+      return (transforms.AbstainingMeanState(none, none)
+              if abstain_nonfinite else optax.EmptyState())
+    error = jax.tree.map(
+        lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)), params)
+    if abstain_nonfinite:
+      return AbstainingVotedMeanState(none, error, none, none)
+    return VotedMeanState(none, error)
 
   def update_fn(updates, state, params=None):
     del params
     _checks.check_float_leaves(updates, "pseudo-gradient")
     num_workers = _exchange.workers_along(axis_name)
     leaves, treedef = jax.tree.flatten(updates)
+    ok = present = None
+    if abstain_nonfinite:
+      ok, abstained = _collectives.abstainers(leaves, axis_name, num_workers)
+      present = ok, abstained
     wide = [d.astype(_quantize.scale_dtype(d.dtype)) for d in leaves]
     if error_feedback:
       wide = [p + (e if isinstance(error_decay, float) and error_decay == 1
                    else error_decay * e)
               for p, e in zip(wide, treedef.flatten_up_to(state.error))]
+    if ok is not None:   # an abstainer votes 0 (the vote takes it out)
+      wide = [jnp.where(ok, p, 0) for p in wide]
     if sparse is not None:
       means, said = _sparse.mean_of_votes(
-          wide, sparse, axis_name=axis_name, num_workers=num_workers)
+          wide, sparse, axis_name=axis_name, num_workers=num_workers,
+          clip=scale_clip, present=present)
     else:
       vote = functools.partial(
-          _dense_mean, spec=spec, axis_name=axis_name,
+          _voted.dense_mean, spec=spec, axis_name=axis_name,
           num_workers=num_workers, aggregation=aggregation, comm=comm,
-          scale_chunk=scale_chunk)
-      means, said = (vote(wide) if fragments == 1 else _fragment_vote(
+          scale_chunk=scale_chunk, scale_clip=scale_clip, present=present)
+      means, said = (vote(wide) if fragments == 1 else _voted.fragment_vote(
           vote, wide, fragments, state.count % fragments))
     means = [u.astype(d.dtype) for u, d in zip(means, leaves)]
     if not error_feedback:
+      if ok is not None:
+        state = state._replace(abstained=abstained,
+                               abstentions=state.abstentions + abstained)
       return treedef.unflatten(means), state
     error = [jnp.where(jnp.isfinite(r), r, 0) for r in (
         p - s for p, s in zip(wide, said))]
-    return treedef.unflatten(means), VotedMeanState(
-        optax.safe_int32_increment(state.count), treedef.unflatten(error))
+    count = optax.safe_int32_increment(state.count)
+    if ok is None:
+      return treedef.unflatten(means), VotedMeanState(
+          count, treedef.unflatten(error))
+    # An abstainer keeps its residual; a step no worker voted in is not
+    # counted (the fragments' turn stays).
+    error = [jnp.where(ok, new, old) for new, old in zip(
+        error, treedef.flatten_up_to(state.error))]
+    return treedef.unflatten(means), AbstainingVotedMeanState(
+        jnp.where(abstained < num_workers, count, state.count),
+        treedef.unflatten(error), abstained,
+        state.abstentions + abstained)
 
   return optax.GradientTransformation(init_fn, update_fn)
-
-
-def _residual_weight(error_decay, error_feedback: bool) -> float:
-  """``error_decay``, checked: a number in ``(0, 1]`` (a traced one,
-  from :func:`optax.inject_hyperparams`, as it is)."""
-  if isinstance(error_decay, jax.core.Tracer):
-    return error_decay
-  if isinstance(error_decay, (jax.Array, np.ndarray)) and not np.ndim(
-      error_decay):
-    error_decay = error_decay.item()
-  if isinstance(error_decay, bool) or not isinstance(
-      error_decay, (int, float)) or not 0 < error_decay <= 1:
-    raise ValueError(
-        f"error_decay={error_decay!r} must be a number in (0, 1]: the "
-        "weight of each worker's residual in its next vote (1: all of it; "
-        "SparseLoCo decays it by e.g. 0.95).")
-  if error_decay != 1 and not error_feedback:
-    raise ValueError(
-        f"error_decay={error_decay} needs error_feedback=True: there is no "
-        "residual to decay. Set error_feedback=True, or leave error_decay "
-        "at 1.")
-  return float(error_decay)
-
-
-def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
-  """A worker's vote on ``p`` as values in ``[-1, 1]``: what the vote's
-  codes say (:func:`dlion_jax._quantize.encode`)."""
-  if spec.scaled:
-    return _quantize.l1_levels(p, spec.max_level) / spec.max_level
-  if spec.radix == 2:
-    return jnp.where(p > 0, 1.0, -1.0).astype(p.dtype)
-  return jnp.sign(p)
-
-
-def _chunk_scales(p: jax.Array, chunk: int) -> jax.Array:
-  """The mean ``|p|`` of each chunk of ``chunk`` entries of the flattened
-  leaf (the last over its own entries), non-finite entries counting 0;
-  each chunk's sum times the constant reciprocal of its size."""
-  x = jnp.abs(p.ravel())
-  x = jnp.where(jnp.isfinite(x), x, 0)
-  rows = jnp.pad(x, (0, -x.size % chunk)).reshape(-1, chunk)
-  sizes = np.full(rows.shape[0], chunk)
-  if sizes.size:
-    sizes[-1] = x.size - chunk * (sizes.size - 1)
-  return rows.sum(1) * jnp.asarray(1.0 / sizes, x.dtype)
-
-
-def _per_entry(scale: jax.Array, p: jax.Array, chunk: int | None):
-  """A leaf's scale (a scalar), or its chunks', for each entry of ``p``."""
-  if chunk is None:
-    return scale
-  return jnp.repeat(scale, chunk)[:p.size].reshape(p.shape)
-
-
-def _dense_mean(leaves, *, spec, axis_name, num_workers, aggregation, comm,
-                scale_chunk=None):
-  """:func:`scale_by_voted_mean`'s dense ``U`` of each leaf, and what this
-  worker said (``s_i q_i``)."""
-  scales = [_quantize.l1_scale(p) if scale_chunk is None
-            else _chunk_scales(p, scale_chunk) for p in leaves]
-  mean_scales = _collectives.pmean(scales, axis_name)
-  votes = _exchange.aggregate(
-      lambda p: p, leaves, axis_name=axis_name, num_workers=num_workers,
-      spec=spec, aggregation=aggregation, comm=comm)
-  means = [_per_entry(s, v, scale_chunk) * v.astype(s.dtype)
-           for s, v in zip(mean_scales, votes)]
-  said = [_per_entry(s, p, scale_chunk) * _own_values(p, spec)
-          for s, p in zip(scales, leaves)]
-  return means, said
-
-
-def _fragment_vote(vote, leaves, fragments: int, k: jax.Array):
-  """``vote`` on fragment ``k`` of each leaf (its flat entries ``k, k + M,
-  ...``, zero-padded to whole rows of ``M``): the means and what was said,
-  in the leaves' shapes, 0 off the fragment."""
-  rows = [jnp.pad(p.ravel(), (0, -p.size % fragments)).reshape(
-      -1, fragments) for p in leaves]
-  picked = [lax.dynamic_index_in_dim(r, k, axis=1, keepdims=False)
-            for r in rows]
-  means, said = vote(picked)
-
-  def spread(x, r, p):
-    full = lax.dynamic_update_index_in_dim(
-        jnp.zeros_like(r), x.astype(r.dtype), k, axis=1)
-    return full.ravel()[:p.size].reshape(p.shape)
-  return ([spread(u, r, p) for u, r, p in zip(means, rows, leaves)],
-          [spread(s, r, p) for s, r, p in zip(said, rows, leaves)])
 
 
 def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
@@ -554,7 +599,9 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
                 error_feedback: bool = True, error_decay: float = 1.0,
                 scale_chunk: int | None = None, fragments: int = 1,
                 sparse_chunk: int | None = None, sparse_keep: int = 1,
-                sparse_value_bits: int = 1) -> optax.GradientTransformation:
+                sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
+                abstain_nonfinite: bool = False
+                ) -> optax.GradientTransformation:
   r"""An outer step on the workers' voted mean pseudo-gradient.
 
   The mean :math:`U` of :func:`scale_by_voted_mean` (error-fed, dense or
@@ -568,6 +615,11 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
 
   The outer momentum, if any, is the same on every worker (it sees the
   same :math:`U`), in the params' dtype, beside the residual's float32.
+  With ``abstain_nonfinite=True`` a worker whose round ended non-finite
+  is left out of :math:`U` (:func:`scale_by_voted_mean`: the anchor is
+  the present workers' run's), and a round every worker abstains from
+  moves nothing: the outer momentum, Lion's and the learning rate's
+  schedule skip it too.
 
   Args:
     learning_rate: the outer learning rate :math:`\eta`, a float or a
@@ -578,8 +630,9 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
       then 0).
     aggregation: the vote's, as are ``vote``, ``quantizer``, ``bits``,
       ``comm``, ``error_feedback``, ``error_decay``, ``scale_chunk``,
-      ``fragments``, ``sparse_chunk``, ``sparse_keep`` and
-      ``sparse_value_bits``: see :func:`scale_by_voted_mean`.
+      ``fragments``, ``sparse_chunk``, ``sparse_keep``,
+      ``sparse_value_bits``, ``scale_clip`` and ``abstain_nonfinite``:
+      see :func:`scale_by_voted_mean`.
 
   Returns:
     An optax ``GradientTransformation``.
@@ -601,7 +654,8 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
       error_feedback=error_feedback, error_decay=error_decay,
       scale_chunk=scale_chunk, fragments=fragments,
       sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
-      sparse_value_bits=sparse_value_bits)
+      sparse_value_bits=sparse_value_bits, scale_clip=scale_clip,
+      abstain_nonfinite=abstain_nonfinite)
   if lion is not None:
     if traced or momentum:
       raise ValueError(
@@ -621,8 +675,10 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     step = optax.trace(decay=momentum, nesterov=True)
   else:
     step = optax.identity()
-  return optax.chain(vote_tx, step,
-                     optax.scale_by_learning_rate(learning_rate))
+  rate = optax.scale_by_learning_rate(learning_rate)
+  if abstain_nonfinite:
+    return _skipped_if_none_present(vote_tx, step, rate, axis_name=axis_name)
+  return optax.chain(vote_tx, step, rate)
 
 
 class OneRoundLateState(NamedTuple):

@@ -8,6 +8,8 @@ worker at once (``dl.apply_if_finite`` is its short path).
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -18,7 +20,22 @@ from dlion_jax import _checks
 from dlion_jax import _collectives
 
 
-def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
+class AbstainingMeanState(NamedTuple):
+  """State of a mean that leaves out the workers with non-finite values
+  (:func:`pmean_gradients`, ``abstain_nonfinite=True``).
+
+  Attributes:
+    abstained: how many workers were left out of the last mean (int32
+      scalar, the same on every worker).
+    abstentions: the running total of ``abstained``.
+  """
+  abstained: jax.Array
+  abstentions: jax.Array
+
+
+def pmean_gradients(axis_name: str = "data", *,
+                    abstain_nonfinite: bool = False
+                    ) -> optax.GradientTransformation:
   """Averages the gradients over ``axis_name``: what global optimizers need.
 
   ``optax.chain(pmean_gradients("data"), optax.lion(...))`` is the usual
@@ -27,6 +44,15 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
   compiler owns beside ``axis_name``, each device averages only its own
   part of every leaf with its peers (``dlion_jax._blocks.on_own_shards``),
   as the vote does.
+
+  With ``abstain_nonfinite=True`` a worker whose gradients are not all
+  finite is left out: the mean is the others' (their sum, the absent
+  workers sending zeros, times :math:`1 / (N - a)` as a ``pmean`` over
+  :math:`N - a` workers takes it; 0 where all :math:`a = N` are absent),
+  the same on every worker, and the count :math:`a` (one more int32
+  all-reduce) is in the state, :class:`AbstainingMeanState`. Where the
+  all-reduce sums in the workers' order (XLA:CPU's) the mean is the
+  present workers' ``pmean`` bit for bit.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax
@@ -38,20 +64,42 @@ def pmean_gradients(axis_name: str = "data") -> optax.GradientTransformation:
     Array([[-2.],
            [-2.]], dtype=float32)
   """
+  abstain_nonfinite = _checks.flag(
+      "abstain_nonfinite", abstain_nonfinite,
+      "whether a worker with a non-finite gradient is left out")
+
+  def init_fn(params):
+    del params
+    if not abstain_nonfinite:
+      return optax.EmptyState()
+    return AbstainingMeanState(jnp.zeros([], jnp.int32),
+                               jnp.zeros([], jnp.int32))
 
   def update_fn(updates, state, params=None):
     del params
     _check_bound(axis_name, "dl.transforms.pmean_gradients",
                  "dl.transforms.pmean_gradients('batch') on a mesh whose "
                  "workers' axis is named 'batch'")
+    constants = ()
+    mean = lambda g, *_: _collectives.pmean(g, axis_name)
+    if abstain_nonfinite:
+      size = lax.axis_size(axis_name)
+      ok, abstained = _collectives.abstainers(updates, axis_name, size)
+      updates = jax.tree.map(lambda g: jnp.where(ok, g, 0), updates)
+      state = AbstainingMeanState(abstained,
+                                  state.abstentions + abstained)
+      constants = (size - abstained,)
+      mean = lambda g, count: _collectives.present_mean(g, axis_name, count,
+                                                        size)
     axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(updates))
     if not axes:
-      return _collectives.pmean(updates, axis_name), state
+      return mean(updates, *constants), state
+    # The traced count enters the region as a constant.
     return _blocks.on_own_shards(
-        lambda g, **_: _collectives.pmean(g, axis_name), (updates,),
-        axes), state
+        lambda g, constants, **_: mean(g, *constants), (updates,), axes,
+        constants), state
 
-  return optax.GradientTransformation(optax.init_empty_state, update_fn)
+  return optax.GradientTransformation(init_fn, update_fn)
 
 
 def apply_if_finite(inner: optax.GradientTransformation,

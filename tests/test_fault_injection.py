@@ -68,10 +68,54 @@ def test_nonfinite_strikes_on_a_share_of_the_steps():
 @pytest.mark.parametrize("setting,named", [
     (["faults.workers=9"], "faults.workers=9 is more than the workers=8"),
     (["faults.kind=flip"], "faults.kind='flip' is not one of"),
+    (["faults.on=pseudo_gradients"],
+     "faults.on=pseudo_gradients needs local steps"),
+    (["faults.on=outer"], "faults.on='outer' is not one of"),
 ])
 def test_bad_fault_settings_are_named(setting, named):
   with pytest.raises(ConfigError, match=named):
     load_config(cli.resolve_config("quickstart"), setting)
+
+
+def _run(run_dir, *settings):
+  code = cli.main(["--no-progress", *[a for s in (
+      "train.eval_every=0", "model.hidden=[8]", "optimizer.warmup_steps=0",
+      *settings, f"run_dir={run_dir}") for a in ("--set", s)]])
+  lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+  return code, [json.loads(line) for line in lines]
+
+
+def test_a_worker_whose_scale_is_huge_counts_as_twice_the_median(tmp_path):
+  """faults.on=pseudo_gradients: worker 0 sends the voted mean a
+  pseudo-gradient (and so a scale) 1e6 times its own. Its scale clipped
+  at twice the workers' median, the run ends near the honest run's loss;
+  with the scales' plain mean (outer_scale_clip=null) it is moved by about
+  1e6 / 8 times the step."""
+  common = ("train.steps=8", "train.log_every=8", "optimizer.local_steps=2")
+  attack = ("faults.kind=scale", "faults.workers=1",
+            "faults.on=pseudo_gradients")
+  losses = {}
+  for name, settings in (("honest", ()), ("clipped", attack),
+                         ("plain", (*attack,
+                                    "optimizer.outer_scale_clip=null"))):
+    code, records = _run(tmp_path / name, *common, *settings)
+    losses[name] = records[-1]["test_loss"] if code == 0 else float("inf")
+  assert losses["clipped"] < 1.5 * losses["honest"], losses
+  assert losses["plain"] > 100 * losses["honest"], losses
+
+
+def test_the_voted_means_abstentions_are_logged(tmp_path, capsys):
+  """Local steps of 3 with the voted mean, 2 of 8 workers NaN on every
+  step: each round 2 abstain, the run goes on with a finite anchor."""
+  code, records = _run(tmp_path, "train.steps=6", "train.log_every=3",
+                       "optimizer.local_steps=3",
+                       "optimizer.abstain_nonfinite=true",
+                       "faults.kind=nonfinite", "faults.workers=2",
+                       "faults.nan_rate=1.0")
+  capsys.readouterr()
+  assert code == 0
+  assert [r["abstentions"] for r in records if "abstentions" in r] == [2, 4]
+  assert np.isfinite(records[-1]["test_loss"])
 
 
 def test_the_log_line_counts_the_abstentions(tmp_path, capsys):

@@ -25,6 +25,7 @@ LAYERS = [
     ("codec: the comm strategies", ["_strategies"]),
     ("codec: the message, the fused kernels", ["_message", "_fused"]),
     ("codec: the vote over an axis", ["_exchange"]),
+    ("codec: the voted mean's dense vote and scales", ["_voted"]),
     ("transforms: momentum syncs, wrappers across workers",
      ["sync", "transforms"]),
     ("optimizers: Lion, local steps, the cost model, the state's placement",

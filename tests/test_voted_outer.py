@@ -50,18 +50,37 @@ STEPS = 3 * EVERY + 1    # three rounds, and a step into the fourth
 
 class VotedMean:
   """numpy's :func:`dl.rounds.scale_by_voted_mean`: each worker's residual
-  and the mean every worker decodes."""
+  and the mean every worker decodes. A worker whose pseudo-gradient is not
+  all finite abstains (``abstain_nonfinite``): the mean is the others',
+  its residual stays; none present, nothing moves (``abstained``)."""
 
   def __init__(self, n, *, aggregation="mavo", vote="binary",
                quantizer="sign", bits=None, sparse=None,
                error_feedback=True, parts=1, error_decay=1.0,
-               scale_chunk=None, fragments=1, value_bits=1):
+               scale_chunk=None, fragments=1, value_bits=1, scale_clip=2.0):
     self.n, self.aggregation, self.vote = n, aggregation, vote
     self.parts = parts     # the sparse vote: a leaf's cut over a node
     self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
     self.error_feedback, self.errors = error_feedback, None
     self.error_decay, self.scale_chunk = error_decay, scale_chunk
     self.fragments, self.value_bits, self.steps = fragments, value_bits, 0
+    self.scale_clip, self.abstained = scale_clip, 0
+
+  def _clipped(self, scales):
+    """The present workers' scales (one array each), each at most
+    scale_clip times their median (elementwise)."""
+    if self.scale_clip is None or not scales:
+      return scales
+    limit = np.float32(self.scale_clip) * np.median(np.stack(scales), 0)
+    return [np.minimum(s, limit.astype(np.float32)) for s in scales]
+
+  @staticmethod
+  def _mean_of(rows, k):
+    """The sum of ``rows`` in order, times float32 1 / k (0 for none)."""
+    total = np.zeros_like(rows[0]) if rows else 0
+    for r in rows:
+      total = (total + r).astype(np.float32)
+    return total * np.float32(1 / k) if k else total
 
   def _scales(self, p):
     """A worker's scales of flat ``p``, one an entry."""
@@ -71,7 +90,7 @@ class VotedMean:
     return np.concatenate([np.full(len(p[i:i + c]), _l1_scale(p[i:i + c]),
                                    np.float32) for i in range(0, p.size, c)])
 
-  def _dense(self, ps):
+  def _dense(self, ps, present):
     shape = ps[0].shape
     ps = [p.ravel() for p in ps]
     level = max_level(self.quantizer, self.bits)
@@ -80,21 +99,22 @@ class VotedMean:
     else:
       qs = [l1_vote(p, level) for p in ps]
     scales = [self._scales(p) for p in ps]
-    total = np.zeros(ps[0].size, np.float32)
-    for s in scales:
-      total = (total + s).astype(np.float32)
-    mean_scale = (total / np.float32(self.n)).astype(np.float32)
-    mean = mean_scale * aggregate(qs, self.aggregation, np.float32, level)
+    live = [i for i, ok in enumerate(present) if ok]
+    mean_scale = self._mean_of(
+        self._clipped([scales[i] for i in live]), len(live))
+    mean = (mean_scale * aggregate([qs[i] for i in live], self.aggregation,
+                                   np.float32, level) if live
+            else np.zeros(ps[0].size, np.float32))
     said = [s * (q.astype(np.float32) / np.float32(level))
             for s, q in zip(scales, qs)]
     return mean.reshape(shape), [x.reshape(shape) for x in said]
 
-  def _fragment(self, ps):
+  def _fragment(self, ps, present):
     """The dense vote on entries k, k + M, ... of each flat leaf (zero
     padded to whole rows of M), k the step's turn."""
     m, k = self.fragments, self.steps % self.fragments
     rows = [np.pad(p.ravel(), (0, -p.size % m)).reshape(-1, m) for p in ps]
-    mean, said = self._dense([r[:, k] for r in rows])
+    mean, said = self._dense([r[:, k] for r in rows], present)
 
     def spread(x, p):
       full = np.zeros_like(rows[0])
@@ -102,15 +122,17 @@ class VotedMean:
       return full.ravel()[:p.size].reshape(p.shape)
     return spread(mean, ps[0]), [spread(s, p) for s, p in zip(said, ps)]
 
-  def _sparse_values(self, r, w):
+  def _sparse_values(self, r, w, scales=None):
     """A part's ``[chunks, chunk]`` values ``r`` -> what its top entries
-    ``w`` say, by the scales of its groups (or of ``self._leaf``)."""
+    ``w`` say, by the scales of its groups (or of ``self._leaf``), or
+    decoded by ``scales`` (one row a group) instead; and its own scales,
+    one row a group (its mean, or with 2-bit values its two sides')."""
     chunk, keep = self.sparse
     m = np.where(np.isfinite(r), np.abs(r), 0)
     top = np.take_along_axis(m, w, 1)
     group = (self.scale_chunk // chunk if self.scale_chunk
              else r.shape[0])
-    out = np.zeros_like(r)
+    out, own = np.zeros_like(r), []
     for g in range(0, r.shape[0], group):
       t = top[g:g + group]
       if self.scale_chunk is None:
@@ -118,16 +140,18 @@ class VotedMean:
       else:
         mean = np.float32(t.sum(dtype=np.float64) / t.size)
         above = self._sides(t, mean)
-      values = np.full(t.shape, mean, np.float32)
+      own.append([mean] if self.value_bits == 1 else list(above))
+      said = own[-1] if scales is None else scales[len(own) - 1]
+      values = np.full(t.shape, said[0], np.float32)
       if self.value_bits == 2:
         high = t > mean
-        values = np.where(high, above[1], above[0]).astype(np.float32)
+        values = np.where(high, said[1], said[0]).astype(np.float32)
       sign = np.take_along_axis(r[g:g + group], w[g:g + group], 1) > 0
       block = np.zeros_like(r[g:g + group])
       np.put_along_axis(block, w[g:g + group], np.where(sign, values,
                                                         -values), 1)
       out[g:g + group] = block
-    return out
+    return out, np.array(own, np.float32).reshape(-1, self.value_bits)
 
   @staticmethod
   def _sides(t, mean):
@@ -139,9 +163,9 @@ class VotedMean:
                  if side.any() else mean)
     return out
 
-  def _sparse(self, ps):
+  def _sparse(self, ps, present):
     chunk, keep = self.sparse
-    said = []
+    said, coded = [], []
     for p in ps:
       # Each device of a node its equal part of the flat leaf, in chunks.
       width = -(-p.size // self.parts)
@@ -158,13 +182,21 @@ class VotedMean:
            else total / np.float32(kept))
       every = np.concatenate([t.ravel() for t in tops])
       self._leaf = s, self._sides(every, s)
-      q = [self._sparse_values(r, w).ravel()[:width]
-           for r, w in zip(rows, where)]
+      values = [self._sparse_values(r, w) for r, w in zip(rows, where)]
+      q = [v.ravel()[:width] for v, _ in values]
       said.append(np.concatenate(q)[:p.size].reshape(p.shape))
-    total = np.zeros_like(ps[0])
-    for s in said:
-      total = total + s
-    return total * np.float32(1 / self.n), said
+      coded.append((rows, where, [own for _, own in values], self._leaf))
+    live = [i for i, ok in enumerate(present) if ok]
+    clipped = self._clipped([np.concatenate(coded[i][2]) for i in live])
+    decoded = []
+    for i, scales in zip(live, clipped):
+      rows, where, own, self._leaf = coded[i]
+      cut = np.cumsum([len(o) for o in own])[:-1]
+      q = [self._sparse_values(r, w, part)[0].ravel()[:width] for r, w, part
+           in zip(rows, where, np.split(scales, cut))]
+      decoded.append(np.concatenate(q)[:ps[i].size].reshape(ps[i].shape))
+    mean = self._mean_of(decoded, len(live))
+    return (mean if live else np.zeros_like(ps[0])), said
 
   def mean(self, deltas):
     if self.errors is None:
@@ -173,6 +205,8 @@ class VotedMean:
     out = {}
     vote = (self._sparse if self.sparse else
             self._fragment if self.fragments > 1 else self._dense)
+    present = [all(np.isfinite(np.asarray(v, np.float32)).all()
+                   for v in d.values()) for d in deltas]
     for k in deltas[0]:
       ps = [d[k].astype(np.float32) + (
           np.float32(self.error_decay) * e[k] if self.error_feedback
@@ -180,11 +214,14 @@ class VotedMean:
       if self.error_decay == 1:     # as the library: no product by 1
         ps = [d[k].astype(np.float32) + (e[k] if self.error_feedback else 0)
               for d, e in zip(deltas, self.errors)]
-      out[k], said = vote(ps)
-      for e, p, s in zip(self.errors, ps, said):
+      ps = [p if ok else np.zeros_like(p) for p, ok in zip(ps, present)]
+      out[k], said = vote(ps, present)
+      for e, p, s, ok in zip(self.errors, ps, said, present):
         r = p - s
-        e[k] = np.where(np.isfinite(r), r, 0).astype(np.float32)
-    self.steps += 1
+        if ok:        # an abstainer keeps its residual
+          e[k] = np.where(np.isfinite(r), r, 0).astype(np.float32)
+    self.abstained = self.n - sum(present)
+    self.steps += self.abstained < self.n
     return out
 
 
@@ -195,6 +232,8 @@ def outer_of(mean: VotedMean, step="sgd", *, momentum=0.9, b1=0.95,
 
   def outer(anchor, deltas):
     u = mean.mean(deltas)
+    if mean.abstained == mean.n:       # nothing moves, the momentum kept
+      return anchor
     new = {}
     for k, a in anchor.items():
       m = state.get(k, np.zeros_like(u[k]))

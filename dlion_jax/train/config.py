@@ -90,9 +90,10 @@ class OptimizerConfig:
   sync_leaves: Optional[str] = None  # regex on leaf paths; None: all
   min_compress_size: Optional[int] = None
   error_feedback: bool = False
-  # dlion, signum (with local_steps: outer dlion): a worker whose gradients
-  # are not all finite abstains from the vote (dlion_jax.distributed_lion's
-  # abstain_nonfinite); refused where nothing would abstain.
+  # dlion, signum (with local_steps: every outer step, a worker whose round
+  # ended non-finite): a worker whose gradients are not all finite abstains
+  # from the vote (dlion_jax.distributed_lion's abstain_nonfinite; the
+  # outer steps' own); refused where nothing would abstain.
   abstain_nonfinite: bool = False
   # dlion, signum: the vote in buckets of this many gradient bytes, each
   # exchanged on its own (overlaps the backward pass); None: one message.
@@ -139,6 +140,10 @@ class OptimizerConfig:
   outer_scale_chunk: Optional[int] = None
   outer_fragments: int = 1
   outer_sparse_value_bits: int = 1
+  # voted: each worker's scale clipped at this many times the workers'
+  # median scale (null: the plain mean of the scales, which one worker's
+  # huge scale moves).
+  outer_scale_clip: Optional[float] = 2.0
   # The outer step one round late, its exchange apart from the step's
   # gradients (dlion_jax.local_steps's late).
   outer_late: bool = False
@@ -179,9 +184,12 @@ class MeshConfig:
 class FaultsConfig:
   """Faulty workers, for the studies (dlion_jax.train.faults): the first
   ``workers`` workers' gradients are sign-flipped, random, scaled by
-  ``scale`` or NaN on a share ``nan_rate`` of the steps."""
+  ``scale`` or NaN on a share ``nan_rate`` of the steps; with
+  ``on: pseudo_gradients`` (local steps) what they send the outer step
+  instead, once a round."""
   kind: str = "none"       # none | sign_flip | random | scale | nonfinite
   workers: int = 0
+  on: str = "gradients"    # gradients | pseudo_gradients
   scale: float = 1e6
   nan_rate: float = 0.5
 
@@ -220,6 +228,7 @@ _CHOICES = {
     "optimizer.outer_step": ("sgd", "lion"),
     "optimizer.outer_schedule": ("constant", "inner"),
     "faults.kind": ("none", "sign_flip", "random", "scale", "nonfinite"),
+    "faults.on": ("gradients", "pseudo_gradients"),
 }
 _POSITIVE = ("workers", "data.global_batch", "data.seq_len", "data.eval_batch",
              "train.steps", "train.log_every", "train.keep_checkpoints",
@@ -307,6 +316,12 @@ def validate(config: Config) -> Config:
     raise ConfigError(
         f"faults.workers={config.faults.workers} is more than the "
         f"workers={config.workers}.", key="faults.workers")
+  if config.faults.on != "gradients" and config.optimizer.local_steps == 1:
+    raise ConfigError(
+        f"faults.on={config.faults.on} needs local steps (optimizer."
+        "local_steps of 2 or more), whose outer step takes each worker's "
+        "pseudo-gradient. Set optimizer.local_steps, or faults.on=gradients.",
+        key="faults.on")
   return config
 
 
@@ -348,9 +363,9 @@ def _validate_local_steps(config: Config) -> None:
 
 
 def _validate_abstain(opt: OptimizerConfig) -> None:
-  """``abstain_nonfinite`` only where a vote abstains: dlion's and
-  signum's, and with local steps the outer dlion vote (the workers' own
-  steps send nothing; the voted and nesterov outer steps do not abstain)."""
+  """``abstain_nonfinite`` only where a worker can abstain: dlion's and
+  signum's votes, and with local steps every outer step (the workers' own
+  steps send nothing)."""
   if not opt.abstain_nonfinite:
     return
   if opt.local_steps == 1 and opt.name not in ("dlion", "signum"):
@@ -359,14 +374,6 @@ def _validate_abstain(opt: OptimizerConfig) -> None:
         f"{opt.name}, which averages the workers' gradients (no vote to "
         "abstain from): a NaN or Inf gradient reaches every worker's params. "
         "Set optimizer.name=dlion or signum, or drop optimizer."
-        "abstain_nonfinite (a non-finite loss then stops the run).",
-        key="optimizer.abstain_nonfinite")
-  if opt.local_steps > 1 and opt.outer != "dlion":
-    raise ConfigError(
-        f"optimizer.abstain_nonfinite=true does nothing with optimizer."
-        f"local_steps={opt.local_steps} and optimizer.outer={opt.outer}: "
-        "of the outer steps only dlion's vote abstains (each worker's own "
-        "steps send nothing). Set optimizer.outer=dlion, or drop optimizer."
         "abstain_nonfinite (a non-finite loss then stops the run).",
         key="optimizer.abstain_nonfinite")
 
@@ -378,7 +385,7 @@ def _validate_voted(opt: OptimizerConfig) -> None:
                 "outer_error_feedback": True, "outer_sparse_chunk": None,
                 "outer_sparse_keep": 1, "outer_error_decay": 1.0,
                 "outer_scale_chunk": None, "outer_fragments": 1,
-                "outer_sparse_value_bits": 1}
+                "outer_sparse_value_bits": 1, "outer_scale_clip": 2.0}
   for key, default in voted_only.items():
     if getattr(opt, key) != default and opt.outer != "voted":
       raise ConfigError(
@@ -423,7 +430,7 @@ def _validate_vote_levers(opt: OptimizerConfig) -> None:
   by their keys."""
   options = {name: getattr(opt, f"outer_{name}") for name in (
       "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
-      "error_feedback", "sparse_chunk", "sparse_keep")}
+      "error_feedback", "sparse_chunk", "sparse_keep", "scale_clip")}
   try:
     rounds.scale_by_voted_mean(**options)
   except ValueError as e:

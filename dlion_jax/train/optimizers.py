@@ -140,7 +140,8 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
   if cfg.outer == "nesterov":
     return dl.rounds.nesterov_outer(
         _or(peak, NESTEROV_OUTER_LEARNING_RATE),
-        momentum=_or(cfg.outer_momentum, 0.9), axis_name=axis_name)
+        momentum=_or(cfg.outer_momentum, 0.9), axis_name=axis_name,
+        abstain_nonfinite=cfg.abstain_nonfinite)
   if cfg.outer == "voted":
     peak = _or(peak, VOTED_OUTER_LEARNING_RATE)
     lion = cfg.outer_step == "lion"
@@ -157,7 +158,9 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
         scale_chunk=cfg.outer_scale_chunk, fragments=cfg.outer_fragments,
         sparse_chunk=cfg.outer_sparse_chunk,
         sparse_keep=cfg.outer_sparse_keep,
-        sparse_value_bits=cfg.outer_sparse_value_bits)
+        sparse_value_bits=cfg.outer_sparse_value_bits,
+        scale_clip=cfg.outer_scale_clip,
+        abstain_nonfinite=cfg.abstain_nonfinite)
   lr = _shaped(_or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate),
                cfg, schedule)
   # The inner optimizer decays the weights: none in the outer step.

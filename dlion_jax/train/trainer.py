@@ -300,13 +300,17 @@ def _setup(cfg: Config, mesh) -> _Run:
   dataset = _load_data(cfg)
   model = _build_model(cfg, dataset)
   graphdef, params = models.split_params(model)
-  tx = optimizers.build_optimizer(cfg.optimizer,
-                                  total_steps=cfg.train.steps, axis_name=AXIS)
+  injected = None
   if cfg.faults.kind != "none" and cfg.faults.workers:
-    tx = optax.chain(faults.faulty_workers(
+    injected = faults.faulty_workers(
         cfg.faults.kind, cfg.faults.workers, axis_name=AXIS,
-        scale=cfg.faults.scale, nan_rate=cfg.faults.nan_rate,
-        seed=cfg.seed), tx)
+        scale=cfg.faults.scale, nan_rate=cfg.faults.nan_rate, seed=cfg.seed)
+  outer = cfg.faults.on == "pseudo_gradients"
+  tx = optimizers.build_optimizer(
+      cfg.optimizer, total_steps=cfg.train.steps, axis_name=AXIS,
+      outer_faults=injected if outer else None)
+  if injected is not None and not outer:
+    tx = optax.chain(injected, tx)
   params = place_params(params, cfg, mesh)
   opt_state = parallel.init_worker_states(
       tx, params, mesh, axis_name=AXIS, shard_axis=step_shard_axis(cfg, mesh))
@@ -522,7 +526,9 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
 def abstentions(opt_state) -> int | None:
   """How many times a worker abstained from the vote so far
   (``optimizer.abstain_nonfinite``), or None where no vote abstains."""
-  kinds = (dl.AbstainingState, dl.AbstainingErrorFeedbackState)
+  kinds = (dl.AbstainingState, dl.AbstainingErrorFeedbackState,
+           dl.rounds.AbstainingVotedMeanState,
+           dl.transforms.AbstainingMeanState)
   found = [x for x in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, kinds))
            if isinstance(x, kinds)]

@@ -1,0 +1,157 @@
+"""The voted mean's dense vote (:func:`dlion_jax.rounds.scale_by_voted_mean`):
+each worker's code and scales of what it says, the workers' combined
+scale (clipped at a multiple of their median, or their plain mean), the
+vote in fragments, and the checks of the vote's options.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from dlion_jax import _collectives
+from dlion_jax import _exchange
+from dlion_jax import _quantize
+from dlion_jax import _sparse
+
+
+def clip_factor(scale_clip) -> float | None:
+  """``scale_clip``, checked: None, or a number of 1 or more (a traced one,
+  from :func:`optax.inject_hyperparams`, as it is)."""
+  if scale_clip is None or isinstance(scale_clip, jax.core.Tracer):
+    return scale_clip
+  if isinstance(scale_clip, (jax.Array, np.ndarray)) and not np.ndim(
+      scale_clip):
+    scale_clip = scale_clip.item()
+  if isinstance(scale_clip, bool) or not isinstance(
+      scale_clip, (int, float)) or not 1 <= scale_clip < float("inf"):
+    raise ValueError(
+        f"scale_clip={scale_clip!r} must be a number of 1 or more (each "
+        "worker's scale is clipped at that many times the workers' median "
+        "scale; e.g. 2.0), or None for the plain mean of the scales.")
+  return float(scale_clip)
+
+
+def residual_weight(error_decay, error_feedback: bool) -> float:
+  """``error_decay``, checked: a number in ``(0, 1]`` (a traced one,
+  from :func:`optax.inject_hyperparams`, as it is)."""
+  if isinstance(error_decay, jax.core.Tracer):
+    return error_decay
+  if isinstance(error_decay, (jax.Array, np.ndarray)) and not np.ndim(
+      error_decay):
+    error_decay = error_decay.item()
+  if isinstance(error_decay, bool) or not isinstance(
+      error_decay, (int, float)) or not 0 < error_decay <= 1:
+    raise ValueError(
+        f"error_decay={error_decay!r} must be a number in (0, 1]: the "
+        "weight of each worker's residual in its next vote (1: all of it; "
+        "SparseLoCo decays it by e.g. 0.95).")
+  if error_decay != 1 and not error_feedback:
+    raise ValueError(
+        f"error_decay={error_decay} needs error_feedback=True: there is no "
+        "residual to decay. Set error_feedback=True, or leave error_decay "
+        "at 1.")
+  return float(error_decay)
+
+
+def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
+  """A worker's vote on ``p`` as values in ``[-1, 1]``: what the vote's
+  codes say (:func:`dlion_jax._quantize.encode`)."""
+  if spec.scaled:
+    return _quantize.l1_levels(p, spec.max_level) / spec.max_level
+  if spec.radix == 2:
+    return jnp.where(p > 0, 1.0, -1.0).astype(p.dtype)
+  return jnp.sign(p)
+
+
+def _chunk_scales(p: jax.Array, chunk: int) -> jax.Array:
+  """The mean ``|p|`` of each chunk of ``chunk`` entries of the flattened
+  leaf (the last over its own entries), non-finite entries counting 0;
+  each chunk's sum times the constant reciprocal of its size."""
+  x = jnp.abs(p.ravel())
+  x = jnp.where(jnp.isfinite(x), x, 0)
+  rows = jnp.pad(x, (0, -x.size % chunk)).reshape(-1, chunk)
+  sizes = np.full(rows.shape[0], chunk)
+  if sizes.size:
+    sizes[-1] = x.size - chunk * (sizes.size - 1)
+  return rows.sum(1) * jnp.asarray(1.0 / sizes, x.dtype)
+
+
+def _per_entry(scale: jax.Array, p: jax.Array, chunk: int | None):
+  """A leaf's scale (a scalar), or its chunks', for each entry of ``p``."""
+  if chunk is None:
+    return scale
+  return jnp.repeat(scale, chunk)[:p.size].reshape(p.shape)
+
+
+def mean_scale(scales: list[jax.Array], *, axis_name, num_workers: int,
+               clip: float | None, present=None) -> list[jax.Array]:
+  """The workers' mean of each of ``scales`` (one worker's, float32),
+  the same on every worker: with ``clip``, of every worker's gathered
+  scales, :func:`dlion_jax._sparse.clipped`, summed in the workers'
+  order; without, a ``pmean``. ``present`` (or None): ``(ok,
+  abstained)``, whether this worker takes part and how many do not; an
+  absent worker's scales must be 0, and the mean is the present
+  workers'."""
+  ok, abstained = present or (None, 0)
+  count = num_workers - abstained
+  if not scales:
+    return []
+  if clip is None:
+    if present is None:
+      return _collectives.pmean(scales, axis_name)
+    return _collectives.present_mean(scales, axis_name, count, num_workers)
+  flat = jnp.concatenate([x.ravel() for x in scales])
+  if ok is not None:
+    flat = jnp.where(ok, flat, jnp.nan)
+  rows = _sparse.clipped(_sparse.gathered(flat, axis_name), clip, count)
+  total = lax.fori_loop(1, num_workers, lambda j, t: t + rows[j], rows[0])
+  total = total * _collectives.reciprocal_of_count(count, num_workers,
+                                                   total.dtype)
+  out, start = [], 0
+  for x in scales:
+    out.append(total[start:start + x.size].reshape(x.shape))
+    start += x.size
+  return out
+
+
+def dense_mean(leaves, *, spec, axis_name, num_workers, aggregation, comm,
+               scale_chunk=None, scale_clip=None, present=None):
+  """:func:`dlion_jax.rounds.scale_by_voted_mean`'s dense ``U`` of each
+  leaf, and what this worker said (``s_i q_i``). ``present``: ``(ok,
+  abstained)``, or None (every worker votes); an abstainer's leaves are
+  0."""
+  scales = [_quantize.l1_scale(p) if scale_chunk is None
+            else _chunk_scales(p, scale_chunk) for p in leaves]
+  mean_scales = mean_scale(scales, axis_name=axis_name,
+                           num_workers=num_workers, clip=scale_clip,
+                           present=present)
+  votes = _exchange.aggregate(
+      lambda p: p, leaves, axis_name=axis_name, num_workers=num_workers,
+      spec=spec, aggregation=aggregation, comm=comm,
+      abstained=None if present is None else present[1])
+  means = [_per_entry(s, v, scale_chunk) * v.astype(s.dtype)
+           for s, v in zip(mean_scales, votes)]
+  said = [_per_entry(s, p, scale_chunk) * _own_values(p, spec)
+          for s, p in zip(scales, leaves)]
+  return means, said
+
+
+def fragment_vote(vote, leaves, fragments: int, k: jax.Array):
+  """``vote`` on fragment ``k`` of each leaf (its flat entries ``k, k + M,
+  ...``, zero-padded to whole rows of ``M``): the means and what was said,
+  in the leaves' shapes, 0 off the fragment."""
+  rows = [jnp.pad(p.ravel(), (0, -p.size % fragments)).reshape(
+      -1, fragments) for p in leaves]
+  picked = [lax.dynamic_index_in_dim(r, k, axis=1, keepdims=False)
+            for r in rows]
+  means, said = vote(picked)
+
+  def spread(x, r, p):
+    full = lax.dynamic_update_index_in_dim(
+        jnp.zeros_like(r), x.astype(r.dtype), k, axis=1)
+    return full.ravel()[:p.size].reshape(p.shape)
+  return ([spread(u, r, p) for u, r, p in zip(means, rows, leaves)],
+          [spread(s, r, p) for s, r, p in zip(said, rows, leaves)])
