@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 
 from dlion_jax import _blocks
 from dlion_jax import _checks
-from dlion_jax import _collectives
+from dlion_jax import _extra_args
 from dlion_jax import _mesh
 from dlion_jax import _placement
 from dlion_jax import rounds
@@ -120,15 +120,16 @@ def float_leaves(params: Any) -> list[int]:
 
 
 def worker_update(tx, placement=None):
-  """One worker's optimizer step, ``(grads, state, params) -> (new params,
-  state)``, the new params typed like the old. With a ``placement`` (Auto
-  axes beside the workers', :func:`dlion_jax._placement.placement`) the
-  update knows how each leaf is placed (``dlion_jax._blocks.placed``)."""
-  def update(grads, state, params):
-    state = _collectives.alike_state(state)  # check_vma: parallel.typed_alike
+  """One worker's optimizer step, ``(grads, state, params, extra_args) ->
+  (new params, state)`` (``extra_args``: optax's, a dict), the new params
+  typed like the old. With a ``placement`` (Auto axes beside the workers',
+  :func:`dlion_jax._placement.placement`) the update knows how each leaf
+  is placed (``dlion_jax._blocks.placed``)."""
+  def update(grads, state, params, extra_args=None):
+    state = _extra_args.alike_state(state)  # check_vma: parallel.typed_alike
     with (contextlib.nullcontext() if placement is None
           else _blocks.placed(placement)):
-      updates, state = tx.update(grads, state, params)
+      updates, state = tx.update(grads, state, params, **extra_args or {})
     # Local steps: a round's end puts every worker exactly on the anchor.
     new = rounds.restart_at_anchor(optax.apply_updates(params, updates),
                                    state)
@@ -184,13 +185,19 @@ def region_of(closed) -> Any:
   return found[-1]
 
 
-def learn(loss_fn, tx, has_aux, micro_batches, placement=None):
-  """One worker's loss, gradients and update: what must hold an exchange."""
+def learn(loss_fn, tx, has_aux, micro_batches, placement=None, *,
+          loss_as=None, own_loss=False, axis_name=None):
+  """One worker's loss, gradients and update: what must hold an exchange
+  (the loss given to ``tx.update`` as ``loss_as``, the worker's own or
+  the workers' mean: ``dlion_jax._extra_args.with_loss``)."""
   update = worker_update(tx, placement)
-  def learn(params, local_params, state, batch):
+  def learn(params, local_params, state, batch, extra_args=None):
     loss, grads = loss_and_grads(loss_fn, local_params, batch, has_aux,
                                  micro_batches)
-    return *update(grads, state, params), loss
+    extra_args = _extra_args.with_loss(extra_args or {}, loss[0] if has_aux
+                                       else loss, loss_as, own_loss,
+                                       axis_name)
+    return *update(grads, state, params, extra_args), loss
   return learn
 
 
@@ -666,10 +673,12 @@ def drift_error(jaxpr, params: Any, drifting: list[tuple[int, str]],
   return ValueError(
       f"{what}: their new values depend on each worker's own batch after "
       "the exchange (a value or a decision taken per worker and applied "
-      "after the vote, or an exchange among groups of the workers only, "
-      "axis_index_groups). Apply after the exchange only what every worker "
-      "computes alike, or reduce the per-worker value over all the workers "
-      f"first (e.g. jax.lax.pmean over {axis_name!r}).")
+      "after the vote, an extra argument of tx.update given each worker's "
+      "own by per_worker_args among them, or an exchange among groups of "
+      "the workers only, axis_index_groups). Apply after the exchange only "
+      "what every worker computes alike, or reduce the per-worker value "
+      f"over all the workers first (e.g. jax.lax.pmean over {axis_name!r}; "
+      "one value for all: leave it out of per_worker_args).")
 
 def check_no_drift(jaxpr, params: Any, num_varying: int, axis_name,
                     num_workers, state: Any = None) -> None:

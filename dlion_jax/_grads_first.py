@@ -22,6 +22,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from dlion_jax import _core
+from dlion_jax import _extra_args
 from dlion_jax import _placement
 from dlion_jax._mesh import axis_size
 from dlion_jax import _blocks
@@ -29,13 +30,14 @@ from dlion_jax import _blocks
 
 def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
                 specs, *, has_aux: bool, micro_batches: int,
-                check_vma: bool) -> Callable:
+                check_vma: bool, loss_as=None,
+                per_worker_args=()) -> Callable:
   """:func:`dlion_jax.parallel.make_train_step`'s step with a
   ``shard_axis``: each node's mean gradient by
   ``dlion_jax._grads_first.node_mean_grads`` (manual over both axes), then
   the update of :func:`_voted`, each leaf's gradient and vote in the
   blocks :func:`dlion_jax._placement.blocks` gives it."""
-  def step(params, state, batch):
+  def step(params, state, batch, shared, own):
     paths, leaves = zip(*[(_blocks.path_key(p), x) for p, x in
                           jax.tree_util.tree_leaves_with_path(params)])
     floats = _core.float_leaves(params)
@@ -55,14 +57,16 @@ def hybrid_step(loss_fn, tx, mesh: Mesh, axis_name: str, shard_axis: str,
                     for s, p in zip(param_specs, paths)],
         grad_dims=[_core.axis_dim(blocks[paths[i]], shard_axis)
                    for i in floats])(params, batch)
-    return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
-        params, state, value, grads)
+    return _voted(tx, mesh, axis_name, blocks, floats, check_vma, has_aux,
+                  loss_as, loss_as in per_worker_args)(
+                      shared, params, state, own, value, grads)
   return step
 
 
 def explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
                   has_aux: bool, micro_batches: int,
-                  check_vma: bool) -> Callable:
+                  check_vma: bool, loss_as=None,
+                  per_worker_args=()) -> Callable:
   """:func:`dlion_jax.parallel.make_train_step`'s step without
   ``shard_axis`` on a mesh with Explicit axes beside ``axis_name``: each
   worker's gradients by ``jax.vmap(..., spmd_axis_name=axis_name)`` over
@@ -76,7 +80,7 @@ def explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
   """
   n = axis_size(mesh, axis_name)
 
-  def step(params, state, batch):
+  def step(params, state, batch, shared, own):
     floats = _core.float_leaves(params)
     _, blocks = _placement.blocks(tx, specs, params, mesh, None)
 
@@ -89,39 +93,49 @@ def explicit_step(loss_fn, tx, mesh: Mesh, axis_name: str, specs, *,
       rows = jax.tree_util.tree_map_with_path(
           lambda path, x: _core.worker_rows(x, n, axis_name, path), batch)
       value, grads = jax.vmap(worker_grads, spmd_axis_name=axis_name)(rows)
-    return _voted(tx, mesh, axis_name, blocks, floats, check_vma)(
-        params, state, value, grads)
+    return _voted(tx, mesh, axis_name, blocks, floats, check_vma, has_aux,
+                  loss_as, loss_as in per_worker_args)(
+                      shared, params, state, own, value, grads)
   return step
 
 
 def _voted(tx, mesh: Mesh, axis_name: str, blocks: dict[str, P],
-           floats: list[int], check_vma: bool) -> Callable:
-  """``(params, state, value, grads) -> (params, state, loss)``: the update
-  of every worker from its ``grads`` (its float leaves' gradients,
-  stacked, each leaf voted in its ``blocks``) and its loss ``value``, in a
-  region manual over ``axis_name`` alone (``dlion_jax._core.in_region``).
+           floats: list[int], check_vma: bool, has_aux: bool = False,
+           loss_as=None, own_loss: bool = False) -> Callable:
+  """``(shared, params, state, own, value, grads) -> (params, state,
+  loss)``: the update of every worker from its ``grads`` (its float
+  leaves' gradients, stacked, each leaf voted in its ``blocks``) and its
+  loss ``value``, optax's extra arguments one for all (``shared``) or a
+  row a worker (``own``), in a region manual over ``axis_name`` alone
+  (``dlion_jax._core.in_region``).
   """
   del check_vma    # the region is checked on its first trace (ExchangeCheck)
   update = _core.worker_update(tx, blocks)
 
-  def local_update(params, state, value, float_grads):
+  def local_update(shared, params, state, own, value, float_grads):
     row = lambda tree: jax.tree.map(lambda x: x[0], tree)
-    state, value, float_grads = row(state), row(value), row(float_grads)
+    state, own, value = row(state), row(own), row(value)
+    float_grads = row(float_grads)
     whole = [jnp.zeros(np.shape(x), jnp.result_type(x))
              for x in jax.tree.leaves(params)]
     for i, g in zip(floats, float_grads):
       whole[i] = g
+    extra = _extra_args.with_loss({**shared, **own}, value[0] if has_aux
+                                  else value, loss_as, own_loss, axis_name)
     params, state = update(jax.tree.unflatten(jax.tree.structure(params),
-                                              whole), state, params)
+                                              whole), state, params, extra)
     return (params, jax.tree.map(lambda x: x[None], state),
             _core.mean_of_workers(value, axis_name))
 
   typed = lambda tree: jax.tree.map(lambda x: jax.typeof(x).sharding.spec,
                                     tree)
-  # The gradients come last: the exchange check reads them as varying.
+  # What differs by worker comes last, the gradients last of all: the
+  # exchange check reads them as varying; the shared arguments first,
+  # among the constants.
   return _core.in_region(
       local_update, mesh, axis_name,
-      in_specs=(P(), P(axis_name), P(axis_name), P(axis_name)),
+      in_specs=(P(), P(), P(axis_name), P(axis_name), P(axis_name),
+                P(axis_name)),
       out_specs=(P(), P(axis_name), P()),
-      out_typed=lambda params, state, value, grads: (typed(params),
-                                                     typed(state), P()))
+      out_typed=lambda shared, params, state, own, value, grads: (
+          typed(params), typed(state), P()))

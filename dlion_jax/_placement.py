@@ -123,14 +123,14 @@ class OutputsPlacedLikeInputs:
           (specs[0], row(specs[1])), placed + (NamedSharding(self._mesh, P()),))
     return self._by_placement[key]
 
-  def trace(self, params, state, batch):
-    return self._for(params, state).trace(params, state, batch)
+  def trace(self, params, state, batch, extra_args=None):
+    return self._for(params, state).trace(params, state, batch, extra_args)
 
-  def lower(self, params, state, batch):
-    return self._for(params, state).lower(params, state, batch)
+  def lower(self, params, state, batch, extra_args=None):
+    return self._for(params, state).lower(params, state, batch, extra_args)
 
-  def __call__(self, params, state, batch):
-    return self._for(params, state)(params, state, batch)
+  def __call__(self, params, state, batch, extra_args=None):
+    return self._for(params, state)(params, state, batch, extra_args)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)

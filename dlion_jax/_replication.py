@@ -26,32 +26,38 @@ from dlion_jax import _mesh
 class _CheckedOnFirstTrace:
   """A jitted ``shard_map`` step that, when first traced, runs a check on
   its update's region (the last ``shard_map``). It reads the trace jit
-  caches anyway, so the check costs no second trace."""
+  caches anyway, so the check costs no second trace. Called as
+  ``step(params, state, batch, **extra_args)`` (optax's), it calls
+  ``jitted(params, state, batch, extra_args)``; those ``per_worker_args``
+  names differ by worker, the others are one value for all."""
 
-  def __init__(self, jitted: Callable, num_workers: int):
+  def __init__(self, jitted: Callable, num_workers: int,
+               per_worker_args: tuple[str, ...] = ()):
     functools.update_wrapper(self, jitted)
     self._jitted = jitted
     self._checked = num_workers == 1
+    self._per_worker = per_worker_args
 
-  def _check_region(self, region, params, state, batch) -> None:
+  def _check_region(self, region, params, state, batch, own) -> None:
     raise NotImplementedError
 
-  def trace(self, params, state, batch):
-    traced = self._jitted.trace(params, state, batch)
+  def trace(self, params, state, batch, **extra_args):
+    traced = self._jitted.trace(params, state, batch, extra_args)
     if not self._checked:
       region = [e for e in traced.jaxpr.jaxpr.eqns
                 if e.primitive.name == "shard_map"][-1]
-      self._check_region(region, params, state, batch)
+      own = {k: v for k, v in extra_args.items() if k in self._per_worker}
+      self._check_region(region, params, state, batch, own)
       self._checked = True
     return traced
 
-  def lower(self, params, state, batch):
-    return self.trace(params, state, batch).lower()
+  def lower(self, params, state, batch, **extra_args):
+    return self.trace(params, state, batch, **extra_args).lower()
 
-  def __call__(self, params, state, batch):
+  def __call__(self, params, state, batch, **extra_args):
     if not self._checked:
-      self.trace(params, state, batch)
-    return self._jitted(params, state, batch)
+      self.trace(params, state, batch, **extra_args)
+    return self._jitted(params, state, batch, extra_args)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
@@ -62,21 +68,23 @@ class ExchangeCheck(_CheckedOnFirstTrace):
   (:mod:`dlion_jax._drift`)."""
 
   def __init__(self, jitted: Callable, axis_name: str, num_workers: int,
-               grads_first: bool):
-    super().__init__(jitted, num_workers)
+               grads_first: bool, per_worker_args: tuple[str, ...] = ()):
+    super().__init__(jitted, num_workers, per_worker_args)
     self._axis, self._n, self._grads_first = axis_name, num_workers, grads_first
 
-  def _check_region(self, region, params, state, batch) -> None:
+  def _check_region(self, region, params, state, batch, own) -> None:
     # The region's last inputs differ by worker: the batch, or (a step
     # that differentiates before the region) each worker's loss and float
     # gradients, the loss also among its outputs after the params and
-    # state. (Constants it closes over come first.)
+    # state; before them each worker's own extra arguments. (Constants it
+    # closes over come first, and the extra arguments one for all.)
     if self._grads_first:
       varying = (len(region.outvars) - len(jax.tree.leaves(params))
                  - len(jax.tree.leaves(state))
                  + len(_core.float_leaves(params)))
     else:
       varying = len(jax.tree.leaves(batch))
+    varying += len(jax.tree.leaves(own))
     _core.check_no_drift(region.params["jaxpr"], params, varying, self._axis,
                     self._n, state)
 
@@ -86,13 +94,14 @@ class AnchorCheck(_CheckedOnFirstTrace):
   (:mod:`dlion_jax.rounds`) must be equal on every worker: the outer step
   must exchange over the workers' axis."""
 
-  def __init__(self, jitted: Callable, axis_name: str, num_workers: int):
-    super().__init__(jitted, num_workers)
+  def __init__(self, jitted: Callable, axis_name: str, num_workers: int,
+               per_worker_args: tuple[str, ...] = ()):
+    super().__init__(jitted, num_workers, per_worker_args)
     self._axis = axis_name
 
-  def _check_region(self, region, params, state, batch) -> None:
-    _core.check_anchor_alike(region.params["jaxpr"], params, state, batch,
-                        self._axis)
+  def _check_region(self, region, params, state, batch, own) -> None:
+    _core.check_anchor_alike(region.params["jaxpr"], params, state,
+                             (batch, own), self._axis)
 
 
 def require_exchange(fn: Callable, axis_name: str, num_workers: int,

@@ -46,14 +46,15 @@ import functools
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
 from jax.sharding import Mesh
 
-from dlion_jax import _collectives
 from dlion_jax import _core
 from dlion_jax import _deprecations
+from dlion_jax import _extra_args
 from dlion_jax import _grads_first
 from dlion_jax import _mesh
 from dlion_jax import _per_worker
@@ -197,9 +198,12 @@ def typed_alike(state: Any) -> Any:
   :class:`optax.MultiSteps`' and :func:`optax.inject_hyperparams`' counts,
   and its hyperparameters. This types the state's integer scalars and
   injected hyperparameters as equal on every worker (their maximum over
-  the workers: one small all-reduce each). :func:`make_train_step` does it
-  itself, and ``dl.distributed_lion``'s own schedules need none of it.
-  Without ``check_vma`` it returns ``state`` unchanged.
+  the workers: one small all-reduce each), and the state of
+  :func:`optax.contrib.reduce_on_plateau` whole (its scale and values
+  too: give it one ``value`` for all, e.g. the loss's ``pmean``).
+  :func:`make_train_step` does it itself, and ``dl.distributed_lion``'s
+  own schedules need none of it. Without ``check_vma`` it returns
+  ``state`` unchanged.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
@@ -224,7 +228,7 @@ def typed_alike(state: Any) -> Any:
     >>> params["w"]
     Array([0.99, 0.99, 0.99, 0.99], dtype=float32)
   """
-  return _collectives.alike_state(state)
+  return _extra_args.alike_state(state)
 
 
 def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
@@ -232,7 +236,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                     shard_axis: str | None = None,
                     check_vma: bool = False, donate: bool = True,
                     has_aux: bool = False, micro_batches: int = 1,
-                    params_per_worker: bool = False):
+                    params_per_worker: bool = False,
+                    per_worker_args: tuple[str, ...] = (),
+                    loss_as: str | None = None):
   """Builds a jitted ``shard_map`` data-parallel step.
 
   The step is manual over ``axis_name`` only: on a mesh with other axes
@@ -312,10 +318,21 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
       each node's devices then share its params and batch as the compiler
       partitions them, its gradient reduced over them every step, and only
       the outer step crosses ``axis_name``.
+    per_worker_args: the extra arguments of ``tx.update`` (optax's
+      :class:`~optax.GradientTransformationExtraArgs`, e.g. ``value`` of
+      :func:`optax.contrib.reduce_on_plateau`) that are each worker's own:
+      the step takes them with a leading axis of ``N``, and each worker
+      gets its row. Every other extra argument is one value for all.
+    loss_as: the name of an extra argument of ``tx.update`` that gets the
+      step's loss (``loss_as="value"`` for
+      :func:`optax.contrib.reduce_on_plateau`): each worker's own where
+      ``per_worker_args`` names it, else the mean over the workers (the
+      loss the step returns).
 
   Returns:
-    ``step(params, state, batch) -> (params, state, loss)`` with the shapes of
-    the module docstring.
+    ``step(params, state, batch, **extra_args) -> (params, state, loss)``
+    with the shapes of the module docstring, ``extra_args`` passed on to
+    ``tx.update`` (as ``per_worker_args`` says).
 
   Example:
     >>> import jax, jax.numpy as jnp, dlion_jax as dl
@@ -337,6 +354,9 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   if params_per_worker:
     _check_params_per_worker_mesh(mesh, axis_name, shard_axis)
   micro_batches = _checks.positive_int("micro_batches", micro_batches)
+  per_worker_args = _extra_args.names(per_worker_args)
+  _extra_args.check_loss_as(loss_as, tx)
+  own_loss = loss_as in per_worker_args
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
   check_vma = check_vma and n > 1
@@ -345,37 +365,47 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
              if a not in _mesh.names(axis_name))
 
   def build(specs=None, out_shardings=None):
+    options = dict(has_aux=has_aux, micro_batches=micro_batches,
+                   check_vma=check_vma, loss_as=loss_as,
+                   per_worker_args=per_worker_args)
     if shard_axis is not None:
       step = _grads_first.hybrid_step(
-          loss_fn, tx, mesh, axis_name, shard_axis, specs, has_aux=has_aux,
-          micro_batches=micro_batches, check_vma=check_vma)
+          loss_fn, tx, mesh, axis_name, shard_axis, specs, **options)
     elif _mesh.explicit_axes(mesh, axis_name):
       step = _grads_first.explicit_step(
-          loss_fn, tx, mesh, axis_name, specs, has_aux=has_aux,
-          micro_batches=micro_batches, check_vma=check_vma)
+          loss_fn, tx, mesh, axis_name, specs, **options)
     else:
       learn = _core.learn(
           loss_fn, tx, has_aux, micro_batches,
-          _placement.placement(tx, *specs) if specs and auto else None)
+          _placement.placement(tx, *specs) if specs and auto else None,
+          loss_as=loss_as, own_loss=own_loss, axis_name=axis_name)
 
-      def local_step(params, state, batch):
+      # The extra arguments one for all first, among the constants, and
+      # each worker's own last: the checks read what differs by worker.
+      def local_step(shared, params, state, batch, own):
         local_params = (lax.pcast(params, axis_name, to="varying")
                         if check_vma and not params_per_worker else params)
-        params, state, loss = learn(params, local_params, state, batch)
+        params, state, loss = learn(params, local_params, state, batch,
+                                    {**shared, **own})
         return params, state, _core.mean_of_workers(loss, axis_name)
 
       params_layout = "stacked" if params_per_worker else "replicated"
-      step = _per_worker.mapped(
+      mapped = _per_worker.mapped(
           local_step, mesh, axis_name=axis_name,
-          ins=(params_layout, "stacked", "split"),
+          ins=("replicated", params_layout, "stacked", "split", "stacked"),
           outs=(params_layout, "stacked", "replicated"),
           check_vma=check_vma, check_replicated=False)
+      step = lambda params, state, batch, shared, own: mapped(
+          shared, params, state, batch, own)
 
-    def checked_step(params, state, batch):
+    def checked_step(params, state, batch, extra_args=None):
       _core.check_batch_rows(batch, n, axis_name)
       _core.check_worker_states(state, n, mesh.devices.size)
       _check_params_layout(params, state, n, params_per_worker)
-      return step(params, state, batch)
+      with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        shared, own = _extra_args.split(
+            extra_args or {}, per_worker_args, tx, n, axis_name=axis_name)
+      return step(params, state, batch, shared, own)
 
     return jax.jit(checked_step, out_shardings=out_shardings,
                    donate_argnums=(0, 1) if donate else ())
@@ -390,9 +420,10 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   grads_first = shard_axis is not None or bool(
       _mesh.explicit_axes(mesh, axis_name))
   if params_per_worker:     # whose params differ within a round
-    jitted = _replication.AnchorCheck(jitted, axis_name, n)
+    jitted = _replication.AnchorCheck(jitted, axis_name, n, per_worker_args)
   else:
-    jitted = _replication.ExchangeCheck(jitted, axis_name, n, grads_first)
+    jitted = _replication.ExchangeCheck(jitted, axis_name, n, grads_first,
+                                        per_worker_args)
   return limit_in_flight(jitted, devices=mesh.devices.flat)
 
 
@@ -456,7 +487,9 @@ def init_pmap_states(tx: optax.GradientTransformation, params: Any,
 def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
                          *, axis_name: str = "data", donate: bool = True,
                          devices=None, has_aux: bool = False,
-                         micro_batches: int = 1):
+                         micro_batches: int = 1,
+                         per_worker_args: tuple[str, ...] = (),
+                         loss_as: str | None = None):
   """The same data-parallel step for ``jax.pmap`` users.
 
   Every argument carries a leading device axis of size ``N``: ``params`` from
@@ -472,26 +505,36 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     devices: the devices to map over (default: all local devices).
     has_aux: as in :func:`make_train_step`.
     micro_batches: as in :func:`make_train_step`.
+    per_worker_args: as in :func:`make_train_step`: the extra arguments of
+      ``tx.update`` given a row per device (``[N, ...]``, each device its
+      row); the others are one value for all.
+    loss_as: as in :func:`make_train_step`.
 
   Returns:
-    ``step(params, state, batch) -> (params, state, loss)``, ``loss`` of shape
-    ``[N]`` (equal entries).
+    ``step(params, state, batch, **extra_args) -> (params, state, loss)``,
+    ``loss`` of shape ``[N]`` (equal entries), ``extra_args`` passed on to
+    ``tx.update``.
   """
+  per_worker_args = _extra_args.names(per_worker_args)
+  _extra_args.check_loss_as(loss_as, tx)
+  learn = _core.learn(loss_fn, tx, has_aux, micro_batches, loss_as=loss_as,
+                      own_loss=loss_as in per_worker_args,
+                      axis_name=axis_name)
 
-  learn = _core.learn(loss_fn, tx, has_aux, micro_batches)
-
-  def local_step(params, state, batch):
+  def local_step(params, state, batch, shared, own):
+    fn = lambda shared, params, local, state, rows: learn(
+        params, local, state, rows[0], {**shared, **rows[1]})
+    # Each device's own extra arguments differ by device, as the batch.
     params, state, loss = _replication.require_exchange(
-        learn, axis_name, lax.axis_size(axis_name), params, params, state,
-        batch)
+        fn, axis_name, lax.axis_size(axis_name), shared, params, params,
+        state, (batch, own))
     return params, state, lax.pmean(loss, axis_name)
 
   step = jax.pmap(local_step, axis_name=axis_name, devices=devices,
                   donate_argnums=(0, 1) if donate else ())
   n = jax.local_device_count() if devices is None else len(devices)
 
-  @functools.wraps(step)          # keeps pmap's lower, trace, ...
-  def checked_step(params, state, batch):
+  def checked(params, state, batch, extra_args):
     _core.refuse_local_steps(state, "make_pmap_train_step's step")
     stacked = "a copy for each of its devices stacked"
     _core.check_leading_axis(
@@ -504,6 +547,19 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     _core.check_leading_axis(
         batch, n, "batch", "each device's batch",
         f"Reshape it to [{n}, local_batch, ...].")
-    return step(params, state, batch)
+    shared, own = _extra_args.split(extra_args, per_worker_args, tx, n,
+                                    "each device's own")
+    # One for all, copied to every device: pmap's in_axes=None for an
+    # empty argument left a leaf after optax.masked's empty node unmapped
+    # (jax 0.10).
+    shared = jax.tree.map(
+        lambda x: jnp.broadcast_to(x, (n,) + jnp.shape(x)), shared)
+    return params, state, batch, shared, own
+
+  @functools.wraps(step)          # keeps pmap's trace, ...
+  def checked_step(params, state, batch, **extra_args):
+    return step(*checked(params, state, batch, extra_args))
+  checked_step.lower = lambda params, state, batch, **extra_args: step.lower(
+      *checked(params, state, batch, extra_args))
 
   return limit_in_flight(checked_step, devices=devices)

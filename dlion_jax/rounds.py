@@ -131,7 +131,8 @@ def local_steps(inner: optax.GradientTransformation,
       docs/training.md.
 
   Returns:
-    An optax ``GradientTransformation`` whose ``update`` needs ``params``.
+    An optax ``GradientTransformation`` whose ``update`` needs ``params``
+    and passes optax's extra arguments (``value=``) on to ``inner``.
 
   Example:
     >>> import jax, jax.numpy as jnp, optax, dlion_jax as dl
@@ -167,13 +168,13 @@ def local_steps(inner: optax.GradientTransformation,
         outer_state=(late_outer or outer).init(params),
         restart=jnp.zeros([], bool))
 
-  def update_fn(updates, state, params=None):
+  def update_fn(updates, state, params=None, **extra_args):
     if params is None:
       raise ValueError(
           "local_steps needs the params: call tx.update(grads, state, "
           "params), with this worker's own params.")
-    inner_updates, inner_state = inner.update(updates, state.inner_state,
-                                              params)
+    inner_updates, inner_state = optax.with_extra_args_support(inner).update(
+        updates, state.inner_state, params, **extra_args)
     count = optax.safe_int32_increment(state.count)
     restart = count % every == 0
     late_updates = late_state = None
@@ -207,7 +208,7 @@ def local_steps(inner: optax.GradientTransformation,
     return new_updates, LocalStepsState(count, anchor, inner_state,
                                         outer_state, restart)
 
-  return optax.GradientTransformation(init_fn, update_fn)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
 def _one_round_late(outer: optax.GradientTransformation):

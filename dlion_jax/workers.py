@@ -40,8 +40,8 @@ from jax.sharding import PartitionSpec as P
 import jax.extend.core as jex
 
 from dlion_jax import _blocks
-from dlion_jax import _collectives
 from dlion_jax import _core
+from dlion_jax import _extra_args
 from dlion_jax import _deprecations
 from dlion_jax import _mesh
 from dlion_jax import rounds
@@ -173,8 +173,20 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
           "dl.parallel.make_train_step(..., params_per_worker=True), which "
           "takes nodes of several devices.")
     if not groups:
-      return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None, 0),
-                      spmd_axis_name=axis_name)(params, rows)
+      try:
+        return jax.vmap(grad_fn, in_axes=(0 if params_per_worker else None,
+                                          0), spmd_axis_name=axis_name)(
+                                              params, rows)
+      except Exception as e:    # the model's own error, on stacked copies?
+        if params_per_worker or not _copies_of(params, n):
+          raise
+        raise ValueError(
+            f"loss_fn failed ({type(e).__name__}) on params whose every "
+            f"leaf has a leading axis of the {n} workers: each worker's own "
+            "copy, stacked (local steps: dl.workers.stacked(tx, "
+            "params_per_worker=True))? Differentiate each copy at its row: "
+            "dl.workers.value_and_grad(loss_fn, params_per_worker=True).") \
+            from e
     k = _mesh.mesh_size(groups)
     placed = _blocks.specs_by_path(placement)
     _blocks.check_placement_covers(params, placed)
@@ -201,6 +213,14 @@ def value_and_grad(loss_fn: Callable, *, axis_name: str = "data",
             jax.tree.map(mean, grads, params, specs,
                          is_leaf=lambda x: x is None))
   return each_worker
+
+
+def _copies_of(params: Any, n: int) -> bool:
+  """Whether every leaf of ``params`` has a leading axis of ``n``: params
+  stacked a copy per worker."""
+  leaves = jax.tree.leaves(params)
+  return bool(leaves) and all(np.ndim(x) and np.shape(x)[0] == n
+                              for x in leaves)
 
 
 def _own_keys(key: jax.Array, n: int, axis_name, groups) -> jax.Array:
@@ -293,7 +313,8 @@ def _mean_of_groups(v: jax.Array, k: int, like=None) -> jax.Array:
 
 def update(tx, *, axis_name: str = "data",
            placement: Any = None,
-           params_per_worker: bool = False) -> Callable:
+           params_per_worker: bool = False,
+           per_worker_args: tuple[str, ...] = ()) -> Callable:
   """``tx.update`` of every worker, in a plain jitted step.
 
   Args:
@@ -319,12 +340,19 @@ def update(tx, *, axis_name: str = "data",
       value by an exchange over ``axis_name`` (``dl.distributed_lion``,
       ``dl.rounds.nesterov_outer``): an outer step that sends nothing is
       refused, as :func:`dlion_jax.parallel.make_train_step` refuses it.
+    per_worker_args: the extra arguments of ``tx.update`` (optax's
+      :class:`~optax.GradientTransformationExtraArgs`: ``value`` of
+      :func:`optax.contrib.reduce_on_plateau`) that are each worker's own,
+      given with a leading axis of workers (``value=losses``, the losses
+      :func:`value_and_grad` returns): each worker gets its row. Every
+      other extra argument is one value for all (``value=losses.mean()``).
 
   Returns:
-    ``f(grads, state, params) -> (updates, state)``: ``grads`` and
-    ``state`` with one row per worker on a leading axis (from
+    ``f(grads, state, params, **extra_args) -> (updates, state)``:
+    ``grads`` and ``state`` with one row per worker on a leading axis (from
     :func:`value_and_grad` and :func:`dlion_jax.parallel.init_worker_states`),
-    ``params`` and ``updates`` the same for every worker. The state's
+    ``params`` and ``updates`` the same for every worker, ``extra_args``
+    passed on to ``tx.update`` as ``per_worker_args`` says. The state's
     step counts and injected hyperparameters are made one value first
     (``dlion_jax._collectives.alike_state``), so that a schedule read after
     the vote gives one update.
@@ -344,13 +372,18 @@ def update(tx, *, axis_name: str = "data",
     >>> updates          # MaVo of 2 workers: a tie moves nothing
     Array([-0.1, -0. , -0. ], dtype=float32)
   """
-  def run(grads, state, params):
+  per_worker_args = _extra_args.names(per_worker_args)
+
+  def run(grads, state, params, **extra_args):
     _not_in_a_shard_map("dl.workers.update", axis_name)
     if not params_per_worker:
       _core.refuse_local_steps(state, "dl.workers.update's step without "
                                "params_per_worker")
     n = _mesh.mesh_size(axis_name)
-    fix = _WHOLE_BATCH_FIX.format("")
+    shared, own = _extra_args.split(extra_args, per_worker_args, tx, n,
+                                    axis_name=axis_name)
+    fix = _WHOLE_BATCH_FIX.format("", ", params_per_worker=True"
+                                  if params_per_worker else "")
     _check_worker_grads(grads, params, n, params_per_worker, fix)
     _core.check_leading_axis(
         grads, n, "grads", f"each of the {n} workers' gradients", fix)
@@ -374,33 +407,36 @@ def update(tx, *, axis_name: str = "data",
     # optax.masked to leave out): made in the region, one for every worker.
     floats = [g for g in jax.tree.leaves(grads)
               if jnp.issubdtype(jnp.result_type(g), jnp.inexact)]
+    # The extra arguments one for all first, among the constants; what
+    # differs by worker last: the checks read it as varying.
     region = _core.in_region(
         _one_worker(tx, grads, params_per_worker), mesh, axis_name,
-        in_specs=(P(axis_name) if params_per_worker else P(),
-                  P(axis_name), P(axis_name)),
+        in_specs=(P(), P(axis_name) if params_per_worker else P(),
+                  P(axis_name), P(axis_name), P(axis_name)),
         out_specs=(P(axis_name) if params_per_worker else P(),
                    P(axis_name)),
-        out_typed=lambda params, state, grads: (typed(params),
-                                                typed(state)))
-    args = (params, state, floats)
+        out_typed=lambda shared, params, state, own, grads: (
+            typed(params), typed(state)))
+    args = (shared, params, state, own, floats)
     with _blocks.placed(placed), _unknown_placement(placement, axis_name):
       closed, shape = jax.make_jaxpr(region, return_shape=True)(*args)
     if n > 1:     # replicated outputs come from worker 0: equal on all?
       traced = _core.region_of(closed)
       if rounds.has_local_steps(state):
-        _core.check_anchor_alike(traced, params, state, floats, axis_name)
+        _core.check_anchor_alike(traced, params, state, (own, floats),
+                                 axis_name)
       elif not params_per_worker:
-        _core.check_no_drift(traced, params, len(floats), axis_name, n,
-                             state)
+        _core.check_no_drift(traced, params, len(jax.tree.leaves(own))
+                             + len(floats), axis_name, n, state)
     out = jex.jaxpr_as_fun(closed)(*jax.tree.leaves(args))
     return jax.tree.unflatten(jax.tree.structure(shape), out)
   return run
 
 
 _WHOLE_BATCH_FIX = (
-    "Take them from dl.workers.value_and_grad(loss_fn)(params, batch) (a "
-    "row per worker{}), not jax.grad or nnx.value_and_grad of the whole "
-    "batch.")
+    "Take them from dl.workers.value_and_grad(loss_fn{1})(params, batch) "
+    "(a row per worker{0}), not jax.grad or nnx.value_and_grad of the "
+    "whole batch.")
 
 
 def _check_worker_grads(grads: Any, params: Any, n: int,
@@ -419,22 +455,23 @@ def _check_worker_grads(grads: Any, params: Any, n: int,
 
 def _one_worker(tx, grads, params_per_worker: bool) -> Callable:
   """One worker's update in the region of :func:`update`: its rows of the
-  float leaves' gradients and of the state, the other leaves' gradients
-  zeros (one for every worker, for ``optax.masked`` to leave out),
-  ``tx.update``, the new state a row again."""
+  float leaves' gradients, of the state and of its own extra arguments,
+  the other leaves' gradients zeros (one for every worker, for
+  ``optax.masked`` to leave out), ``tx.update``, the new state a row
+  again."""
   leaves, treedef = jax.tree.flatten(grads)
   floats = [jnp.issubdtype(jnp.result_type(g), jnp.inexact) for g in leaves]
   row = lambda tree: jax.tree.map(lambda x: x[0], tree)
 
-  def local(params, state, float_grads):
+  def local(shared, params, state, own, float_grads):
     given = iter(float_grads)
     grads = treedef.unflatten([
         next(given)[0] if f else jnp.zeros(np.shape(g)[1:],
                                            jnp.result_type(g))
         for g, f in zip(leaves, floats)])
     params = row(params) if params_per_worker else params
-    updates, state = tx.update(grads, _collectives.alike_state(row(state)),
-                               params)
+    updates, state = tx.update(grads, _extra_args.alike_state(row(state)),
+                               params, **shared, **row(own))
     lead = lambda tree: jax.tree.map(lambda x: x[None], tree)
     return (lead(updates) if params_per_worker else updates), lead(state)
   return local
@@ -457,7 +494,9 @@ def _not_in_a_shard_map(what: str, axis_name) -> None:
 
 
 def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
-            placement: Any = None) -> optax.GradientTransformation:
+            placement: Any = None, params_per_worker: bool = False,
+            per_worker_args: tuple[str, ...] = ()
+            ) -> optax.GradientTransformationExtraArgs:
   """``tx`` with its state held once per worker, for code that calls
   ``tx.init`` and ``tx.update`` itself: :class:`flax.nnx.Optimizer`, a
   Linen ``TrainState``.
@@ -477,6 +516,15 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
   so that each node's mean gradient is reduce-scattered (the NNX guide
   measures it).
 
+  Local steps (:func:`dlion_jax.local_steps`) take ``params_per_worker``:
+  the model holds each worker's copy, stacked on a leading axis
+  (:func:`dlion_jax.devices.stack_for_workers`), and the step differentiates
+  each at its row (``dl.workers.value_and_grad(..., params_per_worker=
+  True)``), applies the update and puts every worker back on the anchor at
+  a round's end (:func:`restart_at_anchor`); :func:`anchor` reads the
+  anchor as one copy of the params. Bit for bit
+  :func:`dlion_jax.parallel.make_train_step`'s ``params_per_worker`` step.
+
   Args:
     tx: the optimizer, voting over ``axis_name``.
     axis_name: the mesh axis of the workers.
@@ -486,6 +534,13 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
       and levanter's way), where the params do not say how they lie; it
       is refused there without it. Not needed on Explicit axes, nor for an
       ``init`` on the arrays themselves.
+    params_per_worker: the params ``init`` and ``update`` see hold each
+      worker's own, stacked on a leading axis of workers, and so do the
+      updates (what local steps need); ``init`` builds every worker's
+      state from worker 0's copy. On a mesh of ``axis_name`` alone.
+    per_worker_args: as in :func:`update`: the extra arguments of
+      ``tx.update`` given a row per worker (``nnx.Optimizer.update(model,
+      grads, value=losses)``); the others are one value for all.
 
   Example:
     >>> import jax, jax.numpy as jnp, dlion_jax as dl
@@ -500,6 +555,10 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
     >>> optimizer.opt_state[0].mu["kernel"].shape   # a row per worker
     (2, 3, 1)
   """
+  per_worker_args = _extra_args.names(per_worker_args)
+  params_per_worker = _checks.flag(
+      "params_per_worker", params_per_worker,
+      "whether the params hold each worker's own copy (local steps)")
   told = []
 
   def init_fn(params):
@@ -507,9 +566,16 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
     n = _mesh.mesh_size(axis_name)
     # Flax NNX's Variables read as their values: nnx.Optimizer would lay
     # out the stacked rows by a Variable's sharding metadata, the param's.
-    variable = lambda v: hasattr(v, "get_value")
-    params = jax.tree.map(lambda v: v.get_value() if variable(v) else v,
-                          params, is_leaf=variable)
+    params = _values(params)
+    if params_per_worker:
+      _core.check_leading_axis(
+          params, n, "params", f"each of the {n} workers' own copy",
+          "Stack the model's params a copy per worker first: "
+          "dl.devices.stack_for_workers(params, mesh) (for an nnx model, "
+          "nnx.update(model, dl.devices.stack_for_workers(nnx.state(model, "
+          "nnx.Param), mesh))), then build the optimizer.")
+      # Every worker's state from worker 0's copy: the anchor is one.
+      params = _one_copy(params, axis_name, first=True)
     if placement is not None:
       given = _blocks.specs_by_path(placement)
       _blocks.check_placement_covers(params, given)
@@ -524,23 +590,103 @@ def stacked(tx: optax.GradientTransformation, *, axis_name: str = "data",
           "params")
       specs = jax.tree.map(lambda x: _mesh.spec_of(x) or P(), params)
     told[:] = [specs]
-    return _core.worker_states(tx, params, n, axis_name, specs)
+    state = _core.worker_states(tx, params, n, axis_name, specs)
+    if rounds.has_local_steps(state) and not params_per_worker:
+      raise ValueError(
+          "dl.workers.stacked(tx): tx runs local steps (dl.local_steps), "
+          "whose workers each train their own copy of the params, but the "
+          "params it got are one copy. Hold each worker's copy in the "
+          "model and say so: params = dl.devices.stack_for_workers(params, "
+          "mesh) (for an nnx model, nnx.update(model, dl.devices."
+          "stack_for_workers(nnx.state(model, nnx.Param), mesh))), then "
+          "dl.workers.stacked(tx, params_per_worker=True); the step takes "
+          "dl.workers.value_and_grad(loss_fn, params_per_worker=True) and "
+          "ends with dl.workers.restart_at_anchor (the Flax NNX guide).")
+    return state
 
-  def update_fn(grads, state, params=None):
+  def update_fn(grads, state, params=None, **extra_args):
     _not_in_a_shard_map("dl.workers.stacked(tx)", axis_name)
     if params is not None:
       _check_worker_grads(
-          grads, params, _mesh.mesh_size(axis_name), False,
-          _WHOLE_BATCH_FIX.format(", as the NNX guide's step does")
-          + " (A wrapper around stacked(tx) that keeps one copy of the "
-          "gradients, optax.MultiSteps(dl.workers.stacked(tx), k), gives "
-          "them so too: wrap tx inside, dl.workers.stacked("
-          "optax.MultiSteps(tx, k)), or pass micro_batches=k to "
-          "dl.workers.value_and_grad.)")
+          grads, params, _mesh.mesh_size(axis_name), params_per_worker,
+          _WHOLE_BATCH_FIX.format(
+              ", as the NNX guide's step does", ", params_per_worker=True"
+              if params_per_worker else "")
+          + ("" if params_per_worker else
+             " (A wrapper around stacked(tx) that keeps one copy of the "
+             "gradients, optax.MultiSteps(dl.workers.stacked(tx), k), gives "
+             "them so too: wrap tx inside, dl.workers.stacked("
+             "optax.MultiSteps(tx, k)), or pass micro_batches=k to "
+             "dl.workers.value_and_grad.)"))
     return update(tx, axis_name=axis_name,
-                  placement=told[0] if told else placement)(
-                      grads, state, params)
-  return optax.GradientTransformation(init_fn, update_fn)
+                  placement=told[0] if told else placement,
+                  params_per_worker=params_per_worker,
+                  per_worker_args=per_worker_args)(
+                      grads, state, params, **extra_args)
+  return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _values(tree: Any) -> Any:
+  """``tree`` with its Flax NNX Variables (an ``nnx.Param``, an
+  ``nnx.Optimizer``'s ``OptArray``) read as their values."""
+  variable = lambda v: hasattr(v, "get_value")
+  return jax.tree.map(lambda v: v.get_value() if variable(v) else v, tree,
+                      is_leaf=variable)
+
+
+def restart_at_anchor(params: Any, state: Any) -> Any:
+  """:func:`dlion_jax.rounds.restart_at_anchor` for the step of
+  ``stacked(tx, params_per_worker=True)``: each worker's copy in
+  ``params``, exactly on the anchor where its last update ended a round
+  (applying ``anchor - params`` may miss it in the last bit, or stay NaN
+  on a worker whose copy turned NaN), elsewhere as it is. ``params`` and
+  ``state`` as :class:`flax.nnx.Optimizer` and a Linen ``TrainState``
+  hold them: Flax NNX Variables are read as their values, and the result
+  has ``params``' own structure (its ``nnx.Param``s).
+
+  Example:
+    A step's last line, Flax NNX: ``nnx.update(model,
+    dl.workers.restart_at_anchor(nnx.state(model, nnx.Param),
+    optimizer.opt_state))``; Linen: ``state.replace(params=
+    dl.workers.restart_at_anchor(state.params, state.opt_state))``.
+  """
+  new = rounds.restart_at_anchor(_values(params), _values(state))
+  return jax.tree.unflatten(jax.tree.structure(params), jax.tree.leaves(new))
+
+
+def anchor(state: Any, *, axis_name: str = "data") -> Any:
+  """The anchor of a ``stacked(tx, params_per_worker=True)`` state (an
+  ``nnx.Optimizer``'s ``opt_state``, a ``TrainState``'s) as one copy of
+  the params: the params of the last outer step, every worker's alike
+  (:func:`dlion_jax.rounds.anchor` gives each worker's row), Flax NNX
+  Variables read as their values. The model to evaluate and keep:
+  ``nnx.merge(graphdef, dl.workers.anchor(optimizer.opt_state), rest)``
+  with ``graphdef, _, rest = nnx.split(model, nnx.Param, ...)``, or
+  ``model.apply({"params": dl.workers.anchor(state.opt_state)}, x)``."""
+  return _one_copy(rounds.anchor(_values(state)), axis_name)
+
+
+def _one_copy(tree: Any, axis_name, first: bool = False) -> Any:
+  """``tree``, stacked a row per worker, as one copy on every worker: each
+  worker's own row, where the rows are alike (the anchor), moving
+  nothing; with ``first``, worker 0's row (one all-reduce of a row)."""
+  leaves = jax.tree.leaves(tree)
+  if not leaves:
+    return tree
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:              # arrays outside jax.set_mesh: their own mesh
+    mesh = leaves[0].sharding.mesh
+
+  def own(row):
+    if not first:
+      return row[0]
+    mine = jnp.where(jax.lax.axis_index(axis_name) == 0, row[0],
+                     jnp.zeros_like(row[0]))
+    return jax.lax.psum(mine, axis_name)
+  return jax.shard_map(lambda t: jax.tree.map(own, t), mesh=mesh,
+                       in_specs=P(axis_name), out_specs=P(),
+                       axis_names=set(_mesh.names(axis_name)),
+                       check_vma=False)(tree)
 
 
 def _unknown_placement(placement: Any, axis_name):

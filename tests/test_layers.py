@@ -28,8 +28,9 @@ LAYERS = [
     ("codec: the voted mean's dense vote and scales", ["_voted"]),
     ("transforms: momentum syncs, wrappers across workers",
      ["sync", "transforms"]),
-    ("optimizers: Lion, local steps, the cost model, the state's placement",
-     ["lion", "rounds", "accounting", "_placement"]),
+    ("optimizers: Lion, local steps, the cost model, the state's "
+     "placement, optax's extra arguments",
+     ["lion", "rounds", "accounting", "_placement", "_extra_args"]),
     ("the worker core; meshes and arrays", ["_core", "devices"]),
     ("the checks of what a step returns replicated", ["_replication"]),
     ("the doors: per_worker's map | the plain jitted step",
