@@ -642,7 +642,7 @@ def restart_at_anchor(params: Any, state: Any) -> Any:
   on a worker whose copy turned NaN), elsewhere as it is. ``params`` and
   ``state`` as :class:`flax.nnx.Optimizer` and a Linen ``TrainState``
   hold them: Flax NNX Variables are read as their values, and the result
-  has ``params``' own structure (its ``nnx.Param``s).
+  has the structure of ``params`` (its ``nnx.Param`` Variables).
 
   Example:
     A step's last line, Flax NNX: ``nnx.update(model,
