@@ -4,20 +4,25 @@
 for several processes, :func:`jax.distributed.initialize`), and
 :func:`check_processes` and :func:`coordinator_problem` say why the
 arguments it would get cannot work, before it waits for the others.
+Under ``python -m dlion_jax.launch --restarts K`` it also beats the
+launcher's watchdog, and :func:`restart_info` says whether this start is a
+restart and on how many processes the run began.
 
-The only module of the library that opens sockets and starts a thread (the
-start-up watchdog): ``import dlion_jax`` does not import it; import it as
-``from dlion_jax import processes``.
+The only module of the library that opens sockets and starts threads (the
+start-up watchdog, the heartbeat): ``import dlion_jax`` does not import it;
+import it as ``from dlion_jax import processes``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import math
 import os
 import socket
 import sys
 import threading
+import time
 
 import jax
 
@@ -73,6 +78,107 @@ def _watchdog(seconds: float, message: str) -> threading.Timer:
   return timer
 
 
+# What dlion_jax.launch sets (the same names there).
+_HEARTBEAT_ENV = "DLION_HEARTBEAT_FILE"
+_RESTART_ENV = ("DLION_LAUNCH_ID", "DLION_RESTART",
+                "DLION_FIRST_NUM_PROCESSES", "DLION_MIN_PROCESSES",
+                "DLION_STARTED_AT")
+_BEAT_S = 1.0
+
+
+@dataclasses.dataclass(frozen=True)
+class RestartInfo:
+  """This process's start under ``python -m dlion_jax.launch --restarts``.
+
+  Attributes:
+    launch_id: the launcher's run, alike in all its starts (a run directory
+      that holds it was begun by this launcher).
+    restart: 0 at the first start, then how many restarts came before.
+    num_processes: the processes of this start.
+    first_num_processes: the processes of the first start.
+    min_processes: the fewest processes a restart may leave.
+    started_at: when the launcher started this start's processes
+      (``time.time()``).
+  """
+  launch_id: str
+  restart: int
+  num_processes: int
+  first_num_processes: int
+  min_processes: int
+  started_at: float
+
+  def scaled(self, count: int) -> int:
+    """``count`` (e.g. workers, set for the first start) scaled to this
+    start's processes; raises ValueError where it does not divide.
+
+    Example:
+      >>> from dlion_jax.processes import RestartInfo
+      >>> RestartInfo("ab", 1, 3, 4, 2, 0.0).scaled(8)   # 2 a process
+      6
+    """
+    if count % self.first_num_processes:
+      raise ValueError(
+          f"{count} is not a multiple of the {self.first_num_processes} "
+          "processes the run began on.")
+    return count // self.first_num_processes * self.num_processes
+
+
+def restart_info() -> RestartInfo | None:
+  """What ``python -m dlion_jax.launch --restarts K`` told this process
+  (:class:`RestartInfo`), or None where it was not started so.
+
+  A script that survives restarts checkpoints every few steps and, where
+  ``restart_info().restart > 0`` (or simply where a checkpoint exists),
+  resumes from the last one on the processes it has: the guide
+  docs/guides/multihost_tpu.md, "Surviving a lost process".
+  """
+  env = os.environ.get
+  if env(_RESTART_ENV[0]) is None:
+    return None
+  launch_id, restart, first, lowest, started = (env(k, "")
+                                                for k in _RESTART_ENV)
+  try:
+    return RestartInfo(launch_id, int(restart),
+                       int(env("JAX_NUM_PROCESSES", "1")), int(first),
+                       int(lowest), float(started))
+  except ValueError:
+    raise ValueError(
+        "The restart environment dlion_jax.launch sets is malformed: "
+        + ", ".join(f"{k}={env(k)!r}" for k in _RESTART_ENV)
+        + ". Start the processes with python -m dlion_jax.launch, or unset "
+        "these variables.") from None
+
+
+def _beat(path: str) -> None:
+  """Touches ``path`` every second, for the launcher's watchdog (a daemon
+  thread: it stops when the process is frozen or gone)."""
+  while True:
+    try:
+      with open(path, "a", encoding="utf-8"):
+        os.utime(path)
+    except OSError:
+      return                            # the launcher went away
+    time.sleep(_BEAT_S)
+
+
+_heartbeat: list[threading.Thread] = []
+
+
+def start_heartbeat() -> bool:
+  """Beats the watchdog of ``python -m dlion_jax.launch`` (its
+  ``DLION_HEARTBEAT_FILE``) from a daemon thread, once a second; returns
+  whether there is one to beat. :func:`start_processes` calls it: call it
+  yourself only in a script that does not."""
+  path = os.environ.get(_HEARTBEAT_ENV)
+  if not path or _heartbeat:
+    return bool(path)
+  thread = threading.Thread(target=_beat, args=(path,), daemon=True,
+                            name="dlion_jax heartbeat")
+  thread.start()
+  _heartbeat.append(thread)
+  return True
+
+
 def check_processes(num_processes: int, process_id: int,
                     coordinator: str | None, init_timeout: float,
                     heartbeat_timeout: float | None, *,
@@ -122,6 +228,9 @@ def start_processes(local_devices: int, *, num_processes: int | None = None,
   with gloo, unless ``JAX_CPU_COLLECTIVES_IMPLEMENTATION`` chose another
   (e.g. mpi): without one, CPU collectives cannot span processes.
 
+  Started by ``python -m dlion_jax.launch`` with its watchdog on, it beats
+  the watchdog from a thread (:func:`start_heartbeat`).
+
   A process that has not joined all the others within ``init_timeout``
   seconds prints one line, ``error: process I of N ...`` naming the
   coordinator, and exits with status 1: jax's own start-up timeout (30 s
@@ -148,6 +257,7 @@ def start_processes(local_devices: int, *, num_processes: int | None = None,
     RuntimeError: the backend is already up with fewer devices.
   """
   local_devices = _checks.positive_int("local_devices", local_devices)
+  start_heartbeat()
   env = os.environ.get
   n = int(env("JAX_NUM_PROCESSES", "1")) if num_processes is None else (
       num_processes)

@@ -206,6 +206,12 @@ def test_sigterm_to_the_launcher_saves_a_step_both_processes_agree_on(
     (["--", "python"], "-n/--num-processes"),
     (["-n", "0", "--", "python"], "need at least 1 process"),
     (["-n", "2", "--timeout", "0", "--", "python"], "must be positive"),
+    (["-n", "2", "--restarts", "-1", "--", "python"],
+     "--restarts -1: must be 0 or more"),
+    (["-n", "2", "--restarts", "1", "--watchdog", "1", "--", "python"],
+     "--watchdog 1: must be 0 (off) or at least 2 seconds"),
+    (["-n", "2", "--replace", "--", "python"],
+     "--replace needs --restarts K"),
 ])
 def test_launcher_usage_errors(argv, message, capsys):
   from dlion_jax import launch  # pylint: disable=g-import-not-at-top

@@ -7,7 +7,9 @@ failure into one line on stderr: ``config error: ...`` (exit 2), ``error:
 ...`` (exit 1; a full disk included: what failed, the last good checkpoint,
 what to free), or, on Ctrl-C (exit 130) or SIGTERM (exit 143, once a
 checkpoint of the step reached is written), the step reached and how to
-resume.
+resume. Restarted by ``python -m dlion_jax.launch --restarts K`` after a
+process was lost, it resumes by itself on the survivors' workers
+(:mod:`dlion_jax.train.restarts`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import signal
 import sys
 
 from dlion_jax.train import missing_extra
+from dlion_jax.train import restarts
 from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import ConfigError
@@ -182,25 +185,62 @@ def main(argv=None) -> int:
     if args.resume and args.overwrite:
       raise ConfigError("--resume continues the run in the run directory, "
                         "--overwrite deletes it: pass one of them.")
+    restart = _restart_info(args)
+    if restart is not None:
+      cfg = restarts.on_survivors(cfg, restart)
   except ConfigError as e:
     return config_error(e, path, args.overrides)
   try:
     with signals.raising():     # SIGTERM ends the run as Ctrl-C does
       _start_jax(cfg, args)
-      return _train(cfg, args, argv)
+      return _train(cfg, args, argv, restart)
   except ConfigError as e:
     return config_error(e, path, args.overrides)
   except KeyboardInterrupt as e:
     return _interrupted(e, cfg, args, argv)
 
 
-def _train(cfg, args, argv=()) -> int:
+def _restart_info(args):
+  """This start under ``python -m dlion_jax.launch --restarts`` (None if
+  not); at the first, process 0 warns of the restarts the config would
+  not survive."""
+  from dlion_jax import processes  # pylint: disable=g-import-not-at-top
+  try:
+    info = processes.restart_info()
+  except ValueError as e:
+    raise ConfigError(str(e)) from None
+  return info
+
+
+def _warn_of_restarts(cfg, restart) -> None:
+  """At the first start under the launcher's restarts, process 0 says which
+  restarts the config would not survive, and where a restart would resume
+  mid-round."""
+  if restart is None or restart.restart:
+    return
+  opt, every = cfg.optimizer, cfg.train.checkpoint_every
+  warnings = [restarts.fragile_counts(cfg, restart)]
+  if opt.local_steps > 1 and every % opt.local_steps:
+    warnings.append(
+        f"train.checkpoint_every={every} is not a multiple of optimizer."
+        f"local_steps={opt.local_steps}: a restart resumes mid-round, on "
+        "fewer workers each new worker's params the mean of those it "
+        "replaces. A multiple resumes at an anchor (an outer step).")
+  for warning in filter(None, warnings):
+    print(f"warning: {warning}", file=sys.stderr, flush=True)
+
+
+def _train(cfg, args, argv=(), restart=None) -> int:
   """Trains; reports an expected failure as one ``error:`` line (exit 1)."""
   try:
     from dlion_jax.train import trainer  # pylint: disable=g-import-not-at-top
-    trainer.train(cfg, resume=args.resume, overwrite=args.overwrite,
+    if args.process_id == 0:
+      _warn_of_restarts(cfg, restart)
+    resume, overwrite = restarts.resume_mode(
+        cfg.run_path, restart, resume=args.resume, overwrite=args.overwrite)
+    trainer.train(cfg, resume=resume, overwrite=overwrite,
                   progress=not args.no_progress,
-                  resize_policy=args.resize_policy)
+                  resize_policy=args.resize_policy, restart=restart)
   except ConfigError:
     raise
   except Exception as e:  # pylint: disable=broad-except

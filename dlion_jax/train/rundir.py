@@ -28,8 +28,11 @@ from typing import Any
 from dlion_jax.train.config import Config
 from dlion_jax.train.config import to_dict
 
+# Under python -m dlion_jax.launch --restarts: a record of each start.
+RESTARTS = "restarts.jsonl"
 # What a run writes into its directory, besides checkpoints/.
-OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "curves.png")
+OUTPUTS = ("config.json", "metrics.jsonl", "summary.json", "curves.png",
+           RESTARTS)
 # Config keys that do not change what a run computes.
 NEUTRAL = ("name", "run_dir", "train.log_every", "train.eval_every",
            "train.checkpoint_every", "train.keep_checkpoints",
@@ -155,11 +158,11 @@ def trim_metrics(path: pathlib.Path, step: int) -> None:
   if not path.is_file():
     return
   kept = [line for line in path.read_text(encoding="utf-8").splitlines()
-          if _step(line) is not None and _step(line) <= step]
+          if record_step(line) is not None and record_step(line) <= step]
   path.write_text("".join(line + "\n" for line in kept), encoding="utf-8")
 
 
-def _step(line: str) -> int | None:
+def record_step(line: str) -> int | None:
   """A metrics record's step; None for a line cut short (a process killed
   while writing it, necessarily after its last checkpoint)."""
   try:

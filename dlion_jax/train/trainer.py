@@ -44,6 +44,7 @@ from dlion_jax.train import faults
 from dlion_jax.train import models
 from dlion_jax.train import optimizers
 from dlion_jax.train import report
+from dlion_jax.train import restarts
 from dlion_jax.train import rundir
 from dlion_jax.train import signals
 from dlion_jax.train.config import Config
@@ -196,7 +197,7 @@ class _Writer:
 
 def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
           progress: bool = True, log: Callable[[str], None] = print,
-          resize_policy: str = "mean") -> dict:
+          resize_policy: str = "mean", restart=None) -> dict:
   """Runs ``cfg``; returns the final metrics (test metrics, wire bytes).
 
   Args:
@@ -209,6 +210,10 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
     resize_policy: how a resumed run on another number of workers (or
       nodes) makes its workers' momenta of the checkpoint's
       (:data:`dlion_jax.elastic.RESIZE_POLICIES`).
+    restart: this start under ``python -m dlion_jax.launch --restarts``
+      (:class:`dlion_jax.processes.RestartInfo`), recorded in the run
+      directory (:mod:`dlion_jax.train.restarts`); a restart may resume a
+      run that had reached its last step.
 
   Raises:
     rundir.RunDirError: the run directory holds another run (fresh run),
@@ -227,13 +232,19 @@ def train(cfg: Config, *, resume: bool = False, overwrite: bool = False,
                    main_process=main_process)
   mesh = make_mesh(cfg)
   run = _setup(cfg, mesh)
-  start = 0
+  start, ready = 0, time.time()
   if resume:
     (run.params, run.opt_state), start, resized, run.wire_before = _resume(
-        run.ckpt, cfg, run, policy=resize_policy)
+        run.ckpt, cfg, run, policy=resize_policy,
+        finished=restart is not None)
     say(f"resumed from step {start}" + (f" on {resized}" if resized else ""))
+  if restart is not None:
+    run.started = restarts.entry(restart, cfg, step=start, resumed=resume,
+                                 ready=ready)
   if main_process:
     _start_files(cfg, start)
+    if run.started:
+      restarts.record(cfg.run_path, run.started)
     for warning in (schedule_warning(cfg), local_steps_warning(cfg)):
       if warning:
         print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -289,6 +300,11 @@ class _Run:
   since: int = 0
   wire_per_step: tuple[float, float] = (0.0, 0.0)
   warned_nonfinite: bool = False    # a worker's loss was not finite
+  # Which steps ran on how many workers, up to ``since``
+  # (restarts.history); under the launcher's restarts, this start's record.
+  history: list = dataclasses.field(default_factory=list)
+  started: dict | None = None
+  saving: list = dataclasses.field(default_factory=list)  # each save's s
 
   def wire_done(self, step: int) -> tuple[float, float]:
     """Bytes sent, and an fp32 all-reduce's, over steps 1..``step``."""
@@ -367,7 +383,11 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
   position = run.batches.state()
   example = devices.global_array(next(run.batches), per_worker)
   run.batches.restore(position)
+  tic = time.time()
   compiled = step_fn.lower(run.params, run.opt_state, example).compile()
+  if run.started:
+    restarts.compiled(cfg.run_path, run.started, time.time() - tic, say=say,
+                      main_process=main_process)
   sent = report.sent_bytes_per_step(cfg, compiled, cfg.train.steps)
   by_axis = (report.sent_bytes_by_axis(cfg, compiled, run.mesh, cfg.train.steps)
              if cfg.mesh.nodes is not None else None)
@@ -392,11 +412,15 @@ def _train_from(cfg: Config, run: _Run, *, say, progress: bool,
       bar.close()
   final = {"step": cfg.train.steps, **run_eval(run.params, run.opt_state)}
   writer.write(final)
-  _save(run, cfg.train.steps, cfg)
+  if run.ckpt.latest_step() != cfg.train.steps:   # else: a restart at the end
+    _save(run, cfg.train.steps, cfg)
   run.ckpt.close()
   wire = report.wire_report(cfg, sent, run.num_params, cfg.train.steps, by_axis,
                      totals=run.wire_done(cfg.train.steps))
-  summary = {**final, **wire, "num_params": run.num_params, "kind": kind}
+  summary = {**final, **wire, "num_params": run.num_params, "kind": kind,
+             **restarts.summary(cfg, run.history, run.since, run.started,
+                                say=say, saving=run.saving,
+                                main_process=main_process)}
   if main_process:
     (cfg.run_path / "summary.json").write_text(json.dumps(summary, indent=2))
     report.plot(cfg.run_path, kind)
@@ -500,7 +524,7 @@ def _steps(cfg: Config, run: _Run, compiled, *, writer, bar, run_eval,
       elapsed = time.perf_counter() - tic
       rate = (done - last_step) * cfg.data.global_batch / max(elapsed, 1e-9)
       abstained = abstentions(run.opt_state)
-      writer.write({"step": done, "loss": loss,
+      writer.write({"step": done, "loss": loss, "workers": cfg.workers,
                     "accuracy": float(aux["accuracy"]),
                     "learning_rate": float(schedule(step)),
                     "examples_per_s": rate,
@@ -570,11 +594,15 @@ def _save(run: _Run, step: int, cfg: Config) -> None:
                     f"(leaf {bad} first), so no checkpoint of them is "
                     "written")
   sent, fp32 = run.wire_done(step)
+  tic = time.perf_counter()
   run.ckpt.save(step, {"params": run.params, "opt_state": run.opt_state},
                 {"step": step, "data": run.batches.state(),
                  "workers": cfg.workers, "state_rows": _state_rows(cfg),
                  "seed": cfg.seed, "config": rundir.comparable(cfg),
-                 "sent_bytes": sent, "fp32_allreduce_bytes": fp32})
+                 "sent_bytes": sent, "fp32_allreduce_bytes": fp32,
+                 "history": restarts.history(run.history, run.since, step,
+                                             cfg)})
+  run.saving.append(time.perf_counter() - tic)
 
 
 def _nonfinite_leaf(mesh, params) -> str | None:
@@ -612,12 +640,14 @@ def _diverged(cfg: Config, run: _Run, what: str) -> FloatingPointError:
       "dlion or signum leaves it out of the vote.")
 
 
-def _resume(ckpt, cfg, run, *, policy: str):
+def _resume(ckpt, cfg, run, *, policy: str, finished: bool = False):
   """The last checkpoint's params and state (its state resized to this
   run's workers, :mod:`dlion_jax.elastic`, where their count differs),
   its step, what resizing did (or None) and the bytes sent (and an fp32
-  all-reduce's) up to it (None where the checkpoint did not count them)."""
-  latest = ckpt.latest_step()
+  all-reduce's) up to it (None where the checkpoint did not count them).
+  The step is the last that every process found; ``finished`` accepts one
+  at ``train.steps`` (a restart after the last checkpoint)."""
+  latest = restarts.agreed_step(ckpt.latest_step())
   if latest is None:
     started = (cfg.run_path / "metrics.jsonl").is_file()
     raise FileNotFoundError(
@@ -650,8 +680,10 @@ def _resume(ckpt, cfg, run, *, policy: str):
             "opt_state": elastic.restore_target(run.tx, row, run.mesh, rows,
                                                 **axes)}
   state, meta = ckpt.restore(like, latest)
-  rundir.check_unfinished(cfg, latest, ckpt.directory)
+  if not finished:
+    rundir.check_unfinished(cfg, latest, ckpt.directory)
   run.batches.restore(meta["data"])
+  run.history = restarts.history_in(meta, latest)
   if local:
     state["params"] = elastic.resize_worker_params(
         state["params"], run.mesh, axis_name=AXIS, policy=policy)
