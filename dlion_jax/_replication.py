@@ -29,33 +29,38 @@ class _CheckedOnFirstTrace:
   caches anyway, so the check costs no second trace. Called as
   ``step(params, state, batch, **extra_args)`` (optax's), it calls
   ``jitted(params, state, batch, extra_args)``; those ``per_worker_args``
-  names differ by worker, the others are one value for all."""
+  names differ by worker, the others are one value for all, and each set
+  of names given is checked on its first trace."""
 
   def __init__(self, jitted: Callable, num_workers: int,
                per_worker_args: tuple[str, ...] = ()):
     functools.update_wrapper(self, jitted)
     self._jitted = jitted
-    self._checked = num_workers == 1
+    self._checked = set()      # the names of extra arguments checked
+    self._one = num_workers == 1
     self._per_worker = per_worker_args
+
+  def _unchecked(self, extra_args) -> bool:
+    return not self._one and tuple(sorted(extra_args)) not in self._checked
 
   def _check_region(self, region, params, state, batch, own) -> None:
     raise NotImplementedError
 
   def trace(self, params, state, batch, **extra_args):
     traced = self._jitted.trace(params, state, batch, extra_args)
-    if not self._checked:
+    if self._unchecked(extra_args):
       region = [e for e in traced.jaxpr.jaxpr.eqns
                 if e.primitive.name == "shard_map"][-1]
       own = {k: v for k, v in extra_args.items() if k in self._per_worker}
       self._check_region(region, params, state, batch, own)
-      self._checked = True
+      self._checked.add(tuple(sorted(extra_args)))
     return traced
 
   def lower(self, params, state, batch, **extra_args):
     return self.trace(params, state, batch, **extra_args).lower()
 
   def __call__(self, params, state, batch, **extra_args):
-    if not self._checked:
+    if self._unchecked(extra_args):
       self.trace(params, state, batch, **extra_args)
     return self._jitted(params, state, batch, extra_args)
 

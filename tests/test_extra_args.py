@@ -410,3 +410,29 @@ def test_extra_arguments_misused_name_the_fix():
   with pytest.raises(ValueError) as e:
     parallel.make_train_step(loss_fn, bare, mesh, loss_as="value")
   assert_names(e, "value=", "takes none")
+
+
+def test_a_later_call_with_a_value_of_each_worker_is_checked_too():
+  """make_train_step checks its first trace; a later call that brings an
+  extra argument of each worker's own (after the vote) traces anew and is
+  checked too (was: only the first trace was, and the params drifted)."""
+  n, mesh = 4, mesh_of(4)
+  params, batch = problem(rows=32)
+
+  def scaled():             # the update scaled by value=, where given
+    def update(u, state, params=None, *, value=None, **extra_args):
+      del params, extra_args
+      return (u if value is None else jax.tree.map(lambda x: x * value, u),
+              state)
+    return optax.GradientTransformationExtraArgs(
+        lambda p: optax.EmptyState(), update)
+  tx = voted([scaled()])
+  step = parallel.make_train_step(loss_fn, tx, mesh, donate=False,
+                                  per_worker_args=("value",))
+  p = devices.replicate(params, mesh)
+  s = parallel.init_worker_states(tx, p, mesh)
+  b = devices.shard_batch(batch, mesh)
+  p, s, _ = step(p, s, b)
+  with pytest.raises(ValueError) as e:
+    step(p, s, b, value=jnp.arange(1.0, n + 1))
+  assert_names(e, "would still silently differ", "per_worker_args")
