@@ -121,7 +121,7 @@ def describe(num_old: int, num_new: int, policy: str = "mean",
 
 # States whose ``error`` field holds each worker's error-feedback residual.
 _RESIDUAL_STATES = (lion.ErrorFeedbackState, lion.AbstainingErrorFeedbackState,
-                    rounds.VotedMeanState, rounds.AbstainingVotedMeanState)
+                    rounds.VotedMeanState)
 
 
 def _kinds(tx, state: Any, params: Any, error: str) -> Any:

@@ -288,7 +288,8 @@ def nesterov_outer(learning_rate: optax.ScalarOrSchedule, *,
 def _skipped_if_none_present(mean: optax.GradientTransformation, *steps,
                              axis_name) -> optax.GradientTransformation:
   """``optax.chain(mean, *steps)``, ``mean`` an abstaining mean (its
-  state's ``abstained`` the count), with a round every worker abstained
+  state an :class:`~dlion_jax.transforms.AbstainingMeanState`, or a pair
+  of a state and one), with a round every worker abstained
   from skipped: ``steps`` then run from their state's float leaves zeroed
   and return 0 (as Nesterov's trace, Lion's momentum and a learning rate
   do from 0 with the mean's 0), and their state stays as it was (a
@@ -303,7 +304,9 @@ def _skipped_if_none_present(mean: optax.GradientTransformation, *steps,
 
   def update_fn(updates, state, params=None):
     updates, counted = mean.update(updates, state[0], params)
-    voted = counted.abstained < _exchange.workers_along(axis_name)
+    count = (counted if isinstance(counted, transforms.AbstainingMeanState)
+             else counted[1])   # the voted mean's pair
+    voted = count.abstained < _exchange.workers_along(axis_name)
     zeroed = jax.tree.map(
         lambda x: jnp.where(voted, x, jnp.zeros_like(x)) if jnp.issubdtype(
             x.dtype, jnp.inexact) else x, state[1:])
@@ -327,25 +330,6 @@ class VotedMeanState(NamedTuple):
   """
   count: jax.Array
   error: optax.Updates
-
-
-class AbstainingVotedMeanState(NamedTuple):
-  """State of :func:`scale_by_voted_mean` with error feedback and
-  ``abstain_nonfinite=True``: the fields of :class:`VotedMeanState` and
-  the abstainers' count.
-
-  Attributes:
-    count: outer steps taken, a step no worker voted in not counted.
-    error: this worker's residual, kept as it was on a step it abstained
-      from.
-    abstained: how many workers abstained from the last outer step (int32
-      scalar, the same on every worker).
-    abstentions: the running total of ``abstained``.
-  """
-  count: jax.Array
-  error: optax.Updates
-  abstained: jax.Array
-  abstentions: jax.Array
 
 
 def scale_by_voted_mean(
@@ -420,8 +404,10 @@ def scale_by_voted_mean(
   rounds it); its residual stays as it was (what its earlier rounds could
   not say is said in its next finite round; its lost round adds
   nothing), as does everyone's step count where all abstain (then
-  :math:`U = 0`). The count :math:`a` (one int32 all-reduce a round) is
-  in the state with the running total. With :math:`a` abstainers every
+  :math:`U = 0`). The count :math:`a` (one int32 all-reduce a round) and
+  its running total are in the state, an
+  :class:`~dlion_jax.transforms.AbstainingMeanState` beside the
+  residual's. With :math:`a` abstainers every
   worker's :math:`U`, and the present workers' residuals, are those of a
   run of the present workers alone, bit for bit where the all-reduces
   sum in the workers' order (XLA:CPU's: the sparse vote's sums and the
@@ -469,9 +455,8 @@ def scale_by_voted_mean(
   Returns:
     A :class:`optax.GradientTransformation` whose state is a
     :class:`VotedMeanState` (:class:`optax.EmptyState` without error
-    feedback); with ``abstain_nonfinite``, an
-    :class:`AbstainingVotedMeanState` (a
-    :class:`~dlion_jax.transforms.AbstainingMeanState`).
+    feedback); with ``abstain_nonfinite``, the pair of that state and a
+    :class:`~dlion_jax.transforms.AbstainingMeanState`.
 
   References:
     Karimireddy et al., `Error Feedback Fixes SignSGD and other Gradient
@@ -530,24 +515,27 @@ def scale_by_voted_mean(
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
     none = jnp.zeros([], jnp.int32)
-    if not error_feedback:
-      return (transforms.AbstainingMeanState(none, none)
-              if abstain_nonfinite else optax.EmptyState())
-    error = jax.tree.map(
-        lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)), params)
+    state = optax.EmptyState()
+    if error_feedback:
+      state = VotedMeanState(none, jax.tree.map(
+          lambda p: jnp.zeros(p.shape, _quantize.scale_dtype(p.dtype)),
+          params))
     if abstain_nonfinite:
-      return AbstainingVotedMeanState(none, error, none, none)
-    return VotedMeanState(none, error)
+      return state, transforms.AbstainingMeanState(none, none)
+    return state
 
   def update_fn(updates, state, params=None):
     del params
     _checks.check_float_leaves(updates, "pseudo-gradient")
     num_workers = _exchange.workers_along(axis_name)
     leaves, treedef = jax.tree.flatten(updates)
-    ok = present = None
+    ok = present = counted = None
     if abstain_nonfinite:
+      state, counted = state
       ok, abstained = _collectives.abstainers(leaves, axis_name, num_workers)
       present = ok, abstained
+      counted = transforms.AbstainingMeanState(
+          abstained, counted.abstentions + abstained)
     wide = [d.astype(_quantize.scale_dtype(d.dtype)) for d in leaves]
     if error_feedback:
       wide = [p + (e if isinstance(error_decay, float) and error_decay == 1
@@ -566,26 +554,20 @@ def scale_by_voted_mean(
           scale_chunk=scale_chunk, scale_clip=scale_clip, present=present)
       means, said = (vote(wide) if fragments == 1 else _voted.fragment_vote(
           vote, wide, fragments, state.count % fragments))
-    means = [u.astype(d.dtype) for u, d in zip(means, leaves)]
-    if not error_feedback:
+    means = treedef.unflatten([u.astype(d.dtype)
+                               for u, d in zip(means, leaves)])
+    if error_feedback:
+      error = [jnp.where(jnp.isfinite(r), r, 0) for r in (
+          p - s for p, s in zip(wide, said))]
+      count = optax.safe_int32_increment(state.count)
       if ok is not None:
-        state = state._replace(abstained=abstained,
-                               abstentions=state.abstentions + abstained)
-      return treedef.unflatten(means), state
-    error = [jnp.where(jnp.isfinite(r), r, 0) for r in (
-        p - s for p, s in zip(wide, said))]
-    count = optax.safe_int32_increment(state.count)
-    if ok is None:
-      return treedef.unflatten(means), VotedMeanState(
-          count, treedef.unflatten(error))
-    # An abstainer keeps its residual; a step no worker voted in is not
-    # counted (the fragments' turn stays).
-    error = [jnp.where(ok, new, old) for new, old in zip(
-        error, treedef.flatten_up_to(state.error))]
-    return treedef.unflatten(means), AbstainingVotedMeanState(
-        jnp.where(abstained < num_workers, count, state.count),
-        treedef.unflatten(error), abstained,
-        state.abstentions + abstained)
+        # An abstainer keeps its residual; a step no worker voted in is
+        # not counted (the fragments' turn stays).
+        error = [jnp.where(ok, new, old) for new, old in zip(
+            error, treedef.flatten_up_to(state.error))]
+        count = jnp.where(abstained < num_workers, count, state.count)
+      state = VotedMeanState(count, treedef.unflatten(error))
+    return means, state if counted is None else (state, counted)
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -551,7 +551,6 @@ def abstentions(opt_state) -> int | None:
   """How many times a worker abstained from the vote so far
   (``optimizer.abstain_nonfinite``), or None where no vote abstains."""
   kinds = (dl.AbstainingState, dl.AbstainingErrorFeedbackState,
-           dl.rounds.AbstainingVotedMeanState,
            dl.transforms.AbstainingMeanState)
   found = [x for x in jax.tree.leaves(
       opt_state, is_leaf=lambda x: isinstance(x, kinds))
