@@ -1,12 +1,13 @@
-"""One worker's part of a step: its loss and gradients (averaged over
-micro-batches, taken over the float leaves of the params only), its
-optimizer update, and the mean of the losses over the workers. Each step of
-:mod:`dlion_jax.parallel` is built of these.
+"""One worker's part of a step, for both doors: its loss and gradients
+(averaged over micro-batches, taken over the float leaves of the params
+only), the region it votes in, the mean of the losses over the workers,
+its rows of the batch, the node mean, its state and the checks by cause.
+The steps of :mod:`dlion_jax.parallel` are built of these, around the
+optimizer update of ``dlion_jax._steps``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from typing import Any, Callable
 
@@ -19,9 +20,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import NamedSharding
 
-from dlion_jax import _blocks
 from dlion_jax import _checks
-from dlion_jax import _extra_args
 from dlion_jax import _mesh
 from dlion_jax import _placement
 from dlion_jax import rounds
@@ -119,24 +118,6 @@ def float_leaves(params: Any) -> list[int]:
           if _differentiable(x)]
 
 
-def worker_update(tx, placement=None):
-  """One worker's optimizer step, ``(grads, state, params, extra_args) ->
-  (new params, state)`` (``extra_args``: optax's, a dict), the new params
-  typed like the old. With a ``placement`` (Auto axes beside the workers',
-  :func:`dlion_jax._placement.placement`) the update knows how each leaf
-  is placed (``dlion_jax._blocks.placed``)."""
-  def update(grads, state, params, extra_args=None):
-    state = _extra_args.alike_state(state)  # check_vma: parallel.typed_alike
-    with (contextlib.nullcontext() if placement is None
-          else _blocks.placed(placement)):
-      updates, state = tx.update(grads, state, params, **extra_args or {})
-    # Local steps: a round's end puts every worker exactly on the anchor.
-    new = rounds.restart_at_anchor(optax.apply_updates(params, updates),
-                                   state)
-    return jax.tree.map(_mesh.typed_like, new, params), state
-  return update
-
-
 def in_region(local, mesh, axis_name, in_specs: tuple, out_specs: tuple,
               out_typed: Callable | None = None) -> Callable:
   """``local``, one worker's function, as a ``jax.shard_map`` manual over
@@ -183,22 +164,6 @@ def region_of(closed) -> Any:
           walk(inner)
   walk(_drift.open_jaxpr(closed))
   return found[-1]
-
-
-def learn(loss_fn, tx, has_aux, micro_batches, placement=None, *,
-          loss_as=None, own_loss=False, axis_name=None):
-  """One worker's loss, gradients and update: what must hold an exchange
-  (the loss given to ``tx.update`` as ``loss_as``, the worker's own or
-  the workers' mean: ``dlion_jax._extra_args.with_loss``)."""
-  update = worker_update(tx, placement)
-  def learn(params, local_params, state, batch, extra_args=None):
-    loss, grads = loss_and_grads(loss_fn, local_params, batch, has_aux,
-                                 micro_batches)
-    extra_args = _extra_args.with_loss(extra_args or {}, loss[0] if has_aux
-                                       else loss, loss_as, own_loss,
-                                       axis_name)
-    return *update(grads, state, params, extra_args), loss
-  return learn
 
 
 def mean_of_workers(tree: Any, axis_name) -> Any:

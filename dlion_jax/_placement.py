@@ -72,14 +72,14 @@ def _same_mesh(a, b) -> bool:
 
 class OutputsPlacedLikeInputs:
   """A step built for the placement of its params and state over the
-  compiler's axes (``build((params' specs, state rows' specs),
-  out_shardings)``), one compilation per placement; traced arguments get
-  the plain ``jitted``.
+  compiler's axes (``build((params' specs, placement), out_shardings)``,
+  ``placement`` :func:`placement`'s, read off ``tx``'s state), one
+  compilation per placement; traced arguments get the plain ``jitted``.
 
   The new params and state keep the caller's shardings (on Auto axes the
-  compiler would pick its own: replicated params come back sharded), and on
-  Auto axes the optimizer update is told how they are placed
-  (:func:`placement`).
+  compiler would pick its own: replicated params come back sharded), and
+  the optimizer update is told how they are placed, each leaf voted in its
+  blocks (:func:`blocks`).
   """
 
   def __init__(self, build: Callable, jitted: Callable, mesh: Mesh, tx, *,
@@ -119,18 +119,22 @@ class OutputsPlacedLikeInputs:
                specs[1])
       if self._check:
         check_placement(self._tx, specs, self._mesh)
+      rows = (specs[0], row(specs[1]))
       self._by_placement[key] = self._build(
-          (specs[0], row(specs[1])), placed + (NamedSharding(self._mesh, P()),))
+          (rows[0], placement(self._tx, *rows)),
+          placed + (NamedSharding(self._mesh, P()),))
     return self._by_placement[key]
 
-  def trace(self, params, state, batch, extra_args=None):
-    return self._for(params, state).trace(params, state, batch, extra_args)
+  # ``*extra``: optax's extra arguments, or nothing, so that a compiled
+  # step is called with what it was lowered with (as ``jax.jit``'s is).
+  def trace(self, params, state, batch, *extra):
+    return self._for(params, state).trace(params, state, batch, *extra)
 
-  def lower(self, params, state, batch, extra_args=None):
-    return self._for(params, state).lower(params, state, batch, extra_args)
+  def lower(self, params, state, batch, *extra):
+    return self._for(params, state).lower(params, state, batch, *extra)
 
-  def __call__(self, params, state, batch, extra_args=None):
-    return self._for(params, state)(params, state, batch, extra_args)
+  def __call__(self, params, state, batch, *extra):
+    return self._for(params, state)(params, state, batch, *extra)
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)
@@ -206,22 +210,23 @@ def check_placement(tx, specs: Any, mesh: Mesh) -> None:
         "params and a sharded state (ZeRO-2).")
 
 
-def blocks(tx, specs, params: Any, mesh: Mesh, shard_axis: str | None):
-  """Each params leaf's spec (from ``specs``, the placement of the call's
-  params and state, else the leaf's type), and by key path the blocks its
-  gradient and vote take: the most sharded of its param's and its state's
-  placement, cut over ``shard_axis`` (if any) as
-  :func:`dlion_jax.devices.shard_params` would where neither is."""
+def blocks(placed, params: Any, mesh: Mesh, shard_axis: str | None):
+  """Each params leaf's spec, and by key path the blocks its gradient and
+  vote take: from ``placed`` (the params' specs and :func:`placement`'s,
+  the most sharded of each param's and its state's placement, given by
+  :class:`OutputsPlacedLikeInputs`), else from the leaves' types; cut over
+  ``shard_axis`` (if any) as :func:`dlion_jax.devices.shard_params` would
+  where neither is."""
   leaves = jax.tree_util.tree_leaves_with_path(params)
-  if specs is None:
+  if placed is None:
     param_specs = [getattr(jax.typeof(x).sharding, "spec", None) or P()
                    for _, x in leaves]
     merged = {_blocks.path_key(p): s
               for (p, _), s in zip(leaves, param_specs)}
   else:
-    param_specs = jax.tree.leaves(specs[0],
+    param_specs = jax.tree.leaves(placed[0],
                                   is_leaf=lambda x: isinstance(x, P))
-    merged = placement(tx, *specs)
+    merged = placed[1]
   if shard_axis is None:
     return param_specs, merged
   k = mesh.shape[shard_axis]

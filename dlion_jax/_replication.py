@@ -47,7 +47,10 @@ class _CheckedOnFirstTrace:
     raise NotImplementedError
 
   def trace(self, params, state, batch, **extra_args):
-    traced = self._jitted.trace(params, state, batch, extra_args)
+    # Without extra arguments, three: what ``lower(...).compile()`` is
+    # then called with, as a step of ``jax.jit`` is.
+    traced = self._jitted.trace(params, state, batch,
+                                *((extra_args,) if extra_args else ()))
     if self._unchecked(extra_args):
       region = [e for e in traced.jaxpr.jaxpr.eqns
                 if e.primitive.name == "shard_map"][-1]
@@ -62,7 +65,8 @@ class _CheckedOnFirstTrace:
   def __call__(self, params, state, batch, **extra_args):
     if self._unchecked(extra_args):
       self.trace(params, state, batch, **extra_args)
-    return self._jitted(params, state, batch, extra_args)
+    return self._jitted(params, state, batch,
+                        *((extra_args,) if extra_args else ()))
 
   def __getattr__(self, name):
     return getattr(self._jitted, name)

@@ -31,12 +31,12 @@ The steps take what :mod:`dlion_jax.devices` places (meshes, replicated
 params, sharded batches), and an optimizer that may be wrapped by
 :mod:`dlion_jax.transforms` (:func:`~dlion_jax.transforms.pmean_gradients`,
 :func:`~dlion_jax.transforms.apply_if_finite`). The steps' internals
-live in private modules beside this one: where each leaf, momentum and
-batch lives (``_placement``), one worker's loss, gradients and update
-(``_worker_step``), :func:`per_worker`'s layouts (``_per_worker``), the
-checks that what a step returns replicated is equal on every worker
-(``_replication``), and the ``shard_axis`` step and its sibling on
-Explicit axes (``_grads_first``).
+live in private modules beside this one: the three steps
+:func:`make_train_step` picks from and the worker update they run
+(``_steps``), where each leaf, momentum and batch lives
+(``_placement``), one worker's loss and gradients (``_core``),
+:func:`per_worker`'s layouts (``_per_worker``), and the checks that what
+a step returns replicated is equal on every worker (``_replication``).
 """
 
 from __future__ import annotations
@@ -55,11 +55,10 @@ from jax.sharding import Mesh
 from dlion_jax import _core
 from dlion_jax import _deprecations
 from dlion_jax import _extra_args
-from dlion_jax import _grads_first
 from dlion_jax import _mesh
-from dlion_jax import _per_worker
 from dlion_jax import _placement
 from dlion_jax import _replication
+from dlion_jax import _steps
 from dlion_jax import devices
 # Public here: the per-worker state and per_worker's map.
 from dlion_jax._core import init_worker_states  # noqa: F401
@@ -261,7 +260,7 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   compiler: each device differentiates its own rows with whole params
   (gathered over ``shard_axis`` first where they are sharded at rest), and
   one reduce-scatter per leaf leaves it the node's mean gradient on its
-  block of the leaf (``dlion_jax._grads_first.node_mean_grads``). The fast
+  block of the leaf (``dlion_jax._core.node_mean_grads``). The fast
   links then carry that reduce-scatter and one all-gather (of the params,
   or of the updates where params are replicated), however the compiler
   would have partitioned an unannotated model. ``loss_fn`` then sees one
@@ -356,47 +355,16 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   micro_batches = _checks.positive_int("micro_batches", micro_batches)
   per_worker_args = _extra_args.names(per_worker_args)
   _extra_args.check_loss_as(loss_as, tx)
-  own_loss = loss_as in per_worker_args
   # A size-1 axis has no vote (the update is plain Lion, typed per-worker),
   # so there is nothing to check replication against.
-  check_vma = check_vma and n > 1
-  auto = any(t == jax.sharding.AxisType.Auto
-             for a, t in zip(mesh.axis_names, mesh.axis_types)
-             if a not in _mesh.names(axis_name))
+  options = dict(axis_name=axis_name, shard_axis=shard_axis,
+                 check_vma=check_vma and n > 1, has_aux=has_aux,
+                 micro_batches=micro_batches,
+                 params_per_worker=params_per_worker,
+                 per_worker_args=per_worker_args, loss_as=loss_as)
 
-  def build(specs=None, out_shardings=None):
-    options = dict(has_aux=has_aux, micro_batches=micro_batches,
-                   check_vma=check_vma, loss_as=loss_as,
-                   per_worker_args=per_worker_args)
-    if shard_axis is not None:
-      step = _grads_first.hybrid_step(
-          loss_fn, tx, mesh, axis_name, shard_axis, specs, **options)
-    elif _mesh.explicit_axes(mesh, axis_name):
-      step = _grads_first.explicit_step(
-          loss_fn, tx, mesh, axis_name, specs, **options)
-    else:
-      learn = _core.learn(
-          loss_fn, tx, has_aux, micro_batches,
-          _placement.placement(tx, *specs) if specs and auto else None,
-          loss_as=loss_as, own_loss=own_loss, axis_name=axis_name)
-
-      # The extra arguments one for all first, among the constants, and
-      # each worker's own last: the checks read what differs by worker.
-      def local_step(shared, params, state, batch, own):
-        local_params = (lax.pcast(params, axis_name, to="varying")
-                        if check_vma and not params_per_worker else params)
-        params, state, loss = learn(params, local_params, state, batch,
-                                    {**shared, **own})
-        return params, state, _core.mean_of_workers(loss, axis_name)
-
-      params_layout = "stacked" if params_per_worker else "replicated"
-      mapped = _per_worker.mapped(
-          local_step, mesh, axis_name=axis_name,
-          ins=("replicated", params_layout, "stacked", "split", "stacked"),
-          outs=(params_layout, "stacked", "replicated"),
-          check_vma=check_vma, check_replicated=False)
-      step = lambda params, state, batch, shared, own: mapped(
-          shared, params, state, batch, own)
+  def build(placed=None, out_shardings=None):
+    step = _steps.train_step(loss_fn, tx, mesh, placed, **options)
 
     def checked_step(params, state, batch, extra_args=None):
       _core.check_batch_rows(batch, n, axis_name)
@@ -417,13 +385,13 @@ def make_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
     jitted = _placement.OutputsPlacedLikeInputs(
         build, jitted, mesh, tx, check_placement=shard_axis is None,
         params_per_worker=params_per_worker)
-  grads_first = shard_axis is not None or bool(
-      _mesh.explicit_axes(mesh, axis_name))
   if params_per_worker:     # whose params differ within a round
     jitted = _replication.AnchorCheck(jitted, axis_name, n, per_worker_args)
   else:
-    jitted = _replication.ExchangeCheck(jitted, axis_name, n, grads_first,
-                                        per_worker_args)
+    jitted = _replication.ExchangeCheck(
+        jitted, axis_name, n,
+        _steps.differentiates_first(mesh, axis_name, shard_axis),
+        per_worker_args)
   return limit_in_flight(jitted, devices=mesh.devices.flat)
 
 
@@ -517,9 +485,9 @@ def make_pmap_train_step(loss_fn: LossFn, tx: optax.GradientTransformation,
   """
   per_worker_args = _extra_args.names(per_worker_args)
   _extra_args.check_loss_as(loss_as, tx)
-  learn = _core.learn(loss_fn, tx, has_aux, micro_batches, loss_as=loss_as,
-                      own_loss=loss_as in per_worker_args,
-                      axis_name=axis_name)
+  learn = _steps.learn(loss_fn, tx, has_aux, micro_batches, loss_as=loss_as,
+                       own_loss=loss_as in per_worker_args,
+                       axis_name=axis_name)
 
   def local_step(params, state, batch, shared, own):
     fn = lambda shared, params, local, state, rows: learn(

@@ -436,3 +436,26 @@ def test_a_later_call_with_a_value_of_each_worker_is_checked_too():
   with pytest.raises(ValueError) as e:
     step(p, s, b, value=jnp.arange(1.0, n + 1))
   assert_names(e, "would still silently differ", "per_worker_args")
+
+
+@pytest.mark.parametrize("axes", [1, 2])
+def test_a_step_compiled_ahead_without_extra_arguments_takes_three(axes):
+  """``step.lower(params, state, batch).compile()`` is called with the
+  same three arguments, as a ``jax.jit`` step's is (the training CLI's
+  way, on nodes of 2 devices too), and gives the step's own result."""
+  n = 3
+  mesh = (mesh_of(n) if axes == 1 else jax.make_mesh(
+      (n, 2), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+      devices=jax.devices()[:2 * n]))
+  params, batch = problem(rows=4 * n)
+  tx = voted()
+  step = parallel.make_train_step(loss_fn, tx, mesh, donate=False)
+  with jax.set_mesh(mesh):
+    p = jax.device_put(params, NamedSharding(mesh, P()))
+    s = parallel.init_worker_states(tx, p, mesh)
+    b = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    compiled = step.lower(p, s, b).compile()
+    got = compiled(p, s, b)
+    want = step(p, s, b)
+  assert_same(got[0], want[0], "params")
+  assert_same(got[1], want[1], "state")
