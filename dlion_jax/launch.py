@@ -102,8 +102,8 @@ _WATCHDOG_S = 30.0   # --watchdog's default with --restarts
 _USAGE_ERROR = 2     # an exit code no restart would change
 # The environment a restartable process reads
 # (dlion_jax.processes.restart_info; the same names there).
-HEARTBEAT_ENV = "DLION_HEARTBEAT_FILE"
-RESTART_ENV = ("DLION_LAUNCH_ID", "DLION_RESTART",
+_HEARTBEAT_ENV = "DLION_HEARTBEAT_FILE"
+_RESTART_ENV = ("DLION_LAUNCH_ID", "DLION_RESTART",
                "DLION_FIRST_NUM_PROCESSES", "DLION_MIN_PROCESSES",
                "DLION_STARTED_AT")
 
@@ -317,7 +317,7 @@ class _Group:
     for i in range(n):
       child = dict(env, JAX_PROCESS_ID=str(i))
       if self.beats[i]:
-        child[HEARTBEAT_ENV] = self.beats[i]
+        child[_HEARTBEAT_ENV] = self.beats[i]
       try:
         # Own process group: we deliver signals (and kill whole trees).
         proc = subprocess.Popen(
@@ -508,7 +508,7 @@ def _attempts(num_processes: int, command: Sequence[str], *, plan: _Plan,
     if plan.restarts:
       lowest = num_processes if plan.replace else max(
           1, num_processes - plan.restarts)
-      env.update(zip(RESTART_ENV, (
+      env.update(zip(_RESTART_ENV, (
           launch_id, str(restart), str(num_processes), str(lowest),
           repr(time.time()))))
       env.update({k: v for k, v in _compilation_cache(work).items()
