@@ -175,19 +175,9 @@ def _mean_over(xs: list[jax.Array], axis_name, present=None,
   sums = _collectives.psum([jnp.where(present, x, 0) for x in finite],
                            axis_name)
   size = jax.lax.axis_size(axis_name)
-  means = [jnp.where(present, total * _reciprocals(size, total.dtype)[
-      count - 1], x) for total, x in zip(sums, xs)]
+  means = [jnp.where(present, total * _collectives.reciprocal_of_count(
+      count, size, total.dtype), x) for total, x in zip(sums, xs)]
   return _typed_like(means, xs)
-
-
-def _reciprocals(size: int, dtype) -> jax.Array:
-  """``1 / k`` for ``k = 1 .. size`` in ``dtype``, as XLA folds the
-  constant of a ``pmean`` over ``k`` workers (``sum / k`` becomes ``sum``
-  times it): a mean over the workers present then rounds as the ``pmean``
-  of those workers alone."""
-  wide = np.float64 if jnp.dtype(dtype).itemsize > 4 else np.float32
-  return jnp.asarray((wide(1) / np.arange(1, size + 1, dtype=wide)).astype(
-      dtype))
 
 
 def _typed_like(means: list[jax.Array], xs: list[jax.Array]
