@@ -393,3 +393,17 @@ def test_the_readme_run_survives_a_lost_process_and_a_lost_coordinator(
                                   {"steps": [step, 600], "workers": 6}]
     assert summary["test_accuracy"] >= 0.93
     assert took <= 2.5 * base
+
+
+def test_every_process_takes_the_same_view_of_the_run_directory():
+  """A restart before any checkpoint: process 0 clears the run directory
+  (its restarts.jsonl too) once it has decided; a process that read it
+  after would have taken the run for another's and parted ways with the
+  others (seen: a sync_global_devices name mismatch, the start lost). The
+  views are gathered first: any process that saw the run's record, and a
+  checkpoint only where every process found one."""
+  assert restarts.combined([(1, 0), (0, 0), (1, 0), (1, 0)]) == (True, False)
+  assert restarts.combined([(1, 1), (1, 0)]) == (True, False)
+  assert restarts.combined([(1, 1), (1, 1)]) == (True, True)
+  assert restarts.combined([(0, 0), (0, 0)]) == (False, False)
+  assert restarts.agreed_view(True, False) == (True, False)   # one process

@@ -124,12 +124,40 @@ def resume_mode(run_path: pathlib.Path, info, *, resume: bool,
                 overwrite: bool) -> tuple[bool, bool]:
   """``(resume, overwrite)`` for this start: at a restart of a run this
   launcher began, resume where it has a checkpoint, else start it afresh
-  over what it wrote; otherwise the command line's flags."""
-  if info is None or not info.restart or not began_here(run_path,
-                                                        info.launch_id):
+  over what it wrote; otherwise the command line's flags. Every process
+  decides alike (:func:`agreed_view`)."""
+  if info is None or not info.restart:
     return resume, overwrite
-  found = bool(rundir.checkpoint_steps(run_path))
+  began, found = agreed_view(began_here(run_path, info.launch_id),
+                             bool(rundir.checkpoint_steps(run_path)))
+  if not began:
+    return resume, overwrite
   return found, not found
+
+
+def agreed_view(began: bool, found: bool) -> tuple[bool, bool]:
+  """What every process read of the run directory, alike in each: whether
+  this launcher's run began there (any process saw its record) and whether
+  a checkpoint is there (every process found one). Gathered before any
+  process acts on it, so each has read the directory before process 0
+  clears it at a restart that starts afresh (read after, its records gone,
+  a process would take the run for another's and part ways with the
+  others)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_count() == 1:
+    return began, found
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  views = np.asarray(multihost_utils.process_allgather(
+      np.array([began, found], np.int32))).reshape(-1, 2)
+  return combined(views)
+
+
+def combined(views) -> tuple[bool, bool]:
+  """``(began, found)`` from each process's ``(began, found)``: began where
+  any process saw the run's record, found where every process found a
+  checkpoint."""
+  return bool(any(v[0] for v in views)), bool(all(v[1] for v in views))
 
 
 def agreed_step(step: int | None) -> int | None:
