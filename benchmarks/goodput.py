@@ -11,8 +11,8 @@ every few, in the form the multi-host guide gives::
 
 first failure-free, then with a process SIGKILLed every ``T`` seconds of
 wall time (``--periods``; a seeded RNG picks the process and each kill's
-time, ``T`` apart with a jitter of up to ``T / 4`` either side, the first
-in ``[T / 2, 3 T / 2]``). Kills run with ``--replace`` (a fresh process takes
+time: the first at a random phase in ``[0, T]``, then ``T`` apart with a
+jitter of up to ``T / 4`` either side). Kills run with ``--replace`` (a fresh process takes
 the lost one's place, as a preempted host's replacement would): every start
 runs the same 8 workers, so the wall times compare, and a run survives any
 number of kills. A kill waits until the restart of the one before it is
@@ -95,11 +95,11 @@ def command(run_dir, *, steps: int, every: int | None, restarts: int,
 
 
 def kill_times(period: float, seed: int, horizon: float) -> list[float]:
-  """Seconds after the launch at which to kill, up to ``horizon``: ``period``
-  apart, each with a jitter of up to ``period / 4`` either side, the first
-  in ``[period / 2, 3 period / 2]``."""
+  """Seconds after the launch at which to kill, up to ``horizon``: the
+  first at a random phase in ``[0, period]``, then ``period`` apart, each
+  with a jitter of up to ``period / 4`` either side."""
   rng = random.Random(seed)
-  out, t = [], rng.uniform(0.5, 1.5) * period
+  out, t = [], rng.uniform(0.0, 1.0) * period
   while t < horizon:
     out.append(round(t, 3))
     t += period * (1 + rng.uniform(-0.25, 0.25))
@@ -180,8 +180,10 @@ def launch_run(argv: list[str], run_dir: pathlib.Path, *,
       with lock:
         log.append(text)
         del log[:-200]
-        if text.startswith("launch: "):
-          notes.append({"t": round(time.monotonic() - tic, 3), "text": text})
+        # A note may follow a process's progress bar on its line.
+        if "launch: " in text:
+          notes.append({"t": round(time.monotonic() - tic, 3),
+                        "text": text[text.index("launch: "):]})
   pumps = [threading.Thread(target=pump, args=(s,), daemon=True)
            for s in (proc.stdout, proc.stderr)]
   for t in pumps:
@@ -207,6 +209,7 @@ def launch_run(argv: list[str], run_dir: pathlib.Path, *,
              if summary_path.is_file() else None)
   return {"wall_s": round(wall, 3), "exit": code, "kills": kills,
           "notes": notes, "summary": summary, "log": log[-40:],
+          "starts": _starts(run_dir),
           "last_step": _last_step(run_dir), "step_s": step_seconds(run_dir)}
 
 
@@ -242,6 +245,13 @@ def _watch(proc, tic, run_dir, notes, lock, pending, kills, rng, *, n0,
     time.sleep(_POLL_S)
 
 
+def _starts(run_dir: pathlib.Path) -> list[dict]:
+  """The run directory's records of its starts (``restarts.jsonl``), each
+  start's lines merged; there even where the run did not finish."""
+  from dlion_jax.train import restarts  # pylint: disable=g-import-not-at-top
+  return restarts.read(run_dir)
+
+
 def _due(when, now: float, run_dir: pathlib.Path,
          kill_at_step: int | None) -> bool:
   if kill_at_step is not None:
@@ -269,23 +279,28 @@ def step_seconds(run_dir: pathlib.Path) -> float | None:
 def restart_costs(run: dict, step_s: float) -> list[dict]:
   """Each restart's cost in seconds, split (:data:`PARTS`), from the run's
   record (:func:`launch_run`): its kills, the launcher's notes and the
-  summary's ``starts``; ``step_s``: the failure-free run's seconds a step
-  (for the steps redone). A restart whose start never recorded (killed
-  before it was ready) has the pieces it has."""
+  run directory's records of its starts; ``step_s``: the failure-free
+  run's seconds a step (for the steps redone). Each kill is matched with
+  the launcher's first note of a failure after it and its first note of a
+  restart after that. A restart whose start never recorded (killed before
+  it was ready) has the pieces it has."""
   failed = [n["t"] for n in run["notes"] if _FAILED.match(n["text"])]
-  restarted = {int(_RESTART.match(n["text"]).group(1)): n["t"]
-               for n in run["notes"] if _RESTART.match(n["text"])}
-  starts = {s["restart"]: s for s in
+  restarted = [(int(_RESTART.match(n["text"]).group(1)), n["t"])
+               for n in run["notes"] if _RESTART.match(n["text"])]
+  starts = {s["restart"]: s for s in run.get("starts") or
             (run["summary"] or {}).get("starts", [])}
   out = []
-  for i, kill in enumerate(run["kills"]):
-    r = i + 1
-    if i >= len(failed) or r not in restarted:
+  for kill in run["kills"]:
+    seen = next((t for t in failed if t >= kill["t"]), None)
+    then = next(((r, t) for r, t in restarted
+                 if seen is not None and t >= seen), None)
+    if then is None:
       continue
+    r, at = then
     rec = starts.get(r, {})
     cost = {"restart": r, "process": kill["process"],
-            "detect": round(failed[i] - kill["t"], 3),
-            "stop": round(restarted[r] - failed[i], 3)}
+            "detect": round(seen - kill["t"], 3),
+            "stop": round(at - seen, 3)}
     for part, key in (("start", "start_s"), ("restore", "restore_s"),
                       ("compile", "compile_s")):
       if key in rec:
@@ -320,7 +335,7 @@ def _accuracy(run: dict) -> float | None:
 
 
 def _step(run: dict):
-  return (run["summary"] or {}).get("step")
+  return (run["summary"] or {}).get("step", "-")
 
 
 def _pct(x) -> str:
@@ -352,10 +367,13 @@ def cost_table(result: dict) -> str:
   """Each restart's cost, split, and the mean over all."""
   step_s = result["baseline"]["step_s"]
   rows, every = [], []
-  for run in result["periods"]:
+  labelled = [(f"{r['period']:g} s", r) for r in result["periods"]] + [
+      (f"once, past step {result['settings']['kill_at_step']}", r)
+      for r in result.get("kill_at_step", [])]
+  for label, run in labelled:
     for c in restart_costs(run, step_s):
       every.append(c)
-      rows.append([f"{run['period']:g} s", c["restart"], c["process"],
+      rows.append([label, c["restart"], c["process"],
                    *(_s(c.get(p)) for p in PARTS),
                    c.get("steps_redone", "-"), _s(c["total"])])
   if every:
@@ -366,6 +384,15 @@ def cost_table(result: dict) -> str:
       ["kill every", "restart", "process killed",
        *(f"{p} s" for p in PARTS[:-1]), "steps redone s", "steps redone",
        "total s"], rows)
+
+
+def mean_cost(result: dict) -> float | None:
+  """The mean total cost of every restart measured (kills every T seconds
+  and once past a step), in seconds; None without any."""
+  step_s = result["baseline"]["step_s"]
+  costs = [c for run in result["periods"] + result.get("kill_at_step", [])
+           for c in restart_costs(run, step_s)]
+  return _mean(costs, "total")
 
 
 def _mean(costs, part):
@@ -414,6 +441,14 @@ def report(result: dict) -> str:
               "What each restart cost, seconds (steps redone at the "
               f"failure-free run's {1000 * base['step_s']:.1f} ms a step):",
               "", cost_table(result), ""]
+    mean = mean_cost(result)
+    if mean:
+      parts += [f"A run long against T loses about the mean restart cost, "
+                f"{mean:.1f} s, every T seconds: goodput about 1 - "
+                f"{mean:.1f} / T, " + ", ".join(
+                    f"{100 * max(0.0, 1 - mean / r['period']):.0f} % at "
+                    f"{r['period']:g} s" for r in result["periods"])
+                + " (an estimate from the costs above, not a run).", ""]
     others = [f"{run['period']:g} s: {other_seconds(run, base):+.1f} s"
               for run in result["periods"]]
     parts += ["Wall time lost beyond the restarts' costs (slower steps, "
