@@ -12,11 +12,12 @@ every few, in the form the multi-host guide gives::
 first failure-free, then with a process SIGKILLed every ``T`` seconds of
 wall time (``--periods``; a seeded RNG picks the process and each kill's
 time: the first at a random phase in ``[0, T]``, then ``T`` apart with a
-jitter of up to ``T / 4`` either side). Kills run with ``--replace`` (a fresh process takes
-the lost one's place, as a preempted host's replacement would): every start
-runs the same 8 workers, so the wall times compare, and a run survives any
-number of kills. A kill waits until the restart of the one before it is
-under way (one kill, one restart).
+jitter of up to ``T / 4`` either side). Kills run with ``--replace`` (a
+fresh process takes the lost one's place, as a preempted host's
+replacement would): every start runs the same 8 workers, so the wall
+times compare, and a run survives any number of kills. A kill waits
+until the restart of the one before it is under way (one kill, one
+restart).
 
 Reported:
 
