@@ -63,10 +63,13 @@ class _Fusion:
   run in Pallas' interpreter, the ``also`` their encoding computes beside
   the words, its value for each run they encoded, and the runs whose
   outcome :func:`dlion_jax.fused.tally` wrote in the leaf's shape
-  (``decoded``)."""
+  (``decoded``); ``combine`` and ``also`` take the traced ``scalars``
+  after the leaves, the kernels' inputs."""
   interpret: bool
   also: Callable | None
   forced: bool = False
+  combine: Callable | None = None
+  scalars: tuple = ()
   values: dict = dataclasses.field(default_factory=dict)
   decoded: set = dataclasses.field(default_factory=set)
 
@@ -91,13 +94,13 @@ class _Fusion:
   def fits_row(row, radix: int | None, spec) -> bool:
     """Whether ``row`` fits the kernels in ``radix``. The leaves that fit
     go first in a message of digits: each then gets a decoding or tally
-    call of its own (:func:`_planes_in_blocks`), where a run before them
-    that is not whole blocks (a stack of biases) would send them through
-    the one call for the rest of the message, cut leaf by leaf (copies on
-    TPU: the 1B GPT's MaVo ``auto`` step, 44.6 -> 43.3 bytes a parameter
-    a chip on one v5e 2x4 slice). ``psum_int8``'s levels keep the tree's
-    order (nothing is decoded in blocks; the MLP's step moved 1.7 bytes
-    a parameter more reordered)."""
+    call of its own (:func:`dlion_jax._fused.planes_in_blocks`), where a
+    run before them that is not whole blocks (a stack of biases) would
+    send them through the one call for the rest of the message, cut leaf
+    by leaf (copies on TPU: the 1B GPT's MaVo ``auto`` step, 44.6 -> 43.3
+    bytes a parameter a chip on one v5e 2x4 slice). ``psum_int8``'s
+    levels keep the tree's order (nothing is decoded in blocks; the MLP's
+    step moved 1.7 bytes a parameter more reordered)."""
     return not spec.scaled and _fused.fits(row[0].shape,
                                           [x.dtype for x in row], radix)
 
@@ -231,16 +234,22 @@ def _exchange(rows, combine, alone, options: VoteOptions,
                       leaf_sizes=sizes, gathers=gathers)
   layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
                                      _run_starts(rows, len(alone)))
-  blocked = fusion and fusion.decoding(rows, len(alone), layout)
+  # Where abstainers may tie a binary majority at odd N, alltoall's
+  # results go back in radix 2 or 3 (a lax.cond), which XLA decodes.
+  ties = abstained is not None and _strategies.STRATEGIES[comm].sends_back \
+      and len(_strategies.alltoall_down_radices(
+          n, aggregation=aggregation, spec=spec, ties=True)) > 1
+  blocked = fusion and not ties and fusion.decoding(rows, len(alone), layout)
   extra = {}
   if blocked:
     layout = blocked
   if blocked and _strategies.STRATEGIES[comm].sends_back:
     decode_blocks = functools.partial(
         _fused.decode, radix=layout.down_radix, num_workers=n, spec=spec,
-        aggregation=aggregation, interpret=fusion.interpret)
+        aggregation=aggregation, abstained=abstained,
+        interpret=fusion.interpret)
     extra = dict(result_words=layout.result_words,
-                 decode_with=lambda results, shard: _planes_in_blocks(
+                 decode_with=lambda results, shard: _fused.planes_in_blocks(
                      lambda first, count: decode_blocks(
                          results, shard, blocks=(first, count)), layout))
     if fusion.interpret or _fused.platform() == "tpu":
@@ -249,7 +258,8 @@ def _exchange(rows, combine, alone, options: VoteOptions,
       extra["tally_with"] = functools.partial(
           _fused.vote_shard, result_words=layout.result_words,
           radix=layout.radix, down_radix=layout.down_radix, num_workers=n,
-          spec=spec, aggregation=aggregation, interpret=fusion.interpret)
+          spec=spec, aggregation=aggregation, abstained=abstained,
+          interpret=fusion.interpret)
   strategy = _strategies.STRATEGIES[comm]
   if fusion and strategy.sums and not blocked and any(
       fusion.apart(rows, row, len(alone), layout, spec)
@@ -272,9 +282,9 @@ def _exchange(rows, combine, alone, options: VoteOptions,
       return _fused.tally(
           everyone, (m * rows, _blocks.LANES), radix=layout.radix,
           num_workers=n, spec=spec, aggregation=aggregation,
-          first_row=first * _fused.BLOCK_ROWS,
+          first_row=first * _fused.BLOCK_ROWS, abstained=abstained,
           interpret=fusion.interpret).reshape(m, rows, _blocks.LANES)
-    planes = _planes_in_blocks(tally_blocks, layout)
+    planes = _fused.planes_in_blocks(tally_blocks, layout)
     decode, words = (lambda outcome: outcome), None
   # Each run's digits from its own words: read off planes of the whole
   # message, a leaf's update would index them through a division and a
@@ -287,7 +297,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
       results.append(_fused.tally(
           words(first, size), rows[row][0].shape, radix=layout.radix,
           num_workers=n, spec=spec, aggregation=aggregation,
-          interpret=fusion.interpret).reshape(-1))
+          abstained=abstained, interpret=fusion.interpret).reshape(-1))
       fusion.decoded.add(run)
       continue
     outcome = decode(planes(first, size).reshape(-1))
@@ -300,31 +310,6 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           n if aggregation == "avg" else 1, spec))
     results.append(outcome)
   return layout, results
-
-
-def _planes_in_blocks(outcome_of, layout):
-  """``planes(first, size)`` of a message whose outcome comes from one of
-  the fused kernels block by block, ``outcome_of(first, count)`` giving
-  ``[m, 32 count, 128]`` for blocks ``first`` to ``first + count`` of
-  :data:`dlion_jax.fused.DECODE_BLOCK` words. A run of whole blocks before
-  any other gets a call of its own: its outcome is an array the leaf's
-  update reads where it lies, where a slice of the whole message's would
-  be a copy (XLA:TPU made one). The rest of the message comes from one
-  call."""
-  block = _fused.DECODE_BLOCK
-  rest = min((first for first, size in layout.run_words
-              if first % block or size % block), default=layout.words)
-  rest -= rest % block
-  if rest < layout.words:
-    tail = _strategies.planes_of_rows(
-        outcome_of(rest // block, (layout.words - rest) // block))
-
-  def planes(first, size):
-    if first >= rest:
-      return tail(first - rest, size)
-    outcome = outcome_of(first // block, size // block)
-    return outcome.reshape(outcome.shape[0], size)
-  return planes
 
 
 def _finalize(outcome: jax.Array, options: VoteOptions, dtype,
@@ -404,6 +389,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
               bucket_bytes: int | None = None, with_done: bool = False,
               kernels: _fused.Kernels = "auto",
               also: Callable[..., jax.Array] | None = None,
+              present: jax.Array | None = None,
               abstained: jax.Array | None = None,
               lone: Callable[..., jax.Array] | None = None):
   """:func:`aggregate_updates` of ``combine(*leaves)``, leaf by leaf of
@@ -447,8 +433,10 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   ``abstained``, an int32 scalar the same on every worker, counts the
   workers whose ``combine`` gave 0 on every leaf: their codes are taken
   back out of every tally, MaVo is the majority of the workers present
-  and Avg their mean (0 where none is). The kernels are not used then.
-  Where one worker alone is present (``abstained`` is N - 1) the update is
+  and Avg their mean (0 where none is). ``present`` (a bool scalar, or
+  None) says whether this worker votes: ``combine``, ``also`` and
+  ``lone`` take it after ``constants``, and so do the kernels. Where
+  one worker alone is present (``abstained`` is N - 1) the update is
   ``sign(lone(*leaves))`` (``lone`` elementwise, 0 on every other worker;
   see :func:`_lone_outcomes`), exact leaves the sign of its sum.
   """
@@ -456,14 +444,14 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
   options = VoteOptions(axis_name, num_workers, spec, aggregation, comm,
                         min_compress_size, bucket_bytes, kernels)
   axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(trees[0]))
-  if abstained is not None:   # a traced value enters a region as a constant
-    constants = constants + (abstained,)
   fuse = _uses_kernels(kernels, constants, axis_name)
+  # Traced values enter a region as constants; the kernels take these.
+  constants += tuple(x for x in (present, abstained) if x is not None)
   def run(*trees, leaf_shards=None, constants):
     count = None
     if abstained is not None:
       *constants, count = constants
-    return _aggregate(lambda *leaves: combine(*leaves, *constants), *trees,
+    return _aggregate(combine, *trees, constants=tuple(constants),
                       options=options, leaf_shards=leaf_shards, fuse=fuse,
                       also=None if axes else also, abstained=count,
                       lone=lone and (lambda *leaves: lone(*leaves,
@@ -477,7 +465,8 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
 
 
 def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
-  """Whether :func:`aggregate` takes the fused kernels (see there)."""
+  """Whether :func:`aggregate` takes the fused kernels (see there; not
+  with traced ``constants`` of the caller's, such as ``b1``)."""
   if constants or kernels == "xla" or (
       kernels == "auto" and not _mesh.on_tpu()):
     return False
@@ -494,11 +483,15 @@ def _uses_kernels(kernels: str, constants: tuple, axis_name) -> bool:
 
 
 def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
-               fuse: bool = False, also: Callable | None = None,
-               abstained=None, lone: Callable | None = None):
+               constants: tuple = (), fuse: bool = False,
+               also: Callable | None = None, abstained=None,
+               lone: Callable | None = None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
-  where the fused kernels (``fuse``) computed it."""
+  where the fused kernels (``fuse``) computed it; ``combine`` and
+  ``also`` take ``constants`` after the leaves."""
+  kernel_combine = combine
+  combine = lambda *leaves: kernel_combine(*leaves, *constants)
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
   rows = list(zip(*columns))
@@ -524,7 +517,8 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
   done, also_values = [], {}
   for bucket in message_lib.buckets(voted, nbytes, options.bucket_bytes):
     run = fuse and _Fusion(_fused.interpreted(), also,
-                           forced=options.kernels == "pallas")
+                           forced=options.kernels == "pallas",
+                           combine=kernel_combine, scalars=constants)
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         options, run, abstained, lone)
@@ -617,18 +611,23 @@ def _lone_outcomes(lone, rows, alone, options, layout, results):
   """``results``, or on the step ``lone[1]`` each run's outcome of the
   signs of ``lone[0](*row)`` (Avg's sum of levels: the sign times L),
   voted as ternary MaVo through the vote's strategy in a
-  :func:`jax.lax.cond`: integers, so the update's arithmetic is the
-  vote's (a select of the floats changed XLA:CPU's rounding after it)."""
+  :func:`jax.lax.cond` (zeros on other steps) and selected as integers,
+  so the update's arithmetic is the vote's (a select of the floats
+  changed XLA:CPU's rounding after it). The cond reads the leaves, not
+  the vote: XLA runs it before the encoding kernel writes the new
+  momentum over the old (read after it, the old was copied every step)."""
   ternary = dataclasses.replace(options, spec=_quantize.TERNARY,
                                 aggregation="mavo", comm=layout.comm)
   unit = 1 if options.aggregation == "mavo" else options.spec.max_level
 
-  def signs(results):
+  def signs():
     signs_layout, outcomes = _exchange(rows, lone[0], alone, ternary)
     runs = layout.runs_of([x.astype(jnp.int32) * unit
                            for x in signs_layout.split(outcomes)])
     return [x.astype(r.dtype) for x, r in zip(runs, results)]
-  return lax.cond(lone[1], signs, lambda results: results, list(results))
+  voted = lax.cond(lone[1], signs,
+                   lambda: [jnp.zeros(r.shape, r.dtype) for r in results])
+  return lax.cond(lone[1], lambda: voted, lambda: list(results))
 
 
 def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
@@ -723,9 +722,9 @@ def _run_words(rows, first, end, combine, alone, layout, spec,
   m = layout.digits_per_word
   if fusion and fusion.takes(rows, first, len(alone), layout, spec):
     words, fusion.values[first] = _fused.encode(
-        combine, rows[first], spec=spec, radix=layout.radix,
+        fusion.combine, rows[first], spec=spec, radix=layout.radix,
         also=fusion.also, levels_dtype=layout.word_dtype,
-        interpret=fusion.interpret)
+        scalars=fusion.scalars, interpret=fusion.interpret)
     return words.ravel() if flat else words
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and _packing.planes_in_place(rows[first][0].shape, m)

@@ -136,7 +136,7 @@ def _grid(rows: int, lanes: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
           aliases, interpret, gpu_warps: int = 4, read: int | None = None,
-          scratch: tuple = ()):
+          scratch: tuple = (), scalars: tuple = ()):
   """``pallas_call`` with the cost it declares: every operand (or ``read``
   bytes of them, where the grid reads a stretch) and output read or written
   once (XLA's cost analysis counts a kernel's bytes as it declares them).
@@ -145,15 +145,24 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
   back. On GPU Triton compiles them with ``gpu_warps`` warps a program
   (each kernel's the fewest whose registers hold a block without spilling,
   read off ptxas for sm_90: design notes, "Fused kernels"). ``scratch``:
-  the kernel's on-chip buffers and DMA semaphores (TPU, interpreter)."""
+  the kernel's on-chip buffers and DMA semaphores (TPU, interpreter).
+  ``scalars``: traced scalars (whether this worker votes, the count of
+  abstainers) whose refs the kernel gets first (:func:`_read_scalars`)."""
   if read is None:
     read = sum(x.size * x.dtype.itemsize for x in inputs)
   nbytes = read + sum(
       math.prod(s.shape) * jnp.dtype(s.dtype).itemsize for s in out_shape)
-  inputs, out_shape = _typed_alike(inputs, out_shape)
   where = "cpu" if interpret else platform()
+  if scalars:
+    # In scalar memory on TPU: a kernel may not close over a traced value.
+    space = {"memory_space": pltpu.SMEM} if where == "tpu" else {}
+    in_specs = [pl.BlockSpec((1,), lambda *_: (0,), **space)
+                for _ in scalars] + list(in_specs)
+    aliases = {i + len(scalars): o for i, o in aliases.items()}
+  inputs, out_shape = _typed_alike(
+      [_scalar(x) for x in scalars] + list(inputs), out_shape)
   if where == "tpu":
-    inputs = [_in_hbm(x) for x in inputs]
+    inputs[len(scalars):] = [_in_hbm(x) for x in inputs[len(scalars):]]
     params = pltpu.CompilerParams(
         dimension_semantics=("parallel",) * len(grid))
   elif where == "gpu":
@@ -175,6 +184,21 @@ def _call(kernel, inputs, out_shape, in_specs, out_specs, grid, *,
         "worker). Use kernels='auto' or 'xla' off TPU, or check_vma=False "
         "(dlion_jax.parallel.make_train_step's default).")
   return call(*inputs)
+
+
+def _scalar(x) -> jax.Array:
+  """A traced scalar as a kernel's input: one int32 (a bool as 0 or 1) or
+  float32 element (scalar memory holds 32-bit words)."""
+  x = jnp.asarray(x)
+  wide = jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32
+  return x.astype(wide).reshape(1)
+
+
+def _read_scalars(refs, scalars: tuple) -> list:
+  """The values of ``scalars`` inside a kernel, from their refs: a bool
+  read back as one."""
+  return [ref[0] != 0 if jnp.asarray(x).dtype == jnp.bool_ else ref[0]
+          for ref, x in zip(refs, scalars)]
 
 
 def _in_hbm(x: jax.Array) -> jax.Array:
@@ -217,7 +241,7 @@ def _codes(c: jax.Array, radix: int) -> jax.Array:
 def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
            *, spec: _quantize.VoteSpec, radix: int | None,
            also: Callable[..., jax.Array] | None = None,
-           levels_dtype=None,
+           levels_dtype=None, scalars: tuple = (),
            interpret: bool = False):
   """One pass over a leaf: the packed words of ``combine(*leaves)``'s vote
   codes, and ``also(*leaves)``.
@@ -233,6 +257,9 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
       ``0``, ``+1``) a word of ``levels_dtype`` (``psum_int8``'s message).
     also: elementwise, of the leaves: computed in the same pass and
       written over ``leaves[-1]`` (donated) where it has its dtype.
+    levels_dtype: the words' dtype where ``radix`` is None.
+    scalars: traced scalars ``combine`` and ``also`` take after the leaves
+      (whether this worker votes, where it may abstain).
     interpret: run Pallas' interpreter (any backend).
 
   Returns:
@@ -257,17 +284,20 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
   out_shape = [jax.ShapeDtypeStruct((rows, lanes), word_dtype)]
   aliases = {}
   if also is not None:
-    also_dtype = jax.eval_shape(
-        also, *[jax.ShapeDtypeStruct((), x.dtype) for x in leaves]).dtype
+    also_dtype = jax.eval_shape(also, *[jax.ShapeDtypeStruct(
+        (), jnp.asarray(x).dtype) for x in tuple(leaves) + tuple(scalars)]
+                                ).dtype
     out_shape.append(jax.ShapeDtypeStruct(planes[-1].shape, also_dtype))
     if also_dtype == leaves[-1].dtype:
       aliases = {len(leaves) - 1: 1}
 
   def kernel(*refs):
+    given = _read_scalars(refs, scalars)
+    refs = refs[len(scalars):]
     ins, words_ref = refs[:len(leaves)], refs[len(leaves)]
     codes = []
     for j in range(m):
-      values = [ref[j] for ref in ins]
+      values = [ref[j] for ref in ins] + given
       codes.append(_codes(combine(*values), spec.radix))
       if also is not None:
         refs[-1][j] = also(*values)
@@ -280,7 +310,8 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
 
   out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
               [word_spec] + [plane_spec] * (also is not None), grid,
-              aliases=aliases, interpret=interpret, gpu_warps=8)
+              aliases=aliases, interpret=interpret, gpu_warps=8,
+              scalars=scalars)
   return out[0], (out[1].reshape(shape) if also is not None else None)
 
 
@@ -296,7 +327,8 @@ def _digit_sum(rows: list[jax.Array], j: int, radix: int) -> jax.Array:
 
 def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
           num_workers: int, spec: _quantize.VoteSpec, aggregation: str,
-          first_row: int = 0, interpret: bool = False) -> jax.Array:
+          first_row: int = 0, abstained: jax.Array | None = None,
+          interpret: bool = False) -> jax.Array:
   """The vote's outcome for one leaf, from ``K`` rows of its words.
 
   Args:
@@ -313,6 +345,8 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
     first_row: where the leaf's words start in ``words`` seen as ``[K,
       rows, C]``, a multiple of 32 (a block's rows): the leaf's stretch of
       a longer message, read where it lies (a slice would be a copy).
+    abstained: the traced count of workers who sent ``c = 0`` (see
+      :func:`dlion_jax.strategies.signed_sum`), or None.
     interpret: run Pallas' interpreter.
 
   Returns:
@@ -336,11 +370,15 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
   word_spec = pl.BlockSpec((k,) + block, lambda i, j: (0, i + skip, j))
   out_spec = pl.BlockSpec((m,) + block, lambda i, j: (0, i, j))
 
-  def kernel(words_ref, out_ref):
+  scalars = () if abstained is None else (abstained,)
+
+  def kernel(*refs):
+    count = (_read_scalars(refs, scalars) or [None])[0]
+    words_ref, out_ref = refs[len(scalars):]
     rows = [words_ref[w].astype(jnp.uint32) for w in range(k)]
     for j in range(m):
       s = _strategies.signed_sum(_digit_sum(rows, j, radix), num_workers,
-                                spec)
+                                spec, count)
       if aggregation == "mavo":
         s = (s > 0).astype(jnp.int32) - (s < 0).astype(jnp.int32)
       out_ref[j] = s.astype(dtype)
@@ -349,7 +387,7 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
                                                       dtype)],
                [word_spec], [out_spec], grid, aliases={},
                interpret=interpret, gpu_warps=16,
-               read=k * rows * lanes * words.dtype.itemsize)
+               read=k * rows * lanes * words.dtype.itemsize, scalars=scalars)
   return out.reshape(shape)
 
 
@@ -358,9 +396,35 @@ def tally(words: jax.Array, shape: tuple[int, ...], *, radix: int,
 DECODE_BLOCK = BLOCK_ROWS * _blocks.LANES
 
 
+def planes_in_blocks(outcome_of, layout):
+  """``planes(first, size)`` of a message whose outcome comes from one of
+  the fused kernels block by block, ``outcome_of(first, count)`` giving
+  ``[m, 32 count, 128]`` for blocks ``first`` to ``first + count`` of
+  :data:`DECODE_BLOCK` words. A run of whole blocks before
+  any other gets a call of its own: its outcome is an array the leaf's
+  update reads where it lies, where a slice of the whole message's would
+  be a copy (XLA:TPU made one). The rest of the message comes from one
+  call."""
+  block = DECODE_BLOCK
+  rest = min((first for first, size in layout.run_words
+              if first % block or size % block), default=layout.words)
+  rest -= rest % block
+  if rest < layout.words:
+    tail = _strategies.planes_of_rows(
+        outcome_of(rest // block, (layout.words - rest) // block))
+
+  def planes(first, size):
+    if first >= rest:
+      return tail(first - rest, size)
+    outcome = outcome_of(first // block, size // block)
+    return outcome.reshape(outcome.shape[0], size)
+  return planes
+
+
 def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
            spec: _quantize.VoteSpec, aggregation: str,
            blocks: tuple[int, int] | None = None,
+           abstained: jax.Array | None = None,
            interpret: bool = False) -> jax.Array:
   """The vote's outcome for every digit of the message, from the results
   ``alltoall`` gathers back.
@@ -392,6 +456,8 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
       DECODE_BLOCK`` to ``(first + count) * DECODE_BLOCK`` (a leaf's, its
       outcome an array of its own rather than a slice of the message's);
       None: every word.
+    abstained: the traced count of workers who sent ``c = 0`` (Avg's
+      counts take their binary ``-1`` back out), or None.
     interpret: run Pallas' interpreter.
 
   Returns:
@@ -408,17 +474,21 @@ def decode(words: jax.Array, shard: int, *, radix: int, num_workers: int,
   outcome = functools.partial(_decoded, radix=radix, num_workers=num_workers,
                               spec=spec, aggregation=aggregation, dtype=dtype)
   words = words.reshape(n, m, q // _blocks.LANES, _blocks.LANES)
+  # Only Avg's counts need the count of abstainers (a sign is a sign).
+  scalars = () if abstained is None or aggregation != "avg" else (
+      abstained,)
   if platform() == "gpu" and not interpret:
     return _decode_by_block(words, shard, first, count, outcome, dtype,
-                            radix=radix, interpret=False)
+                            radix=radix, interpret=False, scalars=scalars)
   return _decode_by_result(words, shard, first, count, outcome, dtype,
-                           radix=radix, interpret=interpret)
+                           radix=radix, interpret=interpret, scalars=scalars)
 
 
-def _decoded(digit, *, radix, num_workers, spec, aggregation, dtype):
+def _decoded(digit, abstained=None, *, radix, num_workers, spec, aggregation,
+             dtype):
   """The outcome a result digit stands for."""
   if aggregation == "avg":
-    out = _strategies.signed_sum(digit, num_workers, spec)
+    out = _strategies.signed_sum(digit, num_workers, spec, abstained)
   elif radix == 2:
     out = 2 * digit.astype(jnp.int32) - 1
   else:
@@ -453,7 +523,7 @@ def _result_groups(first: int, count: int, shard_blocks: int,
 
 
 def _decode_by_result(words, shard, first, count, outcome, dtype, *,
-                      radix, interpret):
+                      radix, interpret, scalars=()):
   """:func:`decode` reading each block of results once (TPU, interpreter):
   a grid step decodes the ``per_word`` outcome blocks a result block holds
   and copies each that is in range to its place in the output."""
@@ -474,7 +544,9 @@ def _decode_by_result(words, shard, first, count, outcome, dtype, *,
       qb = jnp.where(inside, q0 + local % nqb, qb)
     return k, qb
 
-  def kernel(words_ref, out_ref, decoded, sems):
+  def kernel(*refs):
+    given = _read_scalars(refs, scalars)
+    words_ref, out_ref, decoded, sems = refs[len(scalars):]
     j = pl.program_id(0)
     k, qb = group(pl.program_id(1))
     row = words_ref[...].astype(jnp.uint32)
@@ -488,7 +560,7 @@ def _decode_by_result(words, shard, first, count, outcome, dtype, *,
                                              BLOCK_ROWS)], sems.at[p])
     copies = []
     for p in range(per_word):
-      decoded[p] = outcome(_packing.digit(row, p, radix))
+      decoded[p] = outcome(_packing.digit(row, p, radix), *given)
       asked, dma = copy(p)
       pl.when(asked)(lambda dma=dma: dma().start())
       copies.append((asked, dma))
@@ -508,12 +580,13 @@ def _decode_by_result(words, shard, first, count, outcome, dtype, *,
                read=m * offsets[-1] * DECODE_BLOCK * words.dtype.itemsize,
                scratch=(pltpu.VMEM((per_word, BLOCK_ROWS, _blocks.LANES),
                                    dtype),
-                        pltpu.SemaphoreType.DMA((per_word,))))
+                        pltpu.SemaphoreType.DMA((per_word,))),
+               scalars=scalars)
   return out
 
 
 def _decode_by_block(words, shard, first, count, outcome, dtype, *, radix,
-                     interpret):
+                     interpret, scalars=()):
   """:func:`decode` a grid step an outcome block (GPU: a Triton program
   writes its own block), reading the result block it is a digit of."""
   m, q = words.shape[1], words.shape[2] * _blocks.LANES
@@ -528,25 +601,28 @@ def _decode_by_block(words, shard, first, count, outcome, dtype, *, radix,
   out_spec = pl.BlockSpec((None, BLOCK_ROWS, _blocks.LANES),
                           lambda j, b: (j, b, 0))
 
-  def kernel(words_ref, out_ref):
+  def kernel(*refs):
+    given = _read_scalars(refs, scalars)
+    words_ref, out_ref = refs[len(scalars):]
     place = segment(pl.program_id(1))[1]
     row = words_ref[...].astype(jnp.uint32)
     digit = _packing.digit(row, 0, radix)
     for p in range(1, _packing.digits_per_word(radix)):
       digit = jnp.where(place == p, _packing.digit(row, p, radix), digit)
-    out_ref[...] = outcome(digit)
+    out_ref[...] = outcome(digit, *given)
 
   out, = _call(kernel, [words],
                [jax.ShapeDtypeStruct((m, rows, _blocks.LANES), dtype)],
                [word_spec], [out_spec], (m, count), aliases={},
                interpret=interpret, read=m * rows * _blocks.LANES
-               * words.dtype.itemsize)
+               * words.dtype.itemsize, scalars=scalars)
   return out
 
 
 def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
                down_radix: int, num_workers: int, spec: _quantize.VoteSpec,
-               aggregation: str, interpret: bool = False) -> jax.Array:
+               aggregation: str, abstained: jax.Array | None = None,
+               interpret: bool = False) -> jax.Array:
   """``alltoall``'s vote on a worker's shard: every worker's words of it
   in, the packed results it gathers back out, in one pass.
 
@@ -562,6 +638,8 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
     spec: what each worker sent.
     aggregation: ``'mavo'`` (results: the vote's sign) or ``'avg'`` (the
       count of the workers' codes).
+    abstained: the traced count of workers who sent ``c = 0`` (a
+      majority's tally takes their binary ``-1`` back out), or None.
     interpret: run Pallas' interpreter.
 
   Returns:
@@ -578,7 +656,13 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
       0, jnp.minimum(p * q_blocks + b, last), 0)) for p in range(per_word)]
   out_spec = pl.BlockSpec((m, BLOCK_ROWS, _blocks.LANES), lambda b: (0, b, 0))
 
+  # Avg's results are counts, corrected where they are decoded.
+  scalars = () if abstained is None or aggregation == "avg" else (
+      abstained,)
+
   def kernel(*refs):
+    count = (_read_scalars(refs, scalars) or [None])[0]
+    refs = refs[len(scalars):]
     b = pl.program_id(0)
     words = [[ref[w].astype(jnp.uint32) for w in range(n)]
              for ref in refs[:per_word]]
@@ -587,7 +671,7 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
       for p in range(per_word):
         down = _strategies.alltoall_result(
             _digit_sum(words[p], j, radix), num_workers, spec, aggregation,
-            down_radix).astype(jnp.int32)
+            down_radix, count).astype(jnp.int32)
         down = jnp.where(p * q_blocks + b <= last, down, 0) * down_radix ** p
         packed = down if packed is None else packed + down
       refs[-1][j] = packed.astype(refs[-1].dtype)
@@ -601,5 +685,5 @@ def vote_shard(mine: jax.Array, result_words: int, *, radix: int,
                in_specs, [out_spec], (q_blocks,), aliases={},
                interpret=interpret,
                read=min(size, per_word * result_words) * n
-               * mine.dtype.itemsize)
+               * mine.dtype.itemsize, scalars=scalars)
   return out.reshape(m, result_words)

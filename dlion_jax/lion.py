@@ -249,7 +249,8 @@ def scale_by_distributed_lion(
   :func:`dlion_jax.wire_bits` models the step no worker abstains from,
   :func:`dlion_jax.collective_bytes` reads it with ``conditional=False``
   (by default it counts each conditional's largest branch). The fused
-  kernels are not used.
+  kernels take the count and whether the worker votes as scalars: an
+  abstainer's words are its ``c = 0``'s, its momentum kept in the pass.
 
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
   the update is typed per-worker (there is no collective to make it
@@ -342,11 +343,6 @@ def scale_by_distributed_lion(
   abstain_nonfinite = _checks.flag(
       "abstain_nonfinite", abstain_nonfinite,
       "whether a worker with a non-finite gradient abstains")
-  if abstain_nonfinite and kernels == "pallas":
-    raise ValueError(
-        "kernels='pallas' cannot run with abstain_nonfinite=True: the fused "
-        "kernels' tallies do not take the count of abstainers. Use "
-        "kernels='auto' (the XLA path there) or drop abstain_nonfinite.")
   state_type = _state_type(error_feedback, abstain_nonfinite)
   mu_dtype = None if mu_dtype is None else jax.dtypes.canonicalize_dtype(
       mu_dtype)
@@ -411,9 +407,11 @@ def scale_by_distributed_lion(
     decay = jnp.asarray(b2, m.dtype).astype(wide)
     return (new * g.astype(wide) + decay * m.astype(wide)).astype(m.dtype)
 
-  # The fused kernels compute the new momentum in the encoding's pass; a
-  # kernel may not close over a traced b2.
+  # The fused kernels compute the new momentum in the encoding's pass (an
+  # abstainer's kept there); a kernel may not close over a traced b2.
   fused_moment = moment if isinstance(b2, (int, float)) else None
+  kept_moment = fused_moment and (
+      lambda g, m, ok: jnp.where(ok, moment(g, m), m))
 
   def present_pre_sign(g, m, *constants):
     """``c``, or 0 on a worker that abstains (``ok`` the last constant)."""
@@ -421,13 +419,13 @@ def scale_by_distributed_lion(
     return jnp.where(ok, pre_sign(g, m, *constants), 0)
 
   def voted_update(combine, num_workers, *trees, constants=(), also=None,
-                   abstained=None, lone=None):
+                   **abstention):
     return _exchange.aggregate(
         combine, *trees, axis_name=axis_name, num_workers=num_workers,
         spec=spec, aggregation=aggregation, comm=comm,
         min_compress_size=min_compress_size, constants=constants,
         bucket_bytes=bucket_bytes, with_done=True, kernels=kernels,
-        also=also, abstained=abstained, lone=lone)
+        also=also, **abstention)
 
   def update_fn(updates, state, params=None):
     del params
@@ -466,7 +464,7 @@ def scale_by_distributed_lion(
         corrected = jax.tree.map(lambda p: jnp.where(ok, p, 0), corrected)
         new_updates, done, _ = voted_update(
             lambda p, g, m, *_: p, num_workers, corrected, updates, state.mu,
-            constants=constants + (ok,), abstained=abstained,
+            constants=constants, present=ok, abstained=abstained,
             lone=lambda p, *rest: lone_pre_sign(*rest))
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
       leaves, treedef = jax.tree.flatten(corrected)
@@ -481,12 +479,11 @@ def scale_by_distributed_lion(
     else:   # c computed inside the vote, on the whole message at once
       new_updates, done, fused_mu = voted_update(
           pre_sign if ok is None else present_pre_sign, num_workers,
-          updates, state.mu,
-          constants=constants + (() if ok is None else (ok,)),
-          also=fused_moment, abstained=abstained,
+          updates, state.mu, also=fused_moment if ok is None else kept_moment,
+          constants=constants, present=ok, abstained=abstained,
           lone=None if ok is None else lone_pre_sign)
       new_updates = _in_dtypes_of(new_updates, updates, state.mu)
-    mu = kept(_moments(moment, updates, state.mu, fused_mu), state.mu)
+    mu = _moments(moment, updates, state.mu, fused_mu, kept)
     if done is not None and not _mesh.on_tpu():
       mu = _after_vote(mu, done)
     count = optax.safe_increment(state.count)
@@ -519,12 +516,12 @@ def _in_dtypes_of(voted, updates, mu):
       voted, updates, mu)
 
 
-def _moments(moment, updates, mu, fused_mu: dict):
-  """``moment(g, m)`` leaf by leaf, taken from ``fused_mu`` (by leaf index)
-  where the fused kernels computed it."""
+def _moments(moment, updates, mu, fused_mu: dict, kept):
+  """``kept(moment(g, m), m)`` leaf by leaf, taken from ``fused_mu`` (by
+  leaf index) where the fused kernels computed it (and kept it)."""
   grads, treedef = jax.tree.flatten(updates)
   return treedef.unflatten([
-      fused_mu[i] if i in fused_mu else moment(g, m)
+      fused_mu[i] if i in fused_mu else kept(moment(g, m), m)
       for i, (g, m) in enumerate(zip(grads, treedef.flatten_up_to(mu)))])
 
 

@@ -155,6 +155,20 @@ def test_kernels_and_xla_too_step_side_by_side_and_agree():
   assert "NOT" not in step.agreement(runners)
 
 
+def test_abstain_adds_each_dlion_variant_with_abstention():
+  """``--abstain``: each D-Lion variant also with abstain_nonfinite=True,
+  named '(abstain)' after it; the baselines once."""
+  named = {name: tx for name, tx, _, _ in step.named_variants(
+      False, "auto", False, False, abstain=True)}
+  held = [k for k in named if k.endswith(step.ABSTAIN)]
+  assert "dlion mavo auto (abstain)" in held
+  assert len(held) == len([k for k in named if k.startswith("dlion")]) / 2
+  assert step.FLOOR in named and step.FLOOR + step.ABSTAIN not in named
+  state = named["dlion mavo auto (abstain)"].init(
+      {"w": np.zeros(3, np.float32)})
+  assert hasattr(state[0], "abstentions")
+
+
 @pytest.mark.parametrize("argv,names", [
     (["--xla-too"], ["--xla-too", "--tpu", "--kernels pallas"]),
     (["--kernels", "pallas"], ["--kernels pallas", "interpreter", "GPU",
@@ -163,6 +177,7 @@ def test_kernels_and_xla_too_step_side_by_side_and_agree():
     (["--tpu", "v5e:2x4", "--kernels", "xla", "--xla-too"],
      ["--xla-too", "--kernels auto or pallas"]),
     (["--all-in-hbm"], ["--all-in-hbm", "--tpu TOPOLOGY"]),
+    (["--abstain"], ["--abstain", "--tpu TOPOLOGY"]),
 ])
 def test_kernel_options_that_cannot_measure_are_refused(argv, names, capsys):
   """Options that would time nothing they name: refused before any

@@ -125,6 +125,8 @@ RENDEZVOUS = "local lion + 1 psum"
 # jax.jit step (dlion_jax.workers), not a shard_map.
 PLAIN = " (plain jit)"
 XLA = " (XLA)"
+# ... with abstain_nonfinite=True.
+ABSTAIN = " (abstain)"
 
 
 def num_params(shapes: dict) -> int:
@@ -140,13 +142,13 @@ def random_tree(seed: int, shapes: dict, lead: tuple[int, ...] = ()) -> dict:
       is_leaf=lambda x: isinstance(x, tuple))
 
 
-def variants(grid: bool = False, kernels: str = "auto"
+def variants(grid: bool = False, kernels: str = "auto", abstain: bool = False
              ) -> dict[str, tuple[optax.GradientTransformation, bool]]:
   """name -> (optimizer, whether gradients are pmean-ed first).
 
   D-Lion: MaVo with every ``comm`` and Avg with ``auto``, binary votes; with
   ``grid``, every aggregation x comm x vote (ternary named as such); its
-  ``kernels`` option (the fused Pallas kernels) as given."""
+  ``kernels`` and ``abstain_nonfinite`` (``abstain``) options as given."""
   out = {}
   for vote in quantize.VOTES if grid else ("binary",):
     for aggregation in message.AGGREGATIONS:
@@ -155,7 +157,7 @@ def variants(grid: bool = False, kernels: str = "auto"
           continue
         tx = dl.distributed_lion(LEARNING_RATE, axis_name=AXIS, vote=vote,
                                  aggregation=aggregation, comm=comm,
-                                 kernels=kernels)
+                                 kernels=kernels, abstain_nonfinite=abstain)
         name = f"dlion {aggregation} {comm}"
         out[name if vote == "binary" else f"{name} {vote}"] = (tx, False)
   out[BASELINE] = (optax.lion(LEARNING_RATE), True)
@@ -301,15 +303,19 @@ class Runner:
       return time.perf_counter() - start
 
 
-def named_variants(grid: bool, kernels: str, plain: bool, xla_too: bool):
+def named_variants(grid: bool, kernels: str, plain: bool, xla_too: bool,
+                   abstain: bool = False):
   """``(name, optimizer, pmean_grads, plain)`` of each step to run: every
   variant of :func:`variants`, each D-Lion one also in a plain jitted step
-  (``plain``; its name + :data:`PLAIN`) and with ``kernels='xla'``
-  (``xla_too``; + :data:`XLA`)."""
+  (``plain``; its name + :data:`PLAIN`), with ``kernels='xla'``
+  (``xla_too``; + :data:`XLA`) and with ``abstain_nonfinite=True``
+  (``abstain``; + :data:`ABSTAIN`)."""
   xla = variants(grid, kernels="xla") if xla_too else {}
+  held = variants(grid, kernels, abstain=True) if abstain else {}
   for name, (tx, pmean_grads) in variants(grid, kernels).items():
     dlion = name.startswith("dlion ")
-    txs = {"": tx, **({XLA: xla[name][0]} if dlion and xla else {})}
+    txs = {"": tx, **({XLA: xla[name][0]} if dlion and xla else {}),
+           **({ABSTAIN: held[name][0]} if dlion and held else {})}
     for form in [False, True] if plain and dlion else [False]:
       for suffix, tx in txs.items():
         yield name + suffix + (PLAIN if form else ""), tx, pmean_grads, form
@@ -551,12 +557,14 @@ def tpu_bytes(tx, mesh, shapes: dict, *, pmean_grads: bool = False,
 def tpu_table(num_workers: int, shapes: dict, topology: str, *,
               grid: bool = False, plain: bool = False,
               xla_too: bool = False, kernels: str = "auto",
-              all_in_hbm: bool = False) -> str:
+              all_in_hbm: bool = False, abstain: bool = False) -> str:
   """Markdown: every variant's compiled TPU step, bytes a parameter each
   chip reads and writes, against the floor's (see :func:`tpu_bytes`);
   with ``xla_too`` each D-Lion variant also without the fused kernels,
-  named ``<variant> (XLA)``; with ``all_in_hbm`` also the bytes of the
-  step compiled with every buffer in HBM (:data:`ALL_IN_HBM`)."""
+  named ``<variant> (XLA)``; with ``abstain`` also with
+  ``abstain_nonfinite=True``, named ``<variant> (abstain)``; with
+  ``all_in_hbm`` also the bytes of the step compiled with every buffer in
+  HBM (:data:`ALL_IN_HBM`)."""
   devices = aot.tpu_devices(topology, 1)[:num_workers]
   if len(devices) != num_workers:
     raise ValueError(
@@ -567,7 +575,7 @@ def tpu_table(num_workers: int, shapes: dict, topology: str, *,
   per_param = {}
   rows = []
   for key, tx, pmean_grads, form in named_variants(grid, kernels, plain,
-                                                  xla_too):
+                                                  xla_too, abstain):
     nbytes, fusions = tpu_bytes(tx, mesh, shapes, pmean_grads=pmean_grads,
                                 plain=form)
     per_param[key] = nbytes / num_params(shapes)
@@ -618,6 +626,9 @@ def main(argv=None) -> str:
                       help="with --tpu or --kernels pallas, also each "
                       "D-Lion variant with kernels='xla' (no fused Pallas "
                       "kernels), named '<variant> (XLA)'")
+  parser.add_argument("--abstain", action="store_true",
+                      help="with --tpu, also each D-Lion variant with "
+                      "abstain_nonfinite=True, named '<variant> (abstain)'")
   parser.add_argument("--all-in-hbm", action="store_true",
                       help="with --tpu, also compile each step with XLA's "
                       "memory-space assignment off (every buffer in HBM) "
@@ -646,6 +657,9 @@ def main(argv=None) -> str:
                  "out --vmap")
   if args.all_in_hbm and not args.tpu:
     parser.error("--all-in-hbm compiles for TPU; add --tpu TOPOLOGY")
+  if args.abstain and not args.tpu:
+    parser.error("--abstain compiles the abstaining steps for TPU; add "
+                 "--tpu TOPOLOGY")
   if args.tpu:
     if args.vmap or args.profile:
       parser.error("--tpu compiles the step and times nothing; leave out "
@@ -699,7 +713,8 @@ def _tpu_report(parser, args) -> str:
   try:
     table_md = tpu_table(args.workers, shapes, args.tpu, grid=args.grid,
                          plain=args.plain, xla_too=args.xla_too,
-                         kernels=args.kernels, all_in_hbm=args.all_in_hbm)
+                         kernels=args.kernels, all_in_hbm=args.all_in_hbm,
+                         abstain=args.abstain)
   except ValueError as e:
     parser.error(str(e))
   return "\n".join([
