@@ -84,7 +84,8 @@ SLOW = [
 @pytest.mark.parametrize(
     "n,comm,aggregation,vote,dtype,kernels",
     CASES + [pytest.param(*c, marks=pytest.mark.slow) for c in SLOW],
-    ids=lambda x: getattr(x, "__name__", str(x)))
+    ids=lambda x: ("+".join(sorted(x)) if isinstance(x, (set, frozenset))
+                   else getattr(x, "__name__", str(x))))
 def test_kernels_with_abstainers_match_the_xla_path(
     monkeypatch, n, comm, aggregation, vote, dtype, kernels):
   ran = kernels_ran(monkeypatch)
