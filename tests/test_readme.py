@@ -192,6 +192,9 @@ def test_readme_local_steps_run_after_the_example(tmp_path):
   first = float(re.search(r"loss (\S+);", out).group(1))
   assert float(re.search(r"local loss (\S+)", out).group(1)) < first
   sent = float(re.search(r"local sent (\S+)", out).group(1))
-  # The padded votes (2.84 bits a parameter) once in 32 steps, and every
-  # step the loss's mean (7 bytes: 0.055 bits a parameter of 1,024).
-  assert sent == pytest.approx(2.84 / 32 + 0.055, abs=0.005), out
+  # The padded votes (2.84 bits a parameter) and the leaf's scale,
+  # gathered from the 7 other workers for the clip (28 bytes), once in 32
+  # steps, and every step the loss's mean (7 bytes: 0.055 bits a
+  # parameter of 1,024).
+  scales = 8 * 4 * 7 / 1024
+  assert sent == pytest.approx((2.84 + scales) / 32 + 0.055, abs=0.005), out
