@@ -104,10 +104,12 @@ class OptimizerConfig:
   # workers: voted (dlion_jax.rounds.voted_outer: the workers' mean
   # pseudo-gradient from error-fed votes, dense with aggregation, vote,
   # comm, quantizer and bits above, or sparse, then an SGD, Nesterov or
-  # Lion step; the best measured, docs/training.md), dlion (Distributed
-  # Lion's vote, with aggregation, vote, comm and the Lion Cub options
-  # above) or nesterov (DiLoCo's, an fp32 all-reduce). 1: every step is
-  # an optimizer step over the workers.
+  # Lion step; the best low-bit outer step measured: level with the
+  # best-tuned fp32 one, a plain step on the exact mean, at 24x fewer
+  # bits, docs/training.md), dlion (Distributed Lion's vote, with
+  # aggregation, vote, comm and the Lion Cub options above) or nesterov
+  # (DiLoCo's, an fp32 all-reduce; outer_momentum 0 for the plain step).
+  # 1: every step is an optimizer step over the workers.
   local_steps: int = 1
   # With local_steps: the workers' own steps on their mean gradient (an
   # fp32 all-reduce every step), so every worker's params stay alike and
