@@ -83,6 +83,12 @@ VOTED_ROWS = {
     "EF vote, chunk scales": {**_VOTED, "optimizer.outer_scale_chunk": 1024},
     "EF vote, tuned momentum": {},
     "EF vote, 1/4 fragments": {**_VOTED, "optimizer.outer_fragments": 4},
+    # The decoded scale fitted to the workers' mean after the vote: U
+    # shrinks where they disagree (a leaf's scale, then a chunk's).
+    "EF vote, fitted scale": {**_VOTED, "optimizer.outer_fit_scale": True},
+    "EF vote, fitted chunk scales": {
+        **_VOTED, "optimizer.outer_fit_scale": True,
+        "optimizer.outer_scale_chunk": 1024},
     **{f"EF vote, 1/{m} fragments, decay 0.9": {
         **_VOTED, "optimizer.outer_fragments": m,
         "optimizer.outer_error_decay": 0.9} for m in (2, 4, 8, 16)},

@@ -66,17 +66,37 @@ def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:
   return jnp.sign(p)
 
 
+def _finite(x: jax.Array) -> jax.Array:
+  return jnp.where(jnp.isfinite(x), x, 0)
+
+
+def _chunk_sums(x: jax.Array, chunk: int) -> jax.Array:
+  """The sum of each chunk of ``chunk`` entries of the flattened ``x``."""
+  x = x.ravel()
+  return jnp.pad(x, (0, -x.size % chunk)).reshape(-1, chunk).sum(1)
+
+
 def _chunk_scales(p: jax.Array, chunk: int) -> jax.Array:
   """The mean ``|p|`` of each chunk of ``chunk`` entries of the flattened
   leaf (the last over its own entries), non-finite entries counting 0;
   each chunk's sum times the constant reciprocal of its size."""
-  x = jnp.abs(p.ravel())
-  x = jnp.where(jnp.isfinite(x), x, 0)
-  rows = jnp.pad(x, (0, -x.size % chunk)).reshape(-1, chunk)
-  sizes = np.full(rows.shape[0], chunk)
+  sizes = np.full(-(-p.size // chunk), chunk)
   if sizes.size:
-    sizes[-1] = x.size - chunk * (sizes.size - 1)
-  return rows.sum(1) * jnp.asarray(1.0 / sizes, x.dtype)
+    sizes[-1] = p.size - chunk * (sizes.size - 1)
+  return _chunk_sums(_finite(jnp.abs(p)), chunk) * jnp.asarray(
+      1.0 / sizes, p.dtype)
+
+
+def _fitted_scale(p: jax.Array, v: jax.Array, chunk: int | None):
+  """The scale of ``v`` nearest ``p`` in L2, ``<p, v> / <v, v>``, of the
+  leaf or of each chunk (0 where ``v`` is), non-finite entries of ``p``
+  counting 0."""
+  v = v.astype(p.dtype)
+  if chunk is None:
+    dot, norm = jnp.sum(_finite(p) * v), jnp.sum(v * v)
+  else:
+    dot, norm = _chunk_sums(_finite(p) * v, chunk), _chunk_sums(v * v, chunk)
+  return jnp.where(norm > 0, dot / jnp.where(norm > 0, norm, 1), 0)
 
 
 def _per_entry(scale: jax.Array, p: jax.Array, chunk: int | None):
@@ -90,10 +110,11 @@ def mean_scale(scales: list[jax.Array], *, axis_name, num_workers: int,
                clip: float | None, present=None) -> list[jax.Array]:
   """The workers' mean of each of ``scales`` (one worker's, float32),
   the same on every worker: with ``clip``, of every worker's gathered
-  scales, :func:`dlion_jax._sparse.clipped`, summed in the workers'
-  order; without, a ``pmean``. ``present`` (or None): ``(ok,
-  abstained)``, whether this worker takes part and how many do not; an
-  absent worker's scales must be 0, and the mean is the present
+  scales, :func:`dlion_jax._sparse.clipped` in magnitude (a fitted scale
+  may be negative), summed in the workers' order; without, a ``pmean``.
+  ``present`` (or None): ``(ok, abstained)``, whether this worker takes
+  part and how many do not; an absent worker's scales must be 0, and the
+  mean is the present
   workers'."""
   ok, abstained = present or (None, 0)
   count = num_workers - abstained
@@ -106,7 +127,10 @@ def mean_scale(scales: list[jax.Array], *, axis_name, num_workers: int,
   flat = jnp.concatenate([x.ravel() for x in scales])
   if ok is not None:
     flat = jnp.where(ok, flat, jnp.nan)
-  rows = _sparse.clipped(_sparse.gathered(flat, axis_name), clip, count)
+  rows = _sparse.gathered(flat, axis_name)
+  # A signed scale (a fitted one) is clipped in magnitude.
+  clipped = _sparse.clipped(jnp.abs(rows), clip, count)
+  rows = jnp.where(rows < 0, -clipped, clipped)
   total = lax.fori_loop(1, num_workers, lambda j, t: t + rows[j], rows[0])
   total = total * _collectives.reciprocal_of_count(count, num_workers,
                                                    total.dtype)
@@ -118,20 +142,27 @@ def mean_scale(scales: list[jax.Array], *, axis_name, num_workers: int,
 
 
 def dense_mean(leaves, *, spec, axis_name, num_workers, aggregation, comm,
-               scale_chunk=None, scale_clip=None, present=None):
+               scale_chunk=None, scale_clip=None, present=None,
+               fit_scale=False):
   """:func:`dlion_jax.rounds.scale_by_voted_mean`'s dense ``U`` of each
   leaf, and what this worker said (``s_i q_i``). ``present``: ``(ok,
   abstained)``, or None (every worker votes); an abstainer's leaves are
-  0."""
+  0. ``fit_scale``: ``U``'s scales are the workers' mean of
+  :func:`_fitted_scale`, exchanged after the vote, not their mean
+  ``|p|``."""
   scales = [_quantize.l1_scale(p) if scale_chunk is None
             else _chunk_scales(p, scale_chunk) for p in leaves]
-  mean_scales = mean_scale(scales, axis_name=axis_name,
-                           num_workers=num_workers, clip=scale_clip,
-                           present=present)
+  options = dict(axis_name=axis_name, num_workers=num_workers,
+                 clip=scale_clip, present=present)
+  if not fit_scale:
+    mean_scales = mean_scale(scales, **options)
   votes = _exchange.aggregate(
       lambda p: p, leaves, axis_name=axis_name, num_workers=num_workers,
       spec=spec, aggregation=aggregation, comm=comm,
       abstained=None if present is None else present[1])
+  if fit_scale:
+    mean_scales = mean_scale([_fitted_scale(p, v, scale_chunk)
+                              for p, v in zip(leaves, votes)], **options)
   means = [_per_entry(s, v, scale_chunk) * v.astype(s.dtype)
            for s, v in zip(mean_scales, votes)]
   said = [_per_entry(s, p, scale_chunk) * _own_values(p, spec)

@@ -341,6 +341,7 @@ def scale_by_voted_mean(
     scale_chunk: int | None = None, fragments: int = 1,
     sparse_chunk: int | None = None, sparse_keep: int = 1,
     sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
+    fit_scale: bool = False,
     abstain_nonfinite: bool = False) -> optax.GradientTransformation:
   r"""The workers' mean pseudo-gradient, each worker sending a few bits.
 
@@ -363,6 +364,14 @@ def scale_by_voted_mean(
     q_i)` (``'mavo'``) or :math:`\frac1N \sum_i q_i` (``'avg'``) exchanged
     as Distributed Lion's votes are (``comm``) and :math:`\bar s` the
     workers' mean scale (float32, each :math:`s_i` clipped, below).
+    With ``fit_scale=True`` :math:`\bar s` is instead the scale of
+    :math:`V` nearest the workers' exact mean in L2, :math:`\frac1N
+    \sum_i \langle p_i, V\rangle / \langle V, V\rangle` (of each leaf
+    or chunk): every worker sends its :math:`\langle p_i, V\rangle /
+    \langle V, V\rangle` after the vote (clipped in magnitude as the
+    scales are), so where the workers disagree :math:`U` shrinks (their
+    mean is small there) instead of taking their mean magnitude, at
+    the bits of one more scale exchange.
     With ``fragments=M`` only the entries :math:`k, k + M, k + 2M, \dots`
     of each flattened leaf vote in outer step :math:`t`
     (:math:`k = t \bmod M`): the others send nothing and keep all of
@@ -449,6 +458,8 @@ def scale_by_voted_mean(
     scale_clip: :math:`c \ge 1`, each worker's scale at most :math:`c`
       times the workers' median; ``None``: the plain mean of the scales
       (dense: all-reduced).
+    fit_scale: the dense vote's :math:`\bar s` fitted to the workers'
+      mean after the vote (see above), not their mean magnitude.
     abstain_nonfinite: a worker whose pseudo-gradient is not all finite
       abstains (see above).
 
@@ -471,6 +482,8 @@ def scale_by_voted_mean(
                                 "whether each worker keeps its residual")
   error_decay = _voted.residual_weight(error_decay, error_feedback)
   scale_clip = _voted.clip_factor(scale_clip)
+  fit_scale = _checks.flag("fit_scale", fit_scale,
+                           "whether the vote's scale is fitted to the mean")
   abstain_nonfinite = _checks.flag(
       "abstain_nonfinite", abstain_nonfinite,
       "whether a worker whose round ended non-finite abstains")
@@ -501,6 +514,7 @@ def scale_by_voted_mean(
     sparse = _sparse.sparsity(sparse_chunk, sparse_keep, sparse_value_bits,
                               scale_chunk)
     dense_only = {"aggregation": (aggregation, "mavo"),
+                  "fit_scale": (fit_scale, False),
                   "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
                   "bits": (bits, None), "comm": (comm, "auto"),
                   "fragments": (fragments, 1)}
@@ -551,7 +565,8 @@ def scale_by_voted_mean(
       vote = functools.partial(
           _voted.dense_mean, spec=spec, axis_name=axis_name,
           num_workers=num_workers, aggregation=aggregation, comm=comm,
-          scale_chunk=scale_chunk, scale_clip=scale_clip, present=present)
+          scale_chunk=scale_chunk, scale_clip=scale_clip, present=present,
+          fit_scale=fit_scale)
       means, said = (vote(wide) if fragments == 1 else _voted.fragment_vote(
           vote, wide, fragments, state.count % fragments))
     means = treedef.unflatten([u.astype(d.dtype)
@@ -583,7 +598,7 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
                 scale_chunk: int | None = None, fragments: int = 1,
                 sparse_chunk: int | None = None, sparse_keep: int = 1,
                 sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
-                abstain_nonfinite: bool = False
+                fit_scale: bool = False, abstain_nonfinite: bool = False
                 ) -> optax.GradientTransformation:
   r"""An outer step on the workers' voted mean pseudo-gradient.
 
@@ -614,7 +629,8 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     aggregation: the vote's, as are ``vote``, ``quantizer``, ``bits``,
       ``comm``, ``error_feedback``, ``error_decay``, ``scale_chunk``,
       ``fragments``, ``sparse_chunk``, ``sparse_keep``,
-      ``sparse_value_bits``, ``scale_clip`` and ``abstain_nonfinite``:
+      ``sparse_value_bits``, ``scale_clip``, ``fit_scale`` and
+      ``abstain_nonfinite``:
       see :func:`scale_by_voted_mean`.
 
   Returns:
@@ -638,7 +654,7 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
       scale_chunk=scale_chunk, fragments=fragments,
       sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
       sparse_value_bits=sparse_value_bits, scale_clip=scale_clip,
-      abstain_nonfinite=abstain_nonfinite)
+      fit_scale=fit_scale, abstain_nonfinite=abstain_nonfinite)
   if lion is not None:
     if traced or momentum:
       raise ValueError(

@@ -57,7 +57,8 @@ class VotedMean:
   def __init__(self, n, *, aggregation="mavo", vote="binary",
                quantizer="sign", bits=None, sparse=None,
                error_feedback=True, parts=1, error_decay=1.0,
-               scale_chunk=None, fragments=1, value_bits=1, scale_clip=2.0):
+               scale_chunk=None, fragments=1, value_bits=1, scale_clip=2.0,
+               fit_scale=False):
     self.n, self.aggregation, self.vote = n, aggregation, vote
     self.parts = parts     # the sparse vote: a leaf's cut over a node
     self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
@@ -65,14 +66,17 @@ class VotedMean:
     self.error_decay, self.scale_chunk = error_decay, scale_chunk
     self.fragments, self.value_bits, self.steps = fragments, value_bits, 0
     self.scale_clip, self.abstained = scale_clip, 0
+    self.fit_scale = fit_scale
 
   def _clipped(self, scales):
     """The present workers' scales (one array each), each at most
     scale_clip times their median (elementwise)."""
     if self.scale_clip is None or not scales:
       return scales
-    limit = np.float32(self.scale_clip) * np.median(np.stack(scales), 0)
-    return [np.minimum(s, limit.astype(np.float32)) for s in scales]
+    limit = np.float32(self.scale_clip) * np.median(np.abs(np.stack(scales)),
+                                                    0)
+    return [np.sign(s) * np.minimum(np.abs(s), limit.astype(np.float32))
+            for s in scales]
 
   @staticmethod
   def _mean_of(rows, k):
@@ -90,6 +94,18 @@ class VotedMean:
     return np.concatenate([np.full(len(p[i:i + c]), _l1_scale(p[i:i + c]),
                                    np.float32) for i in range(0, p.size, c)])
 
+  def _fitted(self, p, v):
+    """A worker's <p, v> / <v, v> of flat ``p`` (its leaf's or each of its
+    chunks'), one an entry; 0 where ``v`` is."""
+    c = self.scale_chunk or p.size
+    out = []
+    for i in range(0, p.size, c):
+      x, y = p[i:i + c].astype(np.float64), v[i:i + c].astype(np.float64)
+      norm = (y * y).sum()
+      out.append(np.full(len(x), (x * y).sum() / norm if norm else 0,
+                         np.float32))
+    return np.concatenate(out)
+
   def _dense(self, ps, present):
     shape = ps[0].shape
     ps = [p.ravel() for p in ps]
@@ -100,10 +116,13 @@ class VotedMean:
       qs = [l1_vote(p, level) for p in ps]
     scales = [self._scales(p) for p in ps]
     live = [i for i, ok in enumerate(present) if ok]
+    votes = (aggregate([qs[i] for i in live], self.aggregation, np.float32,
+                       level) if live else None)
+    fits = ([self._fitted(p, votes) for p in ps] if self.fit_scale and live
+            else scales)
     mean_scale = self._mean_of(
-        self._clipped([scales[i] for i in live]), len(live))
-    mean = (mean_scale * aggregate([qs[i] for i in live], self.aggregation,
-                                   np.float32, level) if live
+        self._clipped([fits[i] for i in live]), len(live))
+    mean = (mean_scale * votes if live
             else np.zeros(ps[0].size, np.float32))
     said = [s * (q.astype(np.float32) / np.float32(level))
             for s, q in zip(scales, qs)]
@@ -323,11 +342,16 @@ def test_dense_vote_matches_numpy(n, options):
     (8, {"fragments": 2, "scale_chunk": 4, "error_decay": 0.5,
          "aggregation": "avg"}),
     (3, {"fragments": 4, "quantizer": "ternary_l1"}),
+    (3, {"fit_scale": True}),
+    (8, {"fit_scale": True, "scale_chunk": 6, "scale_clip": None}),
+    (5, {"fit_scale": True, "aggregation": "avg", "fragments": 2}),
 ], ids=["decay-3", "chunk-scales-8", "fragments-3", "all-avg-8",
-        "fragments-ternary_l1-3"])
+        "fragments-ternary_l1-3", "fit-3", "fit-chunks-8",
+        "fit-avg-fragments-5"])
 def test_dense_levers_match_numpy(n, options):
-  """A decayed residual, a scale a chunk and the vote in fragments (each
-  entry once every M outer steps, the others keeping theirs)."""
+  """A decayed residual, a scale a chunk, the vote in fragments (each
+  entry once every M outer steps, the others keeping theirs) and the
+  scale fitted to the workers' mean after the vote."""
   check(n, options)
 
 

@@ -146,6 +146,9 @@ class OptimizerConfig:
   # median scale (null: the plain mean of the scales, which one worker's
   # huge scale moves).
   outer_scale_clip: Optional[float] = 2.0
+  # voted: the dense vote's scale fitted to the workers' mean after the
+  # vote (one more scale exchange), not their mean magnitude.
+  outer_fit_scale: bool = False
   # The outer step one round late, its exchange apart from the step's
   # gradients (dlion_jax.local_steps's late).
   outer_late: bool = False
@@ -387,7 +390,8 @@ def _validate_voted(opt: OptimizerConfig) -> None:
                 "outer_error_feedback": True, "outer_sparse_chunk": None,
                 "outer_sparse_keep": 1, "outer_error_decay": 1.0,
                 "outer_scale_chunk": None, "outer_fragments": 1,
-                "outer_sparse_value_bits": 1, "outer_scale_clip": 2.0}
+                "outer_sparse_value_bits": 1, "outer_scale_clip": 2.0,
+                "outer_fit_scale": False}
   for key, default in voted_only.items():
     if getattr(opt, key) != default and opt.outer != "voted":
       raise ConfigError(
@@ -432,7 +436,8 @@ def _validate_vote_levers(opt: OptimizerConfig) -> None:
   by their keys."""
   options = {name: getattr(opt, f"outer_{name}") for name in (
       "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
-      "error_feedback", "sparse_chunk", "sparse_keep", "scale_clip")}
+      "error_feedback", "sparse_chunk", "sparse_keep", "scale_clip",
+      "fit_scale")}
   try:
     rounds.scale_by_voted_mean(**options)
   except ValueError as e:

@@ -159,7 +159,7 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
         sparse_chunk=cfg.outer_sparse_chunk,
         sparse_keep=cfg.outer_sparse_keep,
         sparse_value_bits=cfg.outer_sparse_value_bits,
-        scale_clip=cfg.outer_scale_clip,
+        scale_clip=cfg.outer_scale_clip, fit_scale=cfg.outer_fit_scale,
         abstain_nonfinite=cfg.abstain_nonfinite)
   lr = _shaped(_or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate),
                cfg, schedule)
