@@ -114,8 +114,7 @@ def mean_scale(scales: list[jax.Array], *, axis_name, num_workers: int,
   may be negative), summed in the workers' order; without, a ``pmean``.
   ``present`` (or None): ``(ok, abstained)``, whether this worker takes
   part and how many do not; an absent worker's scales must be 0, and the
-  mean is the present
-  workers'."""
+  mean is the present workers'."""
   ok, abstained = present or (None, 0)
   count = num_workers - abstained
   if not scales:

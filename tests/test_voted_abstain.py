@@ -133,6 +133,7 @@ CASES = {
     "sparseloco-5": (voted(sparse_chunk=4, sparse_keep=2,
                            sparse_value_bits=2, scale_chunk=8,
                            error_decay=0.75), 5, (1,)),
+    "fit-8": (voted(fit_scale=True), 8, (3,)),
     "nesterov-8": (nesterov, 8, (3,)),
     "nesterov-5-of-2": (nesterov, 5, (0, 3)),
 }
@@ -246,6 +247,7 @@ NUMPY = {
     "sparse-chunks-4": (4, {"sparse": (4, 1), "scale_chunk": 8},
                         "nesterov"),
     "no-ef-3": (3, {"error_feedback": False}, "sgd"),
+    "fit-chunks-5": (5, {"fit_scale": True, "scale_chunk": 4}, "sgd"),
 }
 
 

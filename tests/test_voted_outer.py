@@ -542,6 +542,9 @@ def test_sparse_vote_bits():
      ["quantizer='ternary_l1'", "sparse_chunk=8", "'sign'"]),
     (lambda: rounds.voted_outer(1.0, error_feedback="yes"),
      ["error_feedback='yes'"]),
+    (lambda: rounds.voted_outer(1.0, sparse_chunk=8, fit_scale=True),
+     ["fit_scale=True", "sparse_chunk=8", "sparse_chunk=None"]),
+    (lambda: rounds.voted_outer(1.0, fit_scale=1), ["fit_scale=1"]),
     (lambda: dl.local_steps(optax.sgd(0.1), rounds.nesterov_outer(0.7),
                             every=2, late=1), ["late=1", "True or False"]),
 ])
