@@ -369,9 +369,8 @@ def scale_by_voted_mean(
     \sum_i \langle p_i, V\rangle / \langle V, V\rangle` (of each leaf
     or chunk): every worker sends its :math:`\langle p_i, V\rangle /
     \langle V, V\rangle` after the vote (clipped in magnitude as the
-    scales are), so where the workers disagree :math:`U` shrinks (their
-    mean is small there) instead of taking their mean magnitude, at
-    the bits of one more scale exchange.
+    scales are) in place of its mean magnitude, so where the workers
+    disagree :math:`U` shrinks (their mean is small there).
     With ``fragments=M`` only the entries :math:`k, k + M, k + 2M, \dots`
     of each flattened leaf vote in outer step :math:`t`
     (:math:`k = t \bmod M`): the others send nothing and keep all of

@@ -147,7 +147,7 @@ class OptimizerConfig:
   # huge scale moves).
   outer_scale_clip: Optional[float] = 2.0
   # voted: the dense vote's scale fitted to the workers' mean after the
-  # vote (one more scale exchange), not their mean magnitude.
+  # vote, not their mean magnitude (the scales exchanged after the vote).
   outer_fit_scale: bool = False
   # The outer step one round late, its exchange apart from the step's
   # gradients (dlion_jax.local_steps's late).
