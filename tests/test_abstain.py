@@ -25,6 +25,7 @@ from dlion_jax import parallel
 from harness import run_on_mesh
 from reference import DistributedLionReference
 from test_doors import DOORS, assert_same, mesh_of, problem, run
+from tiers import slow_but
 
 LR = 1e-2
 SHAPES = {"w": (37, 5), "b": (13,)}     # not multiples of 8 N
@@ -105,7 +106,7 @@ def test_a_worker_with_nan_gradients_is_left_out_of_the_vote(comm, n):
   check_against_reference(n, {"comm": comm}, grads_seq(n, 6, bad=bad))
 
 
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", slow_but(COMMS, 0))
 @pytest.mark.parametrize("options", [
     {"aggregation": "avg"},
     {"vote": "ternary"},
@@ -144,11 +145,11 @@ def test_a_step_every_worker_abstains_from_is_skipped():
   np.testing.assert_array_equal(out[2][1]["w"], 0.0)   # the skipped update
 
 
-@pytest.mark.parametrize("options", [
+@pytest.mark.parametrize("options", slow_but([
     {}, {"aggregation": "avg", "comm": "alltoall"},
     {"quantizer": "pbit_l1", "bits": 3, "error_feedback": True},
     {"vote": "ternary", "comm": "psum", "momentum_sync": 2},
-])
+], 0, 3))
 def test_with_every_gradient_finite_nothing_changes(options):
   """The README's chain (clip_by_global_norm, masked weight decay): params
   and state bit for bit the default's."""
@@ -183,10 +184,13 @@ def others_of(batch, n, bad):
 
 def _odd_cases():
   """N = 5's cases through alltoall (whose results change radix with the
-  abstainers' count) in the suite, the other comms' in the slow tier."""
+  abstainers' count) in the suite, the other comms' in the slow tier; N =
+  8's through alltoall and psum."""
   cases = []
   for comm in COMMS:
-    cases.append(pytest.param(comm, 8, (3,), id=f"{comm}-8-1"))
+    cases.append(pytest.param(
+        comm, 8, (3,), id=f"{comm}-8-1",
+        marks=() if comm in ("alltoall", "psum") else (pytest.mark.slow,)))
     for bad, name in (((1,), "5-1"), ((0, 3), "5-2")):
       marks = () if comm == "alltoall" else (pytest.mark.slow,)
       cases.append(pytest.param(comm, 5, bad, marks=marks,
@@ -417,7 +421,8 @@ def lone_seq(n, steps, lone=0):
   return seq
 
 
-@pytest.mark.parametrize("options", _lone_configs())
+@pytest.mark.parametrize("options", slow_but(_lone_configs(), 0, 3, 5, 6, 8,
+                                             15))
 def test_a_lone_worker_takes_one_workers_lion_step(options):
   """Every worker but one abstains (N = 2 and 3): each worker's update is
   the present worker's sign(c), zero where c is (one worker's Lion, as at
@@ -448,7 +453,7 @@ def test_a_lone_worker_takes_one_workers_lion_step(options):
 
 
 @pytest.mark.parametrize("door", DOORS)
-@pytest.mark.parametrize("comm", COMMS)
+@pytest.mark.parametrize("comm", slow_but(COMMS, 0, 2))
 def test_the_last_worker_present_trains_as_one_worker(door, comm):
   """N = 5, workers 1 to 4's batches NaN on every step: worker 0's run
   alone (a data axis of one device, optax.lion), bit for bit, for every
@@ -519,12 +524,13 @@ _PBIT_AVG_EF = {"quantizer": "pbit_l1", "bits": 3, "aggregation": "avg",
 _SYNCED = {"vote": "ternary", "momentum_sync": 2, "min_compress_size": 4}
 
 
-@pytest.mark.parametrize("form,options", [
+@pytest.mark.parametrize("form,options", slow_but([
     ("bare", _EF), ("bare", _TERNARY_L1_EF), ("bare", _PBIT_AVG_EF),
     ("chain", _PBIT_AVG_EF), ("chain", _SYNCED),
     ("stacked", _EF), ("stacked", _SYNCED),
-], ids=["ef", "ternary_l1-ef", "pbit_l1-avg-ef", "chain-pbit_l1-avg-ef",
-        "chain-ternary-sync-exact", "stacked-ef", "stacked-ternary-sync"])
+], 0, 3, 5), ids=["ef", "ternary_l1-ef", "pbit_l1-avg-ef",
+                   "chain-pbit_l1-avg-ef", "chain-ternary-sync-exact",
+                   "stacked-ef", "stacked-ternary-sync"])
 def test_the_plain_step_with_every_gradient_finite_is_the_defaults(
     form, options):
   """dl.workers.update in a plain jax.jit (dl.distributed_lion itself, or

@@ -16,6 +16,7 @@ from dlion_jax import devices
 from dlion_jax import hlo
 from dlion_jax import parallel
 import dlion_jax as dl
+from tiers import slow_but
 
 # Leaves a word's digits do not divide, one under OWN_PACKING (packed with
 # the other small ones), a bf16 one; 4 bytes a parameter but "e".
@@ -69,7 +70,7 @@ CASES = [(8, {"comm": c}) for c in ("auto",) + message.COMMS] + [
 ]
 
 
-@pytest.mark.parametrize("n,options", CASES, ids=str)
+@pytest.mark.parametrize("n,options", slow_but(CASES, 0, 5, 9), ids=str)
 def test_buckets_give_the_one_message_update_bit_for_bit(n, options):
   mesh = devices.data_mesh(n)
   want, _ = train(mesh, **options)
@@ -100,7 +101,7 @@ def test_a_sharded_step_in_buckets_equals_one_message():
   assert_same(outs[1], outs[0])
 
 
-@pytest.mark.parametrize("comm", message.COMMS)
+@pytest.mark.parametrize("comm", slow_but(message.COMMS, 0, 2))
 def test_each_bucket_sends_the_message_of_its_own_leaves(comm):
   """With every leaf its own bucket, the step sends what the steps of each
   leaf alone send, added up: per-bucket padding and nothing more; and one
