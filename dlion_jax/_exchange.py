@@ -63,8 +63,10 @@ class _Fusion:
   run in Pallas' interpreter, the ``also`` their encoding computes beside
   the words, its value for each run they encoded, and the runs whose
   outcome :func:`dlion_jax.fused.tally` wrote in the leaf's shape
-  (``decoded``); ``combine`` and ``also`` take the traced ``scalars``
-  after the leaves, the kernels' inputs."""
+  (``decoded``); ``combine``, ``also`` and ``flags`` take the traced
+  ``scalars`` after the leaves, the kernels' inputs. ``flags`` (or None):
+  what the encoding also packs, its words by run (``flagged``, by the
+  run's first row; see :meth:`one_alone`)."""
   interpret: bool
   also: Callable | None
   forced: bool = False
@@ -72,6 +74,22 @@ class _Fusion:
   scalars: tuple = ()
   values: dict = dataclasses.field(default_factory=dict)
   decoded: set = dataclasses.field(default_factory=set)
+  flags: Callable | None = None
+  flagged: dict = dataclasses.field(default_factory=dict)
+
+  def one_alone(self, lone: Callable, count: jax.Array, num_workers: int,
+                spec) -> _Fusion:
+    """These kernels where one worker may vote alone (``count``, the
+    abstainers', a scalar more): on that step the encoding codes
+    ``lone``'s values (as :func:`_or_lone`) and, for binary codes, flags
+    where they are not 0 (the step's zeros, see :func:`_lone_zeros`)."""
+    combine, also, last = self.combine, self.also, num_workers - 1
+    return dataclasses.replace(
+        self, scalars=self.scalars + (count,),
+        combine=lambda *a: jnp.where(a[-1] == last, lone(*a[:-1]),
+                                     combine(*a[:-1])),
+        also=also and (lambda *a: also(*a[:-1])),
+        flags=(lambda *a: lone(*a[:-1]) != 0) if spec.radix == 2 else None)
 
   @staticmethod
   def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
@@ -229,11 +247,8 @@ def _exchange(rows, combine, alone, options: VoteOptions,
         "one vmapped axis at a time (they fail with 'axis size doesn't "
         "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
         "or vote over mesh axes inside jax.shard_map.")
-  sizes = [row[0].size for row in rows]
-  comm = resolve_comm(comm, n, aggregation=aggregation, spec=spec,
-                      leaf_sizes=sizes, gathers=gathers)
-  layout = message_lib.MessageLayout(tuple(sizes), n, spec, aggregation, comm,
-                                     _run_starts(rows, len(alone)))
+  layout = _layout(rows, len(alone), options)
+  comm = layout.comm
   # Where abstainers may tie a binary majority at odd N, alltoall's
   # results go back in radix 2 or 3 (a lax.cond), which XLA decodes.
   ties = abstained is not None and _strategies.STRATEGIES[comm].sends_back \
@@ -310,6 +325,20 @@ def _exchange(rows, combine, alone, options: VoteOptions,
           n if aggregation == "avg" else 1, spec))
     results.append(outcome)
   return layout, results
+
+
+def _layout(rows, num_alone: int,
+            options: VoteOptions) -> message_lib.MessageLayout:
+  """The message of ``rows`` (its first ``num_alone`` each a run), its
+  ``comm`` resolved (see :func:`_exchange`)."""
+  sizes = [row[0].size for row in rows]
+  comm = resolve_comm(options.comm, options.num_workers,
+                      aggregation=options.aggregation, spec=options.spec,
+                      leaf_sizes=sizes,
+                      gathers=can_gather(options.axis_name))
+  return message_lib.MessageLayout(
+      tuple(sizes), options.num_workers, options.spec, options.aggregation,
+      comm, _run_starts(rows, num_alone))
 
 
 def _finalize(outcome: jax.Array, options: VoteOptions, dtype,
@@ -454,8 +483,7 @@ def aggregate(combine: Callable[..., jax.Array], *trees, axis_name: AxisName,
     return _aggregate(combine, *trees, constants=tuple(constants),
                       options=options, leaf_shards=leaf_shards, fuse=fuse,
                       also=None if axes else also, abstained=count,
-                      lone=lone and (lambda *leaves: lone(*leaves,
-                                                          *constants)))
+                      lone=lone)
   if axes:
     updates, done, also_values = _blocks.on_own_shards(
         lambda *a, **k: run(*a, **k)[0], trees, axes, constants), None, {}
@@ -488,9 +516,9 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
                lone: Callable | None = None):
   """:func:`aggregate` on leaves each device holds whole (or the shards
   ``leaf_shards`` names), its ``done``, and the value of ``also`` by leaf
-  where the fused kernels (``fuse``) computed it; ``combine`` and
-  ``also`` take ``constants`` after the leaves."""
-  kernel_combine = combine
+  where the fused kernels (``fuse``) computed it; ``combine``, ``also``
+  and ``lone`` take ``constants`` after the leaves."""
+  kernel_combine, kernel_lone = combine, lone
   combine = lambda *leaves: kernel_combine(*leaves, *constants)
   leaves, treedef = jax.tree.flatten(trees[0])
   columns = [leaves] + [treedef.flatten_up_to(t) for t in trees[1:]]
@@ -506,7 +534,8 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
            if x.size > 0 and sizes[i] < options.min_compress_size]
   voted = [i for i, x in enumerate(leaves)
            if x.size > 0 and sizes[i] >= options.min_compress_size]
-  lone = lone and (lone, abstained == options.num_workers - 1)
+  lone = lone and (lambda *leaves: kernel_lone(*leaves, *constants),
+                   abstained == options.num_workers - 1)
   if exact:
     values = [jnp.where(lone[1], lone[0](*rows[i]), combine(*rows[i]))
               if lone else combine(*rows[i]) for i in exact]
@@ -519,6 +548,9 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
     run = fuse and _Fusion(_fused.interpreted(), also,
                            forced=options.kernels == "pallas",
                            combine=kernel_combine, scalars=constants)
+    if run and lone and not options.spec.scaled:
+      run = run.one_alone(kernel_lone, abstained, options.num_workers,
+                          options.spec)
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         options, run, abstained, lone)
@@ -567,19 +599,56 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   grouped = sorted(set(range(len(rows))) - set(alone),
                    key=lambda k: (str(_dtypes(rows[k])), k))
   order = alone + grouped
-  layout, results = _exchange(
-      [rows[k] for k in order], combine, [leaf_shards[k] for k in alone],
-      options, fusion, abstained)
-  if lone:
-    results = _lone_outcomes(lone, [rows[k] for k in order],
-                             [leaf_shards[k] for k in alone], options, layout,
-                             results)
+  ordered, shards = [rows[k] for k in order], [leaf_shards[k] for k in alone]
+  voted, flags = combine, None
+  if lone and not options.spec.scaled:
+    voted = _or_lone(combine, lone)
+    plain = _layout(ordered, len(alone), options)
+    if options.spec.radix == 2 and plain.radix is not None:
+      flags = _lone_flags(lone, ordered, len(alone), plain, fusion)
+  layout, results = _exchange(ordered, voted, shards, options, fusion,
+                              abstained)
+  if lone and (options.spec.scaled or layout.radix is None
+               and options.spec.radix == 2):
+    # L1-scaled levels are not signs, and psum_int8's binary levels no 0.
+    results = _lone_outcomes(lone, ordered, shards, options, layout, results)
   if fusion:
     fusion.values = {order[j]: v for j, v in fusion.values.items()
                      if v is not None}
   # On TPU a leaf alone in its run gets D from its narrow outcome reshaped
   # to the leaf (see _exchange). Otherwise D once per run and dtype (that
   # of c), then each leaf's stretch of it (an operation a run, not a leaf).
+  leafwise = len(alone) if _mesh.on_tpu() else 0
+
+  def pieces(zeros=None):
+    """Each leaf's outcome in its shape (the first ``leafwise``), else
+    each run's; 0 where ``zeros`` (each run's summed flags) says."""
+    out = {}
+    for j, row in enumerate(ordered):
+      run = layout.run_of(j)
+      if j >= leafwise:
+        if ("run", run) not in out:
+          out["run", run] = results[run] if zeros is None else _unflagged(
+              results[run], zeros[run], layout)
+        continue
+      outcome = layout.leaf_values(results[run], j).reshape(row[0].shape)
+      if zeros is not None:
+        outcome = _unflagged(outcome, zeros[run], layout)
+      if layout.radix is not None and not (fusion and run in fusion.decoded):
+        # Digits decoded from words: XLA:TPU would fuse their decoding with
+        # the leaf's float update and lay out floats in the leaf's tiles
+        # (psum_int8's outcome is the summed integers themselves, a tally
+        # kernel's already in the leaf's shape). _fused.decode's rows keep
+        # it: without, XLA:TPU relaid out floats (MaVo auto, large tree:
+        # 32.1 -> 42.1 bytes a parameter).
+        outcome = lax.optimization_barrier(outcome)
+      out["leaf", j] = outcome
+    return out
+  if flags is None:
+    outcomes = pieces()
+  else:
+    outcomes = _lone_zeros(lone[1], pieces, flags, fusion, layout,
+                           options.axis_name)
   dtypes, updates, out = {}, {}, [None] * len(rows)
   for j, k in enumerate(order):
     key = _dtypes(rows[k])
@@ -588,23 +657,100 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
     run = (layout.run_of(j), dtypes[key])
     shape = rows[k][0].shape
-    if j < len(alone) and _mesh.on_tpu():
-      outcome = layout.leaf_values(results[run[0]], j).reshape(shape)
-      if layout.radix is not None and not (
-          fusion and run[0] in fusion.decoded):
-        # Digits decoded from words: XLA:TPU would fuse their decoding with
-        # the leaf's float update and lay out floats in the leaf's tiles
-        # (psum_int8's outcome is the summed integers themselves, a tally
-        # kernel's already in the leaf's shape). _fused.decode's rows keep
-        # it: without, XLA:TPU relaid out floats (MaVo auto, large tree:
-        # 32.1 -> 42.1 bytes a parameter).
-        outcome = lax.optimization_barrier(outcome)
-      out[k] = _finalize(outcome, options, run[1], abstained)
+    if j < leafwise:
+      out[k] = _finalize(outcomes["leaf", j], options, run[1], abstained)
       continue
     if run not in updates:
-      updates[run] = _finalize(results[run[0]], options, run[1], abstained)
+      updates[run] = _finalize(outcomes["run", run[0]], options, run[1],
+                               abstained)
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out, results
+
+
+def _or_lone(combine: Callable, lone) -> Callable:
+  """``combine``, or on the step ``lone[1]`` (one worker votes alone)
+  ``lone[0]``: the vote then tallies that worker's codes of its own ``c``
+  (its sign, one worker's Lion), the others' ``c = 0`` taken back out.
+  Binary codes have no 0: :func:`_lone_zeros` puts them back."""
+  return lambda *leaves: jnp.where(lone[1], lone[0](*leaves),
+                                   combine(*leaves))
+
+
+def _lone_flags(lone, rows, num_alone: int, layout, fusion) -> list:
+  """Each run's words of flags where ``lone[0]`` is not 0 (digits 0 and 1
+  laid out as the vote's codes): the fused encoding's where it took the
+  run, else computed in a :func:`jax.lax.cond` on the step ``lone[1]``
+  (zeros on other steps) that reads the leaves before the vote, as
+  :func:`_lone_outcomes` does. None for a run the kernels take: their
+  flags come with its words (``fusion.flagged``)."""
+  ends = layout.runs[1:] + (len(rows),)
+  mine = [(first, end) for first, end in zip(layout.runs, ends)
+          if not (fusion and fusion.takes(rows, first, num_alone, layout,
+                                          layout.spec))]
+
+  def flagged():
+    words = []
+    for first, end in mine:
+      if first < num_alone:
+        flags = lone[0](*rows[first])
+      else:
+        flags = lone[0](*[layout.concatenate(
+            [row[j].ravel() for row in rows[first:end]], first)
+                          for j in range(len(rows[first]))])
+      words.append(layout.pack(flags != 0))
+    return words
+  words = lax.cond(lone[1], flagged, lambda: [
+      _zeros_like(x) for x in jax.eval_shape(flagged)]) if mine else []
+  ours = dict(zip((first for first, _ in mine), words))
+  return [ours.get(first) for first in layout.runs]
+
+
+def _zeros_like(x: jax.ShapeDtypeStruct) -> jax.Array:
+  """Zeros of ``x``'s shape and dtype, varying over the manual axes it
+  does (``shard_map(check_vma=True)`` types a branch's outputs so)."""
+  varying = getattr(getattr(x, "manual_axis_type", None), "varying", ())
+  zeros = jnp.zeros(x.shape, x.dtype)
+  return lax.pcast(zeros, tuple(varying), to="varying") if varying else zeros
+
+
+def _lone_zeros(alone_votes: jax.Array, pieces: Callable, flags: list,
+                fusion, layout, axis_name) -> dict:
+  """``pieces()`` (the vote's outcomes), or on the step ``alone_votes``
+  ``pieces(zeros)``: 0 where the lone worker's ``c`` is, ``zeros`` each
+  run's flags (:func:`_lone_flags`, or the fused encoding's) summed over
+  the workers (the others' are 0). Its binary codes tallied the sign
+  elsewhere (:func:`_or_lone`). The vote's integers are selected in a
+  :func:`jax.lax.cond`, so the update's arithmetic is the vote's; both
+  branches cut the outcomes into the leaves' shapes, so that the lone
+  step's select is in that pass (the large tree's MaVo ``auto`` on TPU:
+  41.1 bytes a parameter a chip selected by run, then cut, 38.0 so)."""
+  flags = [fusion.flagged[first] if words is None else words
+           for first, words in zip(layout.runs, flags)]
+  return lax.cond(alone_votes,
+                  lambda: pieces(_collectives.psum(flags, axis_name)),
+                  pieces)
+
+
+def _unflagged(outcome: jax.Array, words: jax.Array, layout) -> jax.Array:
+  """``outcome`` (a run's digits, or a leaf's in its shape) 0 where the
+  digit of ``words`` (the run's, laid out as its codes) is 0: digit ``j``
+  of every word against plane ``j`` of the outcome, elementwise (a stack
+  of the planes would be written out)."""
+  m, radix = layout.digits_per_word, layout.radix
+  if outcome.size == m * words.size:
+    planes = outcome.reshape((m,) + words.shape)
+  else:     # a leaf whose last word is not full
+    words = words.ravel()
+    planes = _packing.pad_to_multiple(outcome.ravel(), m * words.size)
+    planes = planes.reshape(m, words.size)
+  place = jnp.arange(m, dtype=words.dtype).reshape((m,) + (1,) * words.ndim)
+  if radix & (radix - 1) == 0:
+    width = radix.bit_length() - 1
+    digits = (words[None] >> (place * width)) & (radix - 1)
+  else:
+    digits = (words[None] // radix ** place) % radix
+  kept = jnp.where(digits != 0, planes, 0).astype(outcome.dtype)
+  return kept.ravel()[:outcome.size].reshape(outcome.shape)
 
 
 def _lone_outcomes(lone, rows, alone, options, layout, results):
@@ -721,10 +867,13 @@ def _run_words(rows, first, end, combine, alone, layout, spec,
   kernel's, unless ``flat``, in the shape it wrote them)."""
   m = layout.digits_per_word
   if fusion and fusion.takes(rows, first, len(alone), layout, spec):
-    words, fusion.values[first] = _fused.encode(
+    flags = fusion.flags if layout.radix is not None else None
+    words, fusion.values[first], *flagged = _fused.encode(
         fusion.combine, rows[first], spec=spec, radix=layout.radix,
         also=fusion.also, levels_dtype=layout.word_dtype,
-        scalars=fusion.scalars, interpret=fusion.interpret)
+        scalars=fusion.scalars, flags=flags, interpret=fusion.interpret)
+    if flagged:
+      fusion.flagged[first] = flagged[0]
     return words.ravel() if flat else words
   if (first < len(alone) and not spec.scaled and layout.radix is not None
       and _packing.planes_in_place(rows[first][0].shape, m)

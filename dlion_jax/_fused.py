@@ -242,9 +242,10 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
            *, spec: _quantize.VoteSpec, radix: int | None,
            also: Callable[..., jax.Array] | None = None,
            levels_dtype=None, scalars: tuple = (),
+           flags: Callable[..., jax.Array] | None = None,
            interpret: bool = False):
   """One pass over a leaf: the packed words of ``combine(*leaves)``'s vote
-  codes, and ``also(*leaves)``.
+  codes, and ``also(*leaves)`` (and ``flags(*leaves)``'s words).
 
   Args:
     combine: elementwise, of the leaves (Lion's ``(1 - b1) g + b1 m``).
@@ -258,8 +259,12 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     also: elementwise, of the leaves: computed in the same pass and
       written over ``leaves[-1]`` (donated) where it has its dtype.
     levels_dtype: the words' dtype where ``radix`` is None.
-    scalars: traced scalars ``combine`` and ``also`` take after the leaves
-      (whether this worker votes, where it may abstain).
+    scalars: traced scalars ``combine``, ``also`` and ``flags`` take after
+      the leaves (whether this worker votes, the count of abstainers).
+    flags: elementwise, of the leaves, a bool: packed as digits 0 and 1
+      in words of ``radix`` laid out as the codes' (where one worker alone
+      votes, where its ``c`` is not 0: see ``dlion_jax._exchange``); needs
+      a ``radix``.
     interpret: run Pallas' interpreter (any backend).
 
   Returns:
@@ -267,11 +272,14 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     :func:`dlion_jax.packing.word_dtype` ``(radix)`` (``R`` the leaf's
     rows), as :func:`dlion_jax.packing.pack_planes` packs the codes of
     :func:`dlion_jax.packing.leaf_planes`; ``also_value`` in the leaves'
-    shape, or None.
+    shape, or None. With ``flags``, ``flags``' words (as ``words``) third.
   """
   if spec.scaled:
     raise ValueError("_fused.encode takes sign votes; an L1-scaled vote "
                      "needs its leaf's scale before any code.")
+  if flags is not None and radix is None:
+    raise ValueError("_fused.encode packs flags in words of a radix; "
+                     "radix=None writes levels.")
   shape = leaves[0].shape
   m = 1 if radix is None else _packing.digits_per_word(radix)
   rows, lanes = _view(shape)
@@ -290,29 +298,40 @@ def encode(combine: Callable[..., jax.Array], leaves: tuple[jax.Array, ...],
     out_shape.append(jax.ShapeDtypeStruct(planes[-1].shape, also_dtype))
     if also_dtype == leaves[-1].dtype:
       aliases = {len(leaves) - 1: 1}
+  if flags is not None:
+    out_shape.append(out_shape[0])
 
   def kernel(*refs):
     given = _read_scalars(refs, scalars)
     refs = refs[len(scalars):]
     ins, words_ref = refs[:len(leaves)], refs[len(leaves)]
-    codes = []
+    codes, flagged = [], []
     for j in range(m):
       values = [ref[j] for ref in ins] + given
       codes.append(_codes(combine(*values), spec.radix))
       if also is not None:
-        refs[-1][j] = also(*values)
+        refs[len(leaves) + 1][j] = also(*values)
+      if flags is not None:
+        flagged.append(flags(*values).astype(jnp.uint32))
     if radix is None:
       words_ref[...] = _strategies.signed_sum(codes[0], 1, spec).astype(
           word_dtype)
     else:
       words_ref[...] = _packing.pack_planes(
           codes, radix, dtype=jnp.uint32).astype(word_dtype)
+    if flags is not None:
+      refs[-1][...] = _packing.pack_planes(
+          flagged, radix, dtype=jnp.uint32).astype(word_dtype)
 
   out = _call(kernel, planes, out_shape, [plane_spec] * len(leaves),
-              [word_spec] + [plane_spec] * (also is not None), grid,
+              [word_spec] + [plane_spec] * (also is not None)
+              + [word_spec] * (flags is not None), grid,
               aliases=aliases, interpret=interpret, gpu_warps=8,
               scalars=scalars)
-  return out[0], (out[1].reshape(shape) if also is not None else None)
+  also_value = out[1].reshape(shape) if also is not None else None
+  if flags is not None:
+    return out[0], also_value, out[-1]
+  return out[0], also_value
 
 
 def _digit_sum(rows: list[jax.Array], j: int, radix: int) -> jax.Array:

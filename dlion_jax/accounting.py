@@ -180,7 +180,9 @@ def wire_bits(num_workers: int, *,
       int32 all-reduce, counted with ``leaf_sizes``). Two kinds of step
       send more, in conditionals: a binary MaVo over ``alltoall`` at odd
       N sends radix-3 results where an odd number abstained, and a step
-      one worker alone votes in sends its ternary signs beside the vote
+      one worker alone votes in sends the flags of its zeros (binary
+      codes; its ternary signs where the levels are L1-scaled or
+      ``psum_int8``'s) beside the vote
       (:func:`dlion_jax.collective_bytes` counts each conditional's
       largest branch; with ``conditional=False`` it reads this figure).
 

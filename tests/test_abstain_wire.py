@@ -6,7 +6,7 @@ abstain_nonfinite=True)`` models and what ``comm='auto'`` weighs, as
 ``dl.accounting.cheapest_comm(..., abstain_nonfinite=True)`` names it. The
 other steps' messages sit in conditionals, which ``dl.collective_bytes`` counts
 at their largest: alltoall's radix-3 results at odd N, and the lone
-worker's signs beside the vote.
+worker's flags of its zeros beside the vote.
 """
 
 import jax.numpy as jnp
@@ -84,17 +84,26 @@ def test_the_count_costs_a_few_bytes_at_a_million_parameters():
 
 def lone_bytes(n, sizes, *, comm, aggregation="mavo", vote="binary",
                quantizer="sign", bits=None, min_compress_size=0):
-  """What the step one worker alone votes in sends beside the vote: its
-  ternary signs of the voted leaves, a message of ternary MaVo through the
-  vote's strategy (the exact leaves' one sum carries its values on that
-  step)."""
+  """What the step one worker alone votes in sends beside the vote. Its
+  codes ride in the vote; binary codes have no 0, so its flags where its
+  ``c`` is not 0, laid out as the codes, are all-reduced (the others'
+  are 0); ternary codes say 0 themselves. Where the levels are L1-scaled,
+  or summed as ints (``psum_int8``), its ternary signs: a message of
+  ternary MaVo through the vote's strategy (the exact leaves' one sum
+  carries its values on that step)."""
   voted = tuple(s for s in sizes if s >= min_compress_size)
+  spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   if comm == "auto":
-    comm = _message.choose_comm(
-        n, aggregation=aggregation, leaf_sizes=voted,
-        spec=_quantize.vote_spec(quantizer, vote=vote, bits=bits))
-  return _message.MessageLayout(voted, n, _quantize.TERNARY, "mavo",
-                                comm).sent_bytes()
+    comm = _message.choose_comm(n, aggregation=aggregation,
+                                leaf_sizes=voted, spec=spec)
+  layout = _message.MessageLayout(voted, n, spec, aggregation, comm)
+  if spec.scaled or layout.radix is None and spec.radix == 2:
+    return _message.MessageLayout(voted, n, _quantize.TERNARY, "mavo",
+                                  comm).sent_bytes()
+  if spec.radix != 2:
+    return 0.0
+  return 2 * (n - 1) / n * layout.used_words * jnp.dtype(
+      layout.word_dtype).itemsize
 
 
 def radix3_extra(n, sizes, *, comm, aggregation="mavo", vote="binary",

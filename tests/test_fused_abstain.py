@@ -8,8 +8,9 @@ the updates and the counts, through every comm, at odd and even N, in
 float32 and bfloat16, on leaves the kernels take and leaves they leave to
 XLA (sizes not multiples of 8 N). The steps: every worker finite, one
 abstaining, an odd count (a binary majority of the present may tie), one
-worker left (one worker's Lion), every worker (skipped), every worker
-finite again.
+worker left (one worker's Lion: its codes in the vote, and the flags
+of its zeros, written by the encoding kernel, summed beside it), every
+worker (skipped), every worker finite again.
 """
 
 import ml_dtypes
@@ -43,6 +44,8 @@ def grads_seq(n, dtype, seed=0):
     for i in out:
       g["w"][i, t, i] = np.nan if i % 2 else np.inf
     g["odd"][:, :3] = 0.0      # c = 0 there: the lone worker's sign is 0
+    g["w"][:, :, 250:] = 0.0   # ... on leaves the kernels take too
+    g["flat"][:, -300:] = 0.0
     seq.append(g)
   return seq
 
