@@ -25,10 +25,11 @@ from jax import lax
 from dlion_jax import _blocks
 from dlion_jax import _collectives
 from dlion_jax import _fused
+from dlion_jax import _lone
 from dlion_jax import _mesh
 from dlion_jax import _message as message_lib
-from dlion_jax import _packing
 from dlion_jax import _quantize
+from dlion_jax import _sending
 from dlion_jax import _strategies
 from dlion_jax._checks import check_choice
 
@@ -39,7 +40,7 @@ COMM_CHOICES = message_lib.COMM_CHOICES
 AxisName = Hashable | tuple[Hashable, ...]
 
 #: Leaves of sign votes with this many elements or more are packed on their
-#: own; smaller ones share one pass (see ``_packed_message``).
+#: own; smaller ones share one pass (see ``dlion_jax._sending.packed_message``).
 OWN_PACKING = 2**14
 
 
@@ -66,7 +67,7 @@ class _Fusion:
   (``decoded``); ``combine``, ``also`` and ``flags`` take the traced
   ``scalars`` after the leaves, the kernels' inputs. ``flags`` (or None):
   what the encoding also packs, its words by run (``flagged``, by the
-  run's first row; see :meth:`one_alone`)."""
+  run's first row; see :func:`dlion_jax._lone.one_alone`)."""
   interpret: bool
   also: Callable | None
   forced: bool = False
@@ -76,20 +77,6 @@ class _Fusion:
   decoded: set = dataclasses.field(default_factory=set)
   flags: Callable | None = None
   flagged: dict = dataclasses.field(default_factory=dict)
-
-  def one_alone(self, lone: Callable, count: jax.Array, num_workers: int,
-                spec) -> _Fusion:
-    """These kernels where one worker may vote alone (``count``, the
-    abstainers', a scalar more): on that step the encoding codes
-    ``lone``'s values (as :func:`_or_lone`) and, for binary codes, flags
-    where they are not 0 (the step's zeros, see :func:`_lone_zeros`)."""
-    combine, also, last = self.combine, self.also, num_workers - 1
-    return dataclasses.replace(
-        self, scalars=self.scalars + (count,),
-        combine=lambda *a: jnp.where(a[-1] == last, lone(*a[:-1]),
-                                     combine(*a[:-1])),
-        also=also and (lambda *a: also(*a[:-1])),
-        flags=(lambda *a: lone(*a[:-1]) != 0) if spec.radix == 2 else None)
 
   @staticmethod
   def takes(rows, first: int, num_alone: int, layout, spec) -> bool:
@@ -279,10 +266,12 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   if fusion and strategy.sums and not blocked and any(
       fusion.apart(rows, row, len(alone), layout, spec)
       for row in layout.runs):
-    message = _message_by_run(rows, combine, alone, layout, spec, fusion)
+    message = _sending.message_by_run(rows, combine, alone, layout, spec,
+                                      fusion)
   else:
-    message = _packed_message(rows, combine, alone, layout, spec, fusion,
-                              batched=_collectives.mapped_over_mesh(axis_name))
+    message = _sending.packed_message(
+        rows, combine, alone, layout, spec, fusion,
+        batched=_collectives.mapped_over_mesh(axis_name))
   if abstained is not None:
     extra["abstained"] = abstained
   planes, decode, words = strategy.exchange(message, axis_name=axis_name,
@@ -338,7 +327,7 @@ def _layout(rows, num_alone: int,
                       gathers=can_gather(options.axis_name))
   return message_lib.MessageLayout(
       tuple(sizes), options.num_workers, options.spec, options.aggregation,
-      comm, _run_starts(rows, num_alone))
+      comm, _sending.run_starts(rows, num_alone))
 
 
 def _finalize(outcome: jax.Array, options: VoteOptions, dtype,
@@ -549,8 +538,8 @@ def _aggregate(combine, *trees, options: VoteOptions, leaf_shards,
                            forced=options.kernels == "pallas",
                            combine=kernel_combine, scalars=constants)
     if run and lone and not options.spec.scaled:
-      run = run.one_alone(kernel_lone, abstained, options.num_workers,
-                          options.spec)
+      run = _lone.one_alone(run, kernel_lone, abstained,
+                            options.num_workers, options.spec)
     updates, outcomes = _vote_in_one_message(
         [rows[i] for i in bucket], [leaf_shards[i] for i in bucket], combine,
         options, run, abstained, lone)
@@ -590,22 +579,23 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   """The update of each row of leaves, voted in one message, and the vote's
   outcome for each packing run. ``fusion.values`` comes back by row."""
   # Big leaves first, each packed alone; then the small ones of sign votes,
-  # grouped by dtypes so that each group concatenates (see _packed_message).
+  # grouped by dtypes so that each group concatenates (see
+  # _sending.packed_message).
   alone = [k for k, row in enumerate(rows)
            if options.spec.scaled or row[0].size >= OWN_PACKING]
   if fusion and (radix := fusion.radix_of(rows, options)) is not None:
     alone.sort(key=lambda k: not fusion.fits_row(rows[k], radix,
                                                  options.spec))
   grouped = sorted(set(range(len(rows))) - set(alone),
-                   key=lambda k: (str(_dtypes(rows[k])), k))
+                   key=lambda k: (str(_sending.dtypes_of(rows[k])), k))
   order = alone + grouped
   ordered, shards = [rows[k] for k in order], [leaf_shards[k] for k in alone]
   voted, flags = combine, None
   if lone and not options.spec.scaled:
-    voted = _or_lone(combine, lone)
+    voted = _lone.or_lone(combine, lone)
     plain = _layout(ordered, len(alone), options)
     if options.spec.radix == 2 and plain.radix is not None:
-      flags = _lone_flags(lone, ordered, len(alone), plain, fusion)
+      flags = _lone.flags(lone, ordered, len(alone), plain, fusion)
   layout, results = _exchange(ordered, voted, shards, options, fusion,
                               abstained)
   if lone and (options.spec.scaled or layout.radix is None
@@ -628,12 +618,12 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
       run = layout.run_of(j)
       if j >= leafwise:
         if ("run", run) not in out:
-          out["run", run] = results[run] if zeros is None else _unflagged(
+          out["run", run] = results[run] if zeros is None else _lone.unflagged(
               results[run], zeros[run], layout)
         continue
       outcome = layout.leaf_values(results[run], j).reshape(row[0].shape)
       if zeros is not None:
-        outcome = _unflagged(outcome, zeros[run], layout)
+        outcome = _lone.unflagged(outcome, zeros[run], layout)
       if layout.radix is not None and not (fusion and run in fusion.decoded):
         # Digits decoded from words: XLA:TPU would fuse their decoding with
         # the leaf's float update and lay out floats in the leaf's tiles
@@ -647,11 +637,11 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
   if flags is None:
     outcomes = pieces()
   else:
-    outcomes = _lone_zeros(lone[1], pieces, flags, fusion, layout,
+    outcomes = _lone.zeros(lone[1], pieces, flags, fusion, layout,
                            options.axis_name)
   dtypes, updates, out = {}, {}, [None] * len(rows)
   for j, k in enumerate(order):
-    key = _dtypes(rows[k])
+    key = _sending.dtypes_of(rows[k])
     if key not in dtypes:
       dtypes[key] = jax.eval_shape(
           combine, *[jax.ShapeDtypeStruct((), d) for d in key]).dtype
@@ -665,92 +655,6 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
                                abstained)
     out[k] = layout.leaf_values(updates[run], j).reshape(shape)
   return out, results
-
-
-def _or_lone(combine: Callable, lone) -> Callable:
-  """``combine``, or on the step ``lone[1]`` (one worker votes alone)
-  ``lone[0]``: the vote then tallies that worker's codes of its own ``c``
-  (its sign, one worker's Lion), the others' ``c = 0`` taken back out.
-  Binary codes have no 0: :func:`_lone_zeros` puts them back."""
-  return lambda *leaves: jnp.where(lone[1], lone[0](*leaves),
-                                   combine(*leaves))
-
-
-def _lone_flags(lone, rows, num_alone: int, layout, fusion) -> list:
-  """Each run's words of flags where ``lone[0]`` is not 0 (digits 0 and 1
-  laid out as the vote's codes): the fused encoding's where it took the
-  run, else computed in a :func:`jax.lax.cond` on the step ``lone[1]``
-  (zeros on other steps) that reads the leaves before the vote, as
-  :func:`_lone_outcomes` does. None for a run the kernels take: their
-  flags come with its words (``fusion.flagged``)."""
-  ends = layout.runs[1:] + (len(rows),)
-  mine = [(first, end) for first, end in zip(layout.runs, ends)
-          if not (fusion and fusion.takes(rows, first, num_alone, layout,
-                                          layout.spec))]
-
-  def flagged():
-    words = []
-    for first, end in mine:
-      if first < num_alone:
-        flags = lone[0](*rows[first])
-      else:
-        flags = lone[0](*[layout.concatenate(
-            [row[j].ravel() for row in rows[first:end]], first)
-                          for j in range(len(rows[first]))])
-      words.append(layout.pack(flags != 0))
-    return words
-  words = lax.cond(lone[1], flagged, lambda: [
-      _zeros_like(x) for x in jax.eval_shape(flagged)]) if mine else []
-  ours = dict(zip((first for first, _ in mine), words))
-  return [ours.get(first) for first in layout.runs]
-
-
-def _zeros_like(x: jax.ShapeDtypeStruct) -> jax.Array:
-  """Zeros of ``x``'s shape and dtype, varying over the manual axes it
-  does (``shard_map(check_vma=True)`` types a branch's outputs so)."""
-  varying = getattr(getattr(x, "manual_axis_type", None), "varying", ())
-  zeros = jnp.zeros(x.shape, x.dtype)
-  return lax.pcast(zeros, tuple(varying), to="varying") if varying else zeros
-
-
-def _lone_zeros(alone_votes: jax.Array, pieces: Callable, flags: list,
-                fusion, layout, axis_name) -> dict:
-  """``pieces()`` (the vote's outcomes), or on the step ``alone_votes``
-  ``pieces(zeros)``: 0 where the lone worker's ``c`` is, ``zeros`` each
-  run's flags (:func:`_lone_flags`, or the fused encoding's) summed over
-  the workers (the others' are 0). Its binary codes tallied the sign
-  elsewhere (:func:`_or_lone`). The vote's integers are selected in a
-  :func:`jax.lax.cond`, so the update's arithmetic is the vote's; both
-  branches cut the outcomes into the leaves' shapes, so that the lone
-  step's select is in that pass (the large tree's MaVo ``auto`` on TPU:
-  41.1 bytes a parameter a chip selected by run, then cut, 38.0 so)."""
-  flags = [fusion.flagged[first] if words is None else words
-           for first, words in zip(layout.runs, flags)]
-  return lax.cond(alone_votes,
-                  lambda: pieces(_collectives.psum(flags, axis_name)),
-                  pieces)
-
-
-def _unflagged(outcome: jax.Array, words: jax.Array, layout) -> jax.Array:
-  """``outcome`` (a run's digits, or a leaf's in its shape) 0 where the
-  digit of ``words`` (the run's, laid out as its codes) is 0: digit ``j``
-  of every word against plane ``j`` of the outcome, elementwise (a stack
-  of the planes would be written out)."""
-  m, radix = layout.digits_per_word, layout.radix
-  if outcome.size == m * words.size:
-    planes = outcome.reshape((m,) + words.shape)
-  else:     # a leaf whose last word is not full
-    words = words.ravel()
-    planes = _packing.pad_to_multiple(outcome.ravel(), m * words.size)
-    planes = planes.reshape(m, words.size)
-  place = jnp.arange(m, dtype=words.dtype).reshape((m,) + (1,) * words.ndim)
-  if radix & (radix - 1) == 0:
-    width = radix.bit_length() - 1
-    digits = (words[None] >> (place * width)) & (radix - 1)
-  else:
-    digits = (words[None] // radix ** place) % radix
-  kept = jnp.where(digits != 0, planes, 0).astype(outcome.dtype)
-  return kept.ravel()[:outcome.size].reshape(outcome.shape)
 
 
 def _lone_outcomes(lone, rows, alone, options, layout, results):
@@ -774,125 +678,3 @@ def _lone_outcomes(lone, rows, alone, options, layout, results):
   voted = lax.cond(lone[1], signs,
                    lambda: [jnp.zeros(r.shape, r.dtype) for r in results])
   return lax.cond(lone[1], lambda: voted, lambda: list(results))
-
-
-def _run_starts(rows, num_alone: int) -> tuple[int, ...]:
-  """First row of each packing run: each of the first ``num_alone`` rows
-  alone, then one run per dtype of the rest (see :func:`_packed_message`)."""
-  return tuple(k for k in range(len(rows)) if k <= num_alone
-               or _dtypes(rows[k]) != _dtypes(rows[k - 1]))
-
-
-def _packed_message(rows, combine, alone, layout, spec, fusion, *,
-                    batched: bool = False) -> jax.Array:
-  """The packed message: ``combine(*row)``'s vote codes at each row's offset.
-
-  The first ``len(alone)`` rows (big leaves, or every leaf of an L1-scaled vote;
-  ``alone`` holds their shards, see :func:`aggregate`) are encoded and packed
-  one by one and written in place: XLA:CPU fuses a concatenate of a few big
-  operands into the packing loop that reads it, several times slower. The
-  others, small leaves of a sign vote, are laid end to end per dtype (one
-  ``concatenate`` of the gradients, one of the momenta) and ``combine``, the
-  encoding and the packing run once on each run: a few operations however many
-  leaves there are, since compile time grows with the number of operations. Each
-  run is packed planar (:meth:`MessageLayout.pack`).
-
-  ``batched`` (the workers a ``jax.vmap`` axis over the mesh: a row each of the
-  message) concatenates the runs and their padding instead: the partitioned
-  in-place write of each run into the batched message cost XLA:CPU a pass over
-  the whole message a run (design notes, "The workers as a leading axis").
-  """
-  if batched:
-    return jnp.concatenate(_laid_end_to_end(rows, combine, alone, layout,
-                                            spec, fusion))
-  # Behind a barrier XLA cannot rewrite the first write into these zeros
-  # as a pad of that run, which XLA:CPU fuses with the run's encoding and
-  # packing into one loop over the whole message, a bounds check per word
-  # and not vectorised (design notes, "Straight passes").
-  message = lax.optimization_barrier(
-      jnp.zeros(layout.words, layout.word_dtype))
-  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
-    message = lax.dynamic_update_slice(
-        message, _run_words(rows, first, end, combine, alone, layout, spec,
-                            fusion),
-        (layout.offsets[first] // layout.digits_per_word,))
-  return message
-
-
-def _message_by_run(rows, combine, alone, layout, spec, fusion) -> dict:
-  """The message in pieces by their first word, for a strategy that sums
-  them where they lie (:attr:`dlion_jax.strategies.Strategy.sums`): a
-  fused kernel's words of a leaf whose rows are not 128 lanes in the
-  shape it wrote them, each other stretch of runs laid end to end. Laid
-  into one flat message, such a leaf's words were relaid out on the way
-  in and out (XLA:TPU, ``psum_int8``, the 1B GPT's training step of
-  :mod:`dlion_jax.bench.aot`: 68.7 bytes a parameter a chip, 50.9 so)."""
-  pieces, flat = {}, []
-  ends = layout.runs[1:] + (len(rows),)
-  for first, end, (word, _) in zip(layout.runs, ends, layout.run_words):
-    apart = fusion.apart(rows, first, len(alone), layout, spec)
-    words = _run_words(rows, first, end, combine, alone, layout, spec, fusion,
-                       flat=not apart)
-    if apart:
-      pieces[word] = words
-      flat = []
-      continue
-    if not flat:
-      pieces[word] = flat
-    flat.append(words)
-  return {word: jnp.concatenate(piece) if isinstance(piece, list) else piece
-          for word, piece in pieces.items()}
-
-
-def _laid_end_to_end(rows, combine, alone, layout, spec,
-                     fusion) -> list[jax.Array]:
-  """Each run's packed words, and zero words for the padding around them:
-  the message in order."""
-  parts, at = [], 0
-  for first, end in zip(layout.runs, layout.runs[1:] + (len(rows),)):
-    offset = layout.offsets[first] // layout.digits_per_word
-    if offset > at:
-      parts.append(jnp.zeros(offset - at, layout.word_dtype))
-    parts.append(_run_words(rows, first, end, combine, alone, layout, spec,
-                            fusion))
-    at = offset + parts[-1].shape[0]
-  if layout.words > at:
-    parts.append(jnp.zeros(layout.words - at, layout.word_dtype))
-  return parts
-
-
-def _run_words(rows, first, end, combine, alone, layout, spec,
-               fusion, *, flat: bool = True) -> jax.Array:
-  """The packed words of the run of rows ``first .. end - 1`` (a fused
-  kernel's, unless ``flat``, in the shape it wrote them)."""
-  m = layout.digits_per_word
-  if fusion and fusion.takes(rows, first, len(alone), layout, spec):
-    flags = fusion.flags if layout.radix is not None else None
-    words, fusion.values[first], *flagged = _fused.encode(
-        fusion.combine, rows[first], spec=spec, radix=layout.radix,
-        also=fusion.also, levels_dtype=layout.word_dtype,
-        scalars=fusion.scalars, flags=flags, interpret=fusion.interpret)
-    if flagged:
-      fusion.flagged[first] = flagged[0]
-    return words.ravel() if flat else words
-  if (first < len(alone) and not spec.scaled and layout.radix is not None
-      and _packing.planes_in_place(rows[first][0].shape, m)
-      and _mesh.on_tpu()):
-    # Plane by plane from the inputs' own planes: XLA:TPU writes out the
-    # codes of a whole leaf before packing them (XLA:CPU fuses the two,
-    # and m copies of the encoding a leaf would lengthen its compile).
-    cut = [_packing.leaf_planes(y, m) for y in rows[first]]
-    return _packing.pack_planes(
-        [_quantize.encode(combine(*[p[j] for p in cut]), spec)
-         for j in range(m)], layout.radix).ravel()
-  if first < len(alone):
-    codes = _quantize.encode(combine(*rows[first]), spec, alone[first])
-  else:
-    inputs = [layout.concatenate([row[j].ravel() for row in rows[first:end]],
-                                 first) for j in range(len(rows[first]))]
-    codes = _quantize.encode(combine(*inputs), spec)
-  return layout.pack(codes)
-
-
-def _dtypes(row) -> tuple:
-  return tuple(x.dtype for x in row)

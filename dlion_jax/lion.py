@@ -230,12 +230,10 @@ def scale_by_distributed_lion(
   its own. Where one worker alone is present, the step is one worker's
   Lion: :math:`D = \mathrm{sign}(c)` of that worker, 0 where its
   :math:`c` is (which no binary or L1-scaled vote can say), its residual
-  kept and no sync; its codes of its own :math:`c` ride in the vote
-  (the others' taken back out), and for binary codes, which have no 0,
-  its flags where :math:`c` is not 0, laid out as the codes, are summed
-  beside the vote in a :func:`jax.lax.cond` (L1-scaled levels, and
-  ``psum_int8``'s binary levels, send its ternary signs through the
-  vote's ``comm`` there instead). Where all abstain,
+  kept and no sync; its codes ride in the vote, and binary codes (no
+  0) add flags where its :math:`c` is not 0, summed in a
+  :func:`jax.lax.cond` (L1-scaled or ``psum_int8``'s binary levels:
+  its ternary signs, voted there). Where all abstain,
   :math:`D = 0` and the state is unchanged. The count :math:`a` is in
   the state (:class:`AbstainingState`) with the running total. With
   every gradient finite the update and the state are the default's, bit
@@ -255,8 +253,8 @@ def scale_by_distributed_lion(
   :func:`dlion_jax.collective_bytes` reads it with ``conditional=False``
   (by default it counts each conditional's largest branch). The fused
   kernels take the count and whether the worker votes as scalars: an
-  abstainer's words are its ``c = 0``'s, its momentum kept in the pass,
-  and a lone worker's codes and flags are written in the same pass.
+  abstainer's words are its ``c = 0``'s, its momentum kept in the pass
+  (a lone worker's flags written there too).
 
   Under a hand-written ``shard_map(check_vma=True)`` over an axis of size 1
   the update is typed per-worker (there is no collective to make it

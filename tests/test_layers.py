@@ -24,6 +24,8 @@ LAYERS = [
      ["_quantize", "_packing", "_sparse"]),
     ("codec: the comm strategies", ["_strategies"]),
     ("codec: the message, the fused kernels", ["_message", "_fused"]),
+    ("codec: what a worker sends; a lone worker's step",
+     ["_sending", "_lone"]),
     ("codec: the vote over an axis", ["_exchange"]),
     ("codec: the voted mean's dense vote and scales", ["_voted"]),
     ("transforms: momentum syncs, wrappers across workers",
