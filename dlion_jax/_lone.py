@@ -25,7 +25,7 @@ from dlion_jax import _packing
 
 
 def one_alone(fusion, lone: Callable, count: jax.Array, num_workers: int,
-            spec):
+              spec):
   """``fusion`` (the kernels of a message, ``dlion_jax._exchange``)
   where one worker may vote alone (``count``, the abstainers', a scalar
   more): on that step the encoding codes
@@ -87,7 +87,7 @@ def _zeros_like(x: jax.ShapeDtypeStruct) -> jax.Array:
 
 
 def zeros(alone_votes: jax.Array, pieces: Callable, flags: list,
-                fusion, layout, axis_name) -> dict:
+          fusion, layout, axis_name) -> dict:
   """``pieces()`` (the vote's outcomes), or on the step ``alone_votes``
   ``pieces(zeros)``: 0 where the lone worker's ``c`` is, ``zeros`` each
   run's flags (:func:`flags`, or the fused encoding's) summed over

@@ -20,6 +20,7 @@ from compiled import AXIS
 from compiled import SIZES
 from compiled import compile_on_mesh
 from compiled import compile_update
+from tiers import slow_but
 
 COMMS = message.COMMS
 D = sum(SIZES)
@@ -30,7 +31,7 @@ CONFIGS = [(a, v) for a in message.AGGREGATIONS for v in quantize.VOTES]
 
 
 @pytest.mark.parametrize("comm", COMMS + ("auto",))
-@pytest.mark.parametrize("n", [2, 3, 5, 8])
+@pytest.mark.parametrize("n", slow_but([2, 3, 5, 8], 1, 3))
 def test_hlo_bits_match_wire_bits(n, comm):
   for aggregation, vote in CONFIGS:
     kw = dict(aggregation=aggregation, vote=vote, comm=comm)

@@ -312,7 +312,11 @@ DISTINCT_TASKS = list({(t.task.config, t.task.overrides, t.task.text): name
                        }.values())
 
 
-@pytest.mark.parametrize("name", DISTINCT_TASKS)
+# The quick tasks in CI, the others (the same code on bigger models) slow.
+@pytest.mark.parametrize("name", [
+    pytest.param(name, marks=() if name in (
+        "digits_local_steps", "charlm_long_x4_local_steps")
+                 else pytest.mark.slow) for name in DISTINCT_TASKS])
 def test_every_task_trains_a_few_steps(name, tmp_path, monkeypatch):
   """The fast version of each study: its task's config and overrides train
   2 steps at N = 2 (Fashion-MNIST tested on 500 images)."""

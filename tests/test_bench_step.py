@@ -74,6 +74,7 @@ def test_tpu_bytes_read_what_a_lion_step_must_move():
     step.tpu_table(8, shapes, "v5e:2x2")
 
 
+@pytest.mark.slow
 @pytest.mark.tpu_aot
 def test_all_in_hbm_compiles_a_step_with_nothing_staged_on_chip(monkeypatch):
   """--all-in-hbm: with memory-space assignment off no buffer of the step

@@ -64,28 +64,36 @@ def test_bad_links_name_the_fix(capsys):
   assert "shaping the link needs" in capsys.readouterr().err
 
 
+ROWS = ("D-Lion outer, H=8", "DiLoCo outer, H=8", "EF vote, late, H=8")
+
+
 @pytest.mark.skipif(network.can_shape() is not None,
                     reason="shaping needs root, ip and tc")
-def test_a_tiny_run_over_a_shaped_link_reports_every_row(tmp_path):
+@pytest.mark.parametrize("rows", [
+    pytest.param(ROWS[2:], id="one-row"),
+    pytest.param(ROWS, id="every-row", marks=pytest.mark.slow)])
+def test_a_tiny_run_over_a_shaped_link_reports_every_row(tmp_path, rows):
   raw = tmp_path / "runs.json"
   text = time_to_loss.main([
       "--procs", "2", "--rates", "100mbit", "--steps", "16", "--every", "8",
       "--set", "model.hidden=[16]", "--json", str(raw),
-      "--plot", str(tmp_path / "ttl.png"), "--rows", "D-Lion outer, H=8",
-      "DiLoCo outer, H=8", "EF vote, late, H=8"])
+      "--plot", str(tmp_path / "ttl.png"), "--rows", *rows])
   runs = json.loads(raw.read_text())[0]["rows"]
-  assert list(runs) == ["D-Lion outer, H=8", "DiLoCo outer, H=8",
-                        "EF vote, late, H=8", "global Lion"]
+  assert list(runs) == [*rows, "global Lion"]
   bits = {name: run["bits"] for name, run in runs.items()}
   # The outer vote once a round of 8, DiLoCo's fp32 mean, fp32 every step
   # (plus the loss's mean each step: a few hundredths).
-  assert bits["D-Lion outer, H=8"] == pytest.approx(dl.wire_bits(2) / 8,
-                                                    abs=0.06)
-  assert bits["DiLoCo outer, H=8"] == pytest.approx(
-      dl.allreduce_bits(2) / 8, abs=0.06)
+  vote = dl.wire_bits(2) / 8
+  if "D-Lion outer, H=8" in bits:
+    assert bits["D-Lion outer, H=8"] == pytest.approx(vote, abs=0.06)
+  if "DiLoCo outer, H=8" in bits:
+    assert bits["DiLoCo outer, H=8"] == pytest.approx(
+        dl.allreduce_bits(2) / 8, abs=0.06)
   assert bits["global Lion"] == pytest.approx(dl.allreduce_bits(2), abs=0.1)
+  # The same vote, late: as the D-Lion outer row's, or the model's.
   assert bits["EF vote, late, H=8"] == pytest.approx(
-      bits["D-Lion outer, H=8"], abs=0.02)      # the same vote, late
+      bits.get("D-Lion outer, H=8", vote),
+      abs=0.02 if "D-Lion outer, H=8" in bits else 0.06)
   for name in runs:
     assert f"| {name} |" in text
   assert (tmp_path / "ttl.png").read_bytes()[:4] == b"\x89PNG"

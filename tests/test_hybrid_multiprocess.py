@@ -15,13 +15,14 @@ import pytest
 
 from dlion_jax import devices
 from tests import hybrid_worker
+from tiers import slow_but
 
 pytestmark = pytest.mark.integration
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.mark.parametrize("layout", ["shard_axis", "shard_axis_zero3",
-                                    "zero3", "plain", "plain_zero3"])
+@pytest.mark.parametrize("layout", slow_but(
+    ["shard_axis", "shard_axis_zero3", "zero3", "plain", "plain_zero3"], 1, 3))
 def test_two_processes_equal_one_process(tmp_path, layout):
   out = tmp_path / "multi.npz"
   run = subprocess.run(
