@@ -16,6 +16,7 @@ hybrid = pytest.importorskip("dlion_jax.bench.hybrid")
 pytest.importorskip("flax")
 
 
+@pytest.mark.slow
 def test_hybrid_votes_cross_the_slow_axis_on_shards_only():
   mesh = devices.hybrid_mesh(2, devices=jax.devices()[:4])
   flat = devices.data_mesh(4)

@@ -12,6 +12,7 @@ from dlion_jax import _message as message
 from dlion_jax import _quantize as quantize
 from dlion_jax.bench import wire
 import dlion_jax as dl
+from tiers import slow_but
 
 pytestmark = pytest.mark.integration
 
@@ -144,20 +145,23 @@ def test_docs_quote_network_bench():
   assert "img/wire_bits_vs_n.png" in doc
 
 
-def test_wire_local_steps_reads_a_round_off_the_compiled_step():
+@pytest.mark.parametrize("outer,bits", slow_but([
+    ("dlion", dl.wire_bits(3)), ("voted", dl.wire_bits(3)),
+    ("sparse 1/32", dl.sparse_vote_bits(3, sparse_chunk=32)),
+    ("voted 1/4", dl.wire_bits(3) / 4),
+    ("sparse 16/4096 2-bit", dl.sparse_vote_bits(
+        3, sparse_chunk=4096, sparse_keep=16, sparse_value_bits=2,
+        scale_chunk=4096)),
+    ("nesterov", dl.allreduce_bits(3))], 1, 2, 5), ids=str)
+def test_wire_local_steps_reads_a_round_off_the_compiled_step(outer, bits):
   """Odd N = 3, H = 4: the vote (and DiLoCo's all-reduce) once a round."""
-  for outer, bits in (
-      ("dlion", dl.wire_bits(3)), ("voted", dl.wire_bits(3)),
-      ("sparse 1/32", dl.sparse_vote_bits(3, sparse_chunk=32)),
-      ("voted 1/4", dl.wire_bits(3) / 4),
-      ("sparse 16/4096 2-bit", dl.sparse_vote_bits(
-          3, sparse_chunk=4096, sparse_keep=16, sparse_value_bits=2,
-          scale_chunk=4096)),
-      ("nesterov", dl.allreduce_bits(3))):
-    measured, analytic = wire.local_steps_bits(3, outer, 4)
-    assert analytic == bits / 4
-    # (the voted means' scales, a float32 a leaf, are under 1 %; the
-    # 4,096-entry chunks' padding at the leaves' ends 1.5 %)
-    assert measured == pytest.approx(analytic, rel=0.02), outer
+  measured, analytic = wire.local_steps_bits(3, outer, 4)
+  assert analytic == bits / 4
+  # (the voted means' scales, a float32 a leaf, are under 1 %; the
+  # 4,096-entry chunks' padding at the leaves' ends 1.5 %)
+  assert measured == pytest.approx(analytic, rel=0.02), outer
+
+
+def test_wire_prints_a_row_for_each_h():
   text = wire.main(["--sizes", "3", "--local-steps", "1", "4"])
   assert "| 3 | 4 | " in text and "| 3 | 1 | " in text

@@ -90,10 +90,12 @@ def test_a_tiny_run_over_a_shaped_link_reports_every_row(tmp_path, rows):
     assert bits["DiLoCo outer, H=8"] == pytest.approx(
         dl.allreduce_bits(2) / 8, abs=0.06)
   assert bits["global Lion"] == pytest.approx(dl.allreduce_bits(2), abs=0.1)
-  # The same vote, late: as the D-Lion outer row's, or the model's.
-  assert bits["EF vote, late, H=8"] == pytest.approx(
-      bits.get("D-Lion outer, H=8", vote),
-      abs=0.02 if "D-Lion outer, H=8" in bits else 0.06)
+  # The same vote, late: as the D-Lion outer row's; alone, the vote's
+  # bits and the scales of this tiny model's leaves.
+  if "D-Lion outer, H=8" in bits:
+    assert bits["EF vote, late, H=8"] == pytest.approx(
+        bits["D-Lion outer, H=8"], abs=0.02)
+  assert vote < bits["EF vote, late, H=8"] < 2 * vote
   for name in runs:
     assert f"| {name} |" in text
   assert (tmp_path / "ttl.png").read_bytes()[:4] == b"\x89PNG"

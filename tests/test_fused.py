@@ -21,6 +21,7 @@ from dlion_jax import _quantize as quantize
 from dlion_jax import _strategies as strategies
 import dlion_jax as dl
 from messages import assert_names
+from tiers import slow_but
 
 BF16 = ml_dtypes.bfloat16
 
@@ -167,8 +168,9 @@ def test_decode_matches_numpy(num_workers, vote_radix, aggregation):
   np.testing.assert_array_equal(np.asarray(out).reshape(places, -1), want)
 
 
-@pytest.mark.parametrize("first,count", [
-    (0, 33), (4, 2), (5, 2), (10, 3), (2, 25), (32, 1), (11, 11), (6, 1)])
+@pytest.mark.parametrize("first,count", slow_but([
+    (0, 33), (4, 2), (5, 2), (10, 3), (2, 25), (32, 1), (11, 11), (6, 1)],
+    0, 4, 6))
 def test_decode_reads_each_block_of_results_once(first, count):
   """A stretch of the message's outcome (3 shards of 11 blocks, results of
   5 trits a byte in 3 blocks a place), decoded a result block at a time
@@ -494,9 +496,9 @@ def stacked_normal(n, shapes, seed):
            for k, s in shapes.items()} for _ in range(2)]
 
 
-@pytest.mark.parametrize("comm,aggregation", [
+@pytest.mark.parametrize("comm,aggregation", slow_but([
     ("alltoall", "mavo"), ("alltoall", "avg"), ("allgather", "mavo"),
-    ("psum", "avg")])
+    ("psum", "avg")], 0, 3))
 def test_blocked_results_send_what_the_layout_counts(comm, aggregation):
   """With the message's outcome from one kernel in blocks (kernels='pallas'
   forces them), the compiled step sends exactly what MessageLayout with

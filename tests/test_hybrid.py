@@ -29,6 +29,7 @@ from dlion_jax import parallel
 import dlion_jax as dl
 from messages import assert_names
 from tests.reference import DistributedLionReference
+from tiers import slow_but
 
 # "m" is cut over the fast devices (12 rows: k = 2, 3, 4), "w" where k is
 # 2 or 4; no k here divides the others: their mean gradient is an
@@ -152,12 +153,12 @@ def test_a_model_axis_beside_shard_axis_stays_the_compilers(kind, dtype):
   assert p["w"].sharding.spec == P(None, "model")
 
 
-@pytest.mark.parametrize("option", [
+@pytest.mark.parametrize("option", slow_but([
     {"vote": "ternary"}, {"vote": "ternary", "aggregation": "avg"},
     {"quantizer": "ternary_l1"}, {"quantizer": "pbit_l1", "bits": 3},
     {"quantizer": "ternary_l1", "aggregation": "avg", "comm": "psum"},
     {"min_compress_size": 30}, {"error_feedback": True},
-    {"quantizer": "pbit_l1", "bits": 4, "error_feedback": True}],
+    {"quantizer": "pbit_l1", "bits": 4, "error_feedback": True}], 0, 3, 6),
     ids=str)
 def test_whole_leaf_options_see_whole_leaves(option):
   """Ternary votes; Lion Cub's L1 scales (votes, error feedback) taken
