@@ -215,7 +215,7 @@ def exchange_votes(codes: list[jax.Array], *, axis_name: AxisName,
 
 
 def _exchange(rows, combine, alone, options: VoteOptions,
-              fusion: _Fusion | None = None, abstained=None):
+              fusion: _Fusion | None = None, abstained=None, layout=None):
   """The layout and the result of voting on ``combine(*row)`` for each row
   of leaves (see :func:`aggregate`): one integer vector per packing run
   (int32; over a TPU mesh the narrowest that holds it), the outcome for
@@ -223,7 +223,8 @@ def _exchange(rows, combine, alone, options: VoteOptions,
   ``alone`` holds a shard (or None) for each of the first rows, encoded one
   by one; ``fusion`` (or None) runs the fused kernels where they fit;
   ``abstained`` (or None) is the count of workers who sent ``c = 0``
-  (:func:`dlion_jax._strategies.signed_sum`)."""
+  (:func:`dlion_jax._strategies.signed_sum`); ``layout`` (or None) the
+  message's, :func:`_layout`'s, where the caller has it."""
   n, spec, aggregation = options.num_workers, options.spec, options.aggregation
   comm, axis_name = options.comm, options.axis_name
   gathers = can_gather(axis_name)
@@ -234,7 +235,7 @@ def _exchange(rows, combine, alone, options: VoteOptions,
         "one vmapped axis at a time (they fail with 'axis size doesn't "
         "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
         "or vote over mesh axes inside jax.shard_map.")
-  layout = _layout(rows, len(alone), options)
+  layout = layout or _layout(rows, len(alone), options)
   comm = layout.comm
   # Where abstainers may tie a binary majority at odd N, alltoall's
   # results go back in radix 2 or 3 (a lax.cond), which XLA decodes.
@@ -590,14 +591,14 @@ def _vote_in_one_message(rows, leaf_shards, combine, options: VoteOptions,
                    key=lambda k: (str(_sending.dtypes_of(rows[k])), k))
   order = alone + grouped
   ordered, shards = [rows[k] for k in order], [leaf_shards[k] for k in alone]
-  voted, flags = combine, None
+  voted, flags, layout = combine, None, None
   if lone and not options.spec.scaled:
     voted = _lone.or_lone(combine, lone)
-    plain = _layout(ordered, len(alone), options)
-    if options.spec.radix == 2 and plain.radix is not None:
-      flags = _lone.flags(lone, ordered, len(alone), plain, fusion)
+    layout = _layout(ordered, len(alone), options)
+    if options.spec.radix == 2 and layout.radix is not None:
+      flags = _lone.flags(lone, ordered, len(alone), layout, fusion)
   layout, results = _exchange(ordered, voted, shards, options, fusion,
-                              abstained)
+                              abstained, layout)
   if lone and (options.spec.scaled or layout.radix is None
                and options.spec.radix == 2):
     # L1-scaled levels are not signs, and psum_int8's binary levels no 0.

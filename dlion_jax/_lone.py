@@ -54,8 +54,8 @@ def flags(lone, rows, num_alone: int, layout, fusion) -> list:
   laid out as the vote's codes): the fused encoding's where it took the
   run, else computed in a :func:`jax.lax.cond` on the step ``lone[1]``
   (zeros on other steps) that reads the leaves before the vote, as
-  :func:`_lone_outcomes` does. None for a run the kernels take: their
-  flags come with its words (``fusion.flagged``)."""
+  ``dlion_jax._exchange._lone_outcomes`` does. None for a run the
+  kernels take: their flags come with its words (``fusion.flagged``)."""
   ends = layout.runs[1:] + (len(rows),)
   mine = [(first, end) for first, end in zip(layout.runs, ends)
           if not (fusion and fusion.takes(rows, first, num_alone, layout,
