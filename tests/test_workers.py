@@ -339,13 +339,19 @@ def placed_steps(txs, shape, kind, steps=3, seed=0):
   return out
 
 
-@pytest.mark.parametrize("shape,kind", [
-    ((2, 4), AxisType.Auto),
-    pytest.param((2, 4), AxisType.Explicit, marks=pytest.mark.slow),
-    *(pytest.param(shape, kind, marks=pytest.mark.slow)
+# A vote by each collective once and a whole leaf's L1 scale in the core
+# tier; both aggregations by every comm, on every mesh, under -m slow.
+SOME_COMMS = ("mavo alltoall", "avg allgather", "mavo psum", "ternary_l1")
+
+
+@pytest.mark.parametrize("shape,kind,every", [
+    ((2, 4), AxisType.Auto, False),
+    pytest.param((2, 4), AxisType.Auto, True, marks=pytest.mark.slow),
+    pytest.param((2, 4), AxisType.Explicit, True, marks=pytest.mark.slow),
+    *(pytest.param(shape, kind, True, marks=pytest.mark.slow)
       for shape in ((4, 2), (2, 2, 2))
       for kind in (AxisType.Explicit, AxisType.Auto))])
-def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
+def test_every_comm_on_a_mesh_with_fast_axes(shape, kind, every):
   """Params sharded over the fast axes (FSDP, tensor parallel): each
   device votes on its own block of every leaf, the params and states
   equal the shard_map step's bit for bit, and each device sends over the
@@ -357,6 +363,8 @@ def test_every_comm_on_a_mesh_with_fast_axes(shape, kind):
   # A whole leaf's L1 scale, summed over the blocks.
   txs["ternary_l1"] = dl.distributed_lion(LR, axis_name=AXIS,
                                           quantizer="ternary_l1")
+  if not every:
+    txs = {name: txs[name] for name in SOME_COMMS}
   for name, ((p1, s1, sent1), (p2, s2, sent2)) in placed_steps(
       txs, shape, kind).items():
     if name == "ternary_l1" and kind == AxisType.Explicit:
