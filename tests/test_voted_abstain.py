@@ -39,6 +39,7 @@ from test_rounds import SHAPES
 from test_rounds import numpy_rounds
 from test_rounds import run_step
 from test_voted_outer import OUTER_LR
+from tiers import slow_but
 from test_voted_outer import STEPS
 from test_voted_outer import VotedMean
 from test_voted_outer import assert_close
@@ -49,9 +50,8 @@ from test_voted_outer import problem_apart
 def some_slow(combos, fast):
   """pytest params of ``combos`` (tuples of names), those not in ``fast``
   in the slow tier."""
-  return [pytest.param(*c, id="-".join(map(str, c)),
-                       marks=() if c in fast else pytest.mark.slow)
-          for c in combos]
+  return slow_but([pytest.param(*c, id="-".join(map(str, c)))
+                   for c in combos], *map(combos.index, fast))
 
 
 def voted(**options):
