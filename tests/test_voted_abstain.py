@@ -39,11 +39,11 @@ from test_rounds import SHAPES
 from test_rounds import numpy_rounds
 from test_rounds import run_step
 from test_voted_outer import OUTER_LR
-from tiers import slow_but
 from test_voted_outer import STEPS
 from test_voted_outer import VotedMean
 from test_voted_outer import assert_close
 from test_voted_outer import outer_of
+from tiers import slow_but
 from test_voted_outer import problem_apart
 
 
