@@ -43,8 +43,8 @@ from test_voted_outer import STEPS
 from test_voted_outer import VotedMean
 from test_voted_outer import assert_close
 from test_voted_outer import outer_of
-from tiers import slow_but
 from test_voted_outer import problem_apart
+from tiers import slow_but
 
 
 def some_slow(combos, fast):
