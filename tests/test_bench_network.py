@@ -162,6 +162,8 @@ def test_wire_local_steps_reads_a_round_off_the_compiled_step(outer, bits):
   assert measured == pytest.approx(analytic, rel=0.02), outer
 
 
-def test_wire_prints_the_local_steps_table():
-  text = wire.main(["--sizes", "3", "--local-steps", "4"])
-  assert "| 3 | 4 | " in text
+@pytest.mark.parametrize("hs", [("4",), pytest.param(
+    ("1", "4"), marks=pytest.mark.slow)], ids="-".join)
+def test_wire_prints_a_row_for_each_h(hs):
+  text = wire.main(["--sizes", "3", "--local-steps", *hs])
+  assert all(f"| 3 | {h} | " in text for h in hs)
