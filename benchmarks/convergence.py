@@ -13,7 +13,8 @@ of a small grid, then, while the pick is the largest or smallest value tried
 along some setting, one more rung of that setting's ladder (:data:`AXES`)
 beyond it, until the pick is interior or at the ladder's end (reported as
 such). The pick then runs at every N with every ``--seeds`` seed, and the
-report gives the mean and the half-range over seeds, the bits each worker
+report gives the mean and the spread (min-max) over seeds (the plots'
+error bars: the half-range), the bits each worker
 sent per parameter per step (read off the compiled train step), the pick
 and every tuning run.
 
@@ -24,10 +25,16 @@ of Python's standard library, with test loss curves: ``--curves``),
 ``mlp_many_workers`` (the MLP from 4 to 64 workers at 3 epochs) and
 ``mlp_many_workers_steps`` (from 4 to 128 workers at a fixed 352 steps);
 ``mlp_local_steps`` (the MLP with local steps: each worker trains alone
-for H steps, then a 1-bit outer vote or DiLoCo's Nesterov step, against
-voting every step and the global optimizers; ``--plot-bits``) and
+for H steps, then an outer step: the error-fed voted mean and its levers,
+dense, in fragments or sparse, the 1-bit outer vote, and the fp32 mean's
+DiLoCo Nesterov step and fair baselines, a plain step and momentum tuned,
+against voting every step and the global optimizers; every row judged
+against the best fp32 outer row; ``--plot-bits``),
 ``cnn_local_steps``, ``charlm_local_steps`` and
-``charlm_long_local_steps`` (the CNN and the GPTs so, at H = 32);
+``charlm_long_local_steps`` (the CNN and the GPTs so, at H = 32, and the
+fragmented votes at H = 16 and 8), ``mlp_x4_local_steps``,
+``cnn_x4_local_steps`` and ``charlm_long_x4_local_steps`` (the MLP, the
+CNN and the long GPT with 4x the rounds);
 ``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
 for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
@@ -76,7 +83,7 @@ VOTED_ROWS = {
     "EF vote, ternary_l1": {**_VOTED, "optimizer.quantizer": "ternary_l1"},
     "EF sparse 1/128": {**_VOTED, "optimizer.outer_sparse_chunk": 128},
     "EF sparse 1/32": {**_VOTED, "optimizer.outer_sparse_chunk": 32},
-    # The levers of issue 64: SparseLoCo's decayed residual, a scale a
+    # The low-bit levers: SparseLoCo's decayed residual, a scale a
     # chunk, the outer momentum tuned, the dense vote in fragments (one
     # entry in M a round); SparseLoCo's sparse values.
     "EF vote, decay 0.9": {**_VOTED, "optimizer.outer_error_decay": 0.9},
@@ -92,6 +99,15 @@ VOTED_ROWS = {
     **{f"EF vote, 1/{m} fragments, decay 0.9": {
         **_VOTED, "optimizer.outer_fragments": m,
         "optimizer.outer_error_decay": 0.9} for m in (2, 4, 8, 16)},
+    # The mean of the votes (Avg) carries how many workers agree, an
+    # entry's magnitude the 1-bit majority drops; in halves, for its bits.
+    "EF vote, Avg, 1/2 fragments, decay 0.9": {
+        **_VOTED, "optimizer.aggregation": "avg",
+        "optimizer.outer_fragments": 2, "optimizer.outer_error_decay": 0.9},
+    # ... or Lion Cub's ternary L1 levels, 0 where an entry is small.
+    "EF vote, ternary_l1, 1/2 fragments, decay 0.9": {
+        **_VOTED, "optimizer.quantizer": "ternary_l1",
+        "optimizer.outer_fragments": 2, "optimizer.outer_error_decay": 0.9},
     "EF sparse 1/128, chunk scales, decay 0.95": {
         **_VOTED, "optimizer.outer_sparse_chunk": 128,
         "optimizer.outer_scale_chunk": 4096,
@@ -275,10 +291,16 @@ class ConvergenceTask:
 
 
 _LONG_LM = ("model.dim=64", "model.depth=2", "data.seq_len=64")
-_LOCAL_AT_32 = ("D-Lion MaVo", "global Lion", "global AdamW",
+# The local-steps rows of the longer tasks: H = 32, and the fragments at
+# shorter H (more rounds at the same bits a step).
+_FRAGMENTS_MORE_ROUNDS = tuple(
+    f"EF vote, 1/{m} fragments, decay 0.9, H={h}"
+    for m, h in ((2, 16), (4, 8), (8, 16), (16, 8)))
+_LOCAL_BRIEF = ("D-Lion MaVo", "global Lion", "global AdamW",
                 "D-Lion outer, H=32", "DiLoCo outer, H=32",
                 "Lookahead on global Lion, H=32",
-                *(f"{row}, H=32" for row in (*VOTED_ROWS, *FP32_ROWS)))
+                *(f"{row}, H=32" for row in (*VOTED_ROWS, *FP32_ROWS)),
+                *_FRAGMENTS_MORE_ROUNDS)
 # Tasks that more than one study runs (each study its own rows).
 _CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
 # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
@@ -339,19 +361,19 @@ TASKS = {
         rows=("D-Lion MaVo", "global Lion", "global AdamW", *LOCAL_ROWS)),
     # ... the CNN (about 60 s a run here) and the GPT of charlm, at H = 32.
     "cnn_local_steps": ConvergenceTask(_CNN, workers=(8,), tune_decay=False,
-                                       inner_lr=0.01, rows=_LOCAL_AT_32),
+                                       inner_lr=0.01, rows=_LOCAL_BRIEF),
     "charlm_local_steps": ConvergenceTask(
         _CHARLM, workers=(8,), tune_decay=False, inner_lr=3e-3,
-        rows=_LOCAL_AT_32),
+        rows=_LOCAL_BRIEF),
     # ... and charlm_long's GPT (1,500 steps, 46 rounds), without its b2 grid.
     "charlm_long_local_steps": ConvergenceTask(
         _CHARLM_LONG, workers=(8,), tune_decay=False,
-        start_lrs=(3e-4, 1e-3), inner_lr=3e-3, rows=_LOCAL_AT_32),
+        start_lrs=(3e-4, 1e-3), inner_lr=3e-3, rows=_LOCAL_BRIEF),
     # ... 4x as long (6,000 steps, 187 rounds) at charlm_long's picks: what
     # the number of rounds changes.
     "charlm_long_x4_local_steps": ConvergenceTask(
         dataclasses.replace(_CHARLM_LONG, steps=6000), workers=(8,),
-        tune_decay=False, inner_lr=3e-3, rows=_LOCAL_AT_32,
+        tune_decay=False, inner_lr=3e-3, rows=_LOCAL_BRIEF,
         picks_from="charlm_long_local_steps"),
     # ... the MLP 4x as long (12 epochs, 87 rounds at H = 32), every row
     # tuned again: what the number of rounds changes.
@@ -359,6 +381,10 @@ TASKS = {
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=12),
         workers=(8,), tune_decay=False, inner_lr=1e-3,
         rows=("D-Lion MaVo", *LOCAL_ROWS)),
+    # ... and the CNN 4x as long (12 epochs, 87 rounds at H = 32).
+    "cnn_x4_local_steps": ConvergenceTask(
+        dataclasses.replace(_CNN, epochs=12), workers=(8,),
+        tune_decay=False, inner_lr=0.01, rows=_LOCAL_BRIEF),
     "digits_local_steps": ConvergenceTask(
         Task("quickstart", "test_accuracy", True, epochs=None, steps=32,
              overrides=("model.hidden=[32]",)),
@@ -747,12 +773,13 @@ def _mean_bits(runs, task, row, n) -> float | None:
   return statistics.fmean(sent) if sent else None
 
 
-def best_fp32_outer(runs, task, n, h) -> str | None:
-  """The fp32 outer row at ``H = h`` (:data:`FP32_LOCAL_ROWS`) with the
-  best mean at ``n``, or None where none was evaluated."""
+def best_fp32_outer(runs, task, n, h: int | None = None) -> str | None:
+  """The fp32 outer row (:data:`FP32_LOCAL_ROWS`, at ``H = h``, or at any
+  H where ``h`` is None) with the best mean at ``n``, or None where none
+  was evaluated."""
   better = 1 if TASKS[task].task.higher_is_better else -1
   means = {row: mean for row in FP32_LOCAL_ROWS
-           if row.endswith(f", H={h}")
+           if (h is None or row.endswith(f", H={h}"))
            and (mean := _mean(runs, task, row, n)) is not None}
   return max(means, key=lambda row: better * means[row]) if means else None
 
@@ -777,40 +804,47 @@ def compare(runs, task, n, ours, theirs) -> tuple[str, float, int, int]:
 
 
 def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
-  """Per H: every local-steps row against the best fp32 outer row (the
-  best of DiLoCo's Nesterov step and the fair baselines) and against
-  voting every step, with the bits each sends."""
+  """Every local-steps row against the best fp32 outer row (the best of
+  DiLoCo's Nesterov step and the fair baselines, at any H) and against
+  voting every step, with the bits each sends; a row whose runs are the
+  best row's own (``same_as``) is left out."""
   conv = TASKS[task]
   better = 1 if conv.task.higher_is_better else -1
-  unit = "points" if conv.task.scale == 100 else "bits/byte"
+  unit, digits = (("points", 2) if conv.task.scale == 100
+                  else ("bits/byte", 3))
   lines = []
   for n in eval_workers(runs, task):
+    theirs = best_fp32_outer(runs, task, n)
+    if theirs is None:
+      continue
     every = _mean(runs, task, "D-Lion MaVo", n)
-    for h in LOCAL_STEPS:
-      theirs = best_fp32_outer(runs, task, n, h)
-      if theirs is None:
+    m_theirs = _mean(runs, task, theirs, n)
+    b_theirs = _mean_bits(runs, task, theirs, n)
+    for ours in LOCAL_ROWS:
+      m_ours = _mean(runs, task, ours, n)
+      if ours == theirs or m_ours is None or all(
+          r.get("same_as") == theirs for r in _evals(runs, task, ours, n)):
         continue
-      m_theirs = _mean(runs, task, theirs, n)
-      b_theirs = _mean_bits(runs, task, theirs, n)
-      for ours in LOCAL_ROWS:
-        m_ours = _mean(runs, task, ours, n)
-        if (not ours.endswith(f", H={h}") or ours == theirs
-            or m_ours is None):
-          continue
-        b_ours = _mean_bits(runs, task, ours, n)
-        verdict, gap, ahead, seeds = compare(runs, task, n, ours, theirs)
-        name = ours.rpartition(", H=")[0]
-        line = (f"N={n}, H={h}: {name} against the best fp32 outer row "
-                f"({theirs.rpartition(', H=')[0]}): **{verdict}**, "
-                f"{gap:+.2f} {unit}, ahead at {ahead} of {seeds} seeds ("
-                f"{m_ours:.2f} at {b_ours:.3f} bits/param/step against "
-                f"{m_theirs:.2f} at {b_theirs:.2f}, {b_theirs / b_ours:.0f}x "
-                "the bits)")
-        if every is not None:
-          line += (f"; {(m_ours - every) * better:+.2f} {unit} against "
-                   "voting every step")
-        lines.append(line + ".")
+      b_ours = _mean_bits(runs, task, ours, n)
+      verdict, gap, ahead, seeds = compare(runs, task, n, ours, theirs)
+      line = (f"N={n}: {ours} against the best fp32 outer row ({theirs}): "
+              f"**{verdict}**, {gap:+.{digits}f} {unit}, ahead at {ahead} "
+              f"of {seeds} seeds ({m_ours:.{digits}f} at {b_ours:.3f} "
+              f"bits/param/step against {m_theirs:.{digits}f} at "
+              f"{b_theirs:.2f}, {_bits_ratio(b_theirs / b_ours)})")
+      if every is not None:
+        line += (f"; {(m_ours - every) * better:+.{digits}f} {unit} "
+                 "against voting every step")
+      lines.append(line + ".")
   return lines
+
+
+def _bits_ratio(ratio: float) -> str:
+  """How many times the bits the yardstick sends, said plainly."""
+  if 0.95 < ratio < 1.05:
+    return "as many bits"
+  return (f"which sends {ratio:.0f}x the bits" if ratio > 1
+          else f"which sends 1/{1 / ratio:.0f} of the bits")
 
 
 def breakdown(runs: list[dict], task: str, points: float = 1.0) -> list[str]:
@@ -927,9 +961,8 @@ def plot_bits(runs: list[dict], path: str) -> None:
       else:
         ax.errorbar([bits], [stats[0]], yerr=[stats[1]], marker="s",
                     capsize=3, ls="none", label=f"{row} (every step)")
-    # The band: the best fp32 outer row at H = 32 (else at another H).
-    best = next((row for h in (32, *LOCAL_STEPS)
-                 if (row := best_fp32_outer(runs, task, n, h))), None)
+    # The band: the best fp32 outer row.
+    best = best_fp32_outer(runs, task, n)
     if best:
       low, high = seed_range(runs, task, best, n)
       ax.axhspan(low, high, color="0.5", alpha=0.2,

@@ -235,7 +235,8 @@ def _exchange(rows, combine, alone, options: VoteOptions,
         "one vmapped axis at a time (they fail with 'axis size doesn't "
         "match'). Use comm='psum' or comm='auto' (which picks a psum here), "
         "or vote over mesh axes inside jax.shard_map.")
-  layout = layout or _layout(rows, len(alone), options)
+  if layout is None:
+    layout = _layout(rows, len(alone), options)
   comm = layout.comm
   # Where abstainers may tie a binary majority at odd N, alltoall's
   # results go back in radix 2 or 3 (a lax.cond), which XLA decodes.

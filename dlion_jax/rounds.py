@@ -114,7 +114,8 @@ def local_steps(inner: optax.GradientTransformation,
     inner: the optimizer each worker runs on its own params, e.g.
       ``optax.lion(lr)`` or ``optax.adamw(lr)``: one that sends nothing.
     outer: the optimizer of the pseudo-gradients over the workers' axis,
-      e.g. :func:`~dlion_jax.rounds.voted_outer` (the best measured,
+      e.g. :func:`~dlion_jax.rounds.voted_outer` (the best low-bit
+      outer step measured, level with the best-tuned fp32 one:
       docs/training.md), ``dl.distributed_lion(outer_lr,
       axis_name="data", weight_decay=0.0)`` or
       :func:`~dlion_jax.rounds.nesterov_outer`. Its update must be the same

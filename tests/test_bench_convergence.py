@@ -361,9 +361,9 @@ def test_local_steps_rows_report_the_vote_against_diloco(monkeypatch,
   # the loss's mean weigh as much again.
   words = dl.sparse_vote_bits(4, sparse_chunk=32) / 8
   assert words < sparse < 2 * words
-  assert ("N=4, H=8: D-Lion outer against the best fp32 outer row "
-          "(DiLoCo outer): **" in text)
-  assert "N=4, H=8: EF sparse 1/32 against the best fp32 outer row" in text
+  assert ("N=4: D-Lion outer, H=8 against the best fp32 outer row "
+          "(DiLoCo outer, H=8): **" in text)
+  assert "N=4: EF sparse 1/32, H=8 against the best fp32 outer row" in text
   assert (tmp_path / "bits.png").stat().st_size > 10_000
 
 
@@ -387,10 +387,17 @@ def test_local_steps_rows_are_judged_against_the_best_fp32_outer_row():
       "EF vote, H=32": {0: 2.90, 1: 2.97, 2: 2.95, 3: 2.92},   # in spread
       "EF vote, decay 0.9, H=32": {0: 2.80, 1: 2.84, 2: 2.81, 3: 2.83},
       "EF sparse 1/128, H=32": {0: 3.30, 1: 3.40, 2: 3.35, 3: 3.33},
+      # At another H than every fp32 row: judged against the best of them.
+      "EF vote, 1/2 fragments, decay 0.9, H=16": {
+          0: 3.10, 1: 3.12, 2: 3.11, 3: 3.13},
   })
+  plain = [r for r in runs if r["row"] == "DiLoCo plain outer, H=32"]
+  runs += [dict(r, row="DiLoCo tuned momentum, H=32",
+                same_as="DiLoCo plain outer, H=32") for r in plain]
   runs += [dict(r, phase="tune", seed=100) for r in runs[:1]]
   assert convergence.best_fp32_outer(runs, task, 8, 32) == (
       "DiLoCo plain outer, H=32")
+  assert convergence.best_fp32_outer(runs, task, 8, 16) is None
   verdict, gap, ahead, seeds = convergence.compare(
       runs, task, 8, "EF vote, H=32", "DiLoCo plain outer, H=32")
   assert verdict == "level" and gap == pytest.approx(0.025) and (
@@ -401,10 +408,16 @@ def test_local_steps_rows_are_judged_against_the_best_fp32_outer_row():
                              "DiLoCo plain outer, H=32")[0] == "worse"
   lines = convergence.local_steps_verdicts(runs, task)
   assert any(line.startswith(
-      "N=8, H=32: EF vote, decay 0.9 against the best fp32 outer row "
-      "(DiLoCo plain outer): **better**, +0.14 bits/byte, ahead at 4 of 4")
+      "N=8: EF vote, decay 0.9, H=32 against the best fp32 outer row "
+      "(DiLoCo plain outer, H=32): **better**, +0.140 bits/byte, ahead at "
+      "4 of 4") for line in lines)
+  assert any(line.startswith(
+      "N=8: EF vote, 1/2 fragments, decay 0.9, H=16 against the best fp32 "
+      "outer row (DiLoCo plain outer, H=32): **worse**, -0.155")
       for line in lines)
-  assert not any("DiLoCo plain outer against" in line for line in lines)
+  assert not any(line.startswith(("N=8: DiLoCo plain outer",
+                                  "N=8: DiLoCo tuned momentum"))
+                 for line in lines)
   text = convergence.protocol(runs, task)
   assert "tuned at seed 100 and evaluated at seeds 0, 1, 2, 3, never" in text
   assert "evaluated at seed 0, never" in convergence.protocol(
