@@ -33,8 +33,8 @@ against the best fp32 outer row; ``--plot-bits``),
 ``cnn_local_steps``, ``charlm_local_steps`` and
 ``charlm_long_local_steps`` (the CNN and the GPTs so, at H = 32, and the
 fragmented votes at H = 16 and 8), ``mlp_x4_local_steps``,
-``cnn_x4_local_steps`` and ``charlm_long_x4_local_steps`` (the MLP, the
-CNN and the long GPT with 4x the rounds);
+``cnn_x4_local_steps``, ``charlm_x4_local_steps`` and
+``charlm_long_x4_local_steps`` (each 4x as long);
 ``digits`` is a seconds-long smoke version for tests (``digits_local_steps``
 for local steps). The slower tasks
 tune the learning rate only and run fewer N by default (:data:`TASKS`);
@@ -381,6 +381,10 @@ TASKS = {
         Task("fashion_mnist_mlp", "test_accuracy", True, epochs=12),
         workers=(8,), tune_decay=False, inner_lr=1e-3,
         rows=("D-Lion MaVo", *LOCAL_ROWS)),
+    # ... the 300-step GPT 4x as long (1,200 steps, 37 rounds at H = 32).
+    "charlm_x4_local_steps": ConvergenceTask(
+        dataclasses.replace(_CHARLM, steps=1200), workers=(8,),
+        tune_decay=False, inner_lr=3e-3, rows=_LOCAL_BRIEF),
     # ... and the CNN 4x as long (12 epochs, 87 rounds at H = 32).
     "cnn_x4_local_steps": ConvergenceTask(
         dataclasses.replace(_CNN, epochs=12), workers=(8,),
