@@ -88,6 +88,9 @@ VOTED_ROWS = {
     # entry in M a round); SparseLoCo's sparse values.
     "EF vote, decay 0.9": {**_VOTED, "optimizer.outer_error_decay": 0.9},
     "EF vote, chunk scales": {**_VOTED, "optimizer.outer_scale_chunk": 1024},
+    # The scales' plain mean, all-reduced, not clipped at twice the
+    # median of every worker's, gathered: fewer bits, no defence.
+    "EF vote, plain scales": {**_VOTED, "optimizer.outer_scale_clip": None},
     "EF vote, tuned momentum": {},
     "EF vote, 1/4 fragments": {**_VOTED, "optimizer.outer_fragments": 4},
     # The decoded scale fitted to the workers' mean after the vote: U
