@@ -780,14 +780,12 @@ def _mean_bits(runs, task, row, n) -> float | None:
   return statistics.fmean(sent) if sent else None
 
 
-def best_fp32_outer(runs, task, n, h: int | None = None) -> str | None:
-  """The fp32 outer row (:data:`FP32_LOCAL_ROWS`, at ``H = h``, or at any
-  H where ``h`` is None) with the best mean at ``n``, or None where none
-  was evaluated."""
+def best_fp32_outer(runs, task, n) -> str | None:
+  """The fp32 outer row (:data:`FP32_LOCAL_ROWS`, at any H) with the best
+  mean at ``n``, or None where none was evaluated."""
   better = 1 if TASKS[task].task.higher_is_better else -1
   means = {row: mean for row in FP32_LOCAL_ROWS
-           if (h is None or row.endswith(f", H={h}"))
-           and (mean := _mean(runs, task, row, n)) is not None}
+           if (mean := _mean(runs, task, row, n)) is not None}
   return max(means, key=lambda row: better * means[row]) if means else None
 
 
