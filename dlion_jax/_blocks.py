@@ -384,6 +384,28 @@ def on_own_shards(fn, trees: tuple, axes: tuple[str, ...],
       treedef.flatten_up_to(out), leaves)])
 
 
+def workers_mean(tree: Any, axis_name, count=None, size: int | None = None):
+  """The workers' ``pmean`` of ``tree`` (with ``count``, of the ``count``
+  present of ``size``, the absent workers' leaves zero:
+  :func:`dlion_jax._collectives.present_mean`), each device averaging
+  only its own part of every leaf where the compiler owns axes beside
+  ``axis_name`` (:func:`on_own_shards`): a replicated leaf costs the fp32
+  all-reduce's bytes, not those of every device of a node sending all of
+  it."""
+  constants = ()
+  mean = lambda x, *_: _collectives.pmean(x, axis_name)
+  if count is not None:
+    constants = (count,)
+    mean = lambda x, count: _collectives.present_mean(x, axis_name, count,
+                                                      size)
+  axes = compiler_axes(axis_name, jax.tree.leaves(tree))
+  if not axes:
+    return mean(tree, *constants)
+  # A traced count enters the region as a constant.
+  return on_own_shards(lambda x, constants, **_: mean(x, *constants),
+                       (tree,), axes, constants)
+
+
 class BlockCut:
   """A leaf of ``shape``, sharded as ``spec`` over the mesh axes ``axes``,
   as one block for each of their devices (``[F, width]``, the blocks over

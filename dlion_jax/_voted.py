@@ -1,7 +1,8 @@
 """The voted mean's dense vote (:func:`dlion_jax.rounds.scale_by_voted_mean`):
 each worker's code and scales of what it says, the workers' combined
 scale (clipped at a multiple of their median, or their plain mean), the
-vote in fragments, and the checks of the vote's options.
+fp32 mean in its place, the vote in fragments, and the checks of the
+vote's options.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from dlion_jax import _blocks
 from dlion_jax import _collectives
 from dlion_jax import _exchange
 from dlion_jax import _quantize
@@ -167,6 +169,31 @@ def dense_mean(leaves, *, spec, axis_name, num_workers, aggregation, comm,
   said = [_per_entry(s, p, scale_chunk) * _own_values(p, spec)
           for s, p in zip(scales, leaves)]
   return means, said
+
+
+def exact_mean(leaves, *, axis_name, num_workers, present=None):
+  """No vote: the workers' fp32 mean of each leaf, as DiLoCo's
+  (:func:`dlion_jax._blocks.workers_mean`; the present workers' where
+  ``present`` is ``(ok, abstained)``), and what this worker said, its
+  leaves as they are."""
+  if present is None:
+    return _blocks.workers_mean(leaves, axis_name), leaves
+  return _blocks.workers_mean(leaves, axis_name, num_workers - present[1],
+                              num_workers), leaves
+
+
+def check_no_vote(**options) -> None:
+  """``fp32_mean=True``'s checks: the vote's ``options`` at their
+  defaults (it sends no vote)."""
+  defaults = {"aggregation": "mavo", "vote": "binary", "quantizer": "sign",
+              "bits": None, "comm": "auto", "scale_chunk": None,
+              "sparse_chunk": None, "scale_clip": 2.0, "fit_scale": False}
+  for name, value in options.items():
+    if not isinstance(value, jax.core.Tracer) and value != defaults[name]:
+      raise ValueError(
+          f"{name}={value!r} does not apply with fp32_mean=True, which "
+          "sends each worker's fp32 values, all-reduced, and no vote: "
+          f"leave {name} at {defaults[name]!r}, or set fp32_mean=False.")
 
 
 def fragment_vote(vote, leaves, fragments: int, k: jax.Array):

@@ -342,7 +342,7 @@ def scale_by_voted_mean(
     scale_chunk: int | None = None, fragments: int = 1,
     sparse_chunk: int | None = None, sparse_keep: int = 1,
     sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
-    fit_scale: bool = False,
+    fit_scale: bool = False, fp32_mean: bool = False,
     abstain_nonfinite: bool = False) -> optax.GradientTransformation:
   r"""The workers' mean pseudo-gradient, each worker sending a few bits.
 
@@ -387,7 +387,12 @@ def scale_by_voted_mean(
     :math:`U = \frac1N \sum_i s_i q_i` (each :math:`s_i` clipped) from
     every worker's positions and values, one word an entry, gathered
     (``aggregation`` and ``comm`` do not apply): at :math:`C = 128` a
-    worker sends 8 bits for 128 entries.
+    worker sends 8 bits for 128 entries;
+  * no vote (``fp32_mean=True``): :math:`U = \frac1N \sum_i p_i`,
+    all-reduced in float32 as DiLoCo's mean is, and :math:`s_i q_i = p_i`
+    (the residual is 0, or with ``fragments`` the entries off the
+    fragment): the control that tells what a vote's bits cost at the same
+    schedule of rounds and fragments (docs/training.md).
 
   ``scale_clip=c`` bounds what one worker's scale can do to :math:`U`:
   every worker gathers every worker's scales and takes each at most
@@ -447,8 +452,8 @@ def scale_by_voted_mean(
       own entries; sparse: a multiple of ``sparse_chunk``). Each costs a
       float32 (two with 2-bit sparse values): dense, all-reduced; sparse,
       gathered.
-    fragments: ``M``, the dense vote on one entry in ``M`` a step, in turn
-      (needs ``error_feedback``).
+    fragments: ``M``, the dense vote (or the fp32 mean) on one entry in
+      ``M`` a step, in turn (needs ``error_feedback``).
     sparse_chunk: ``None`` (dense), or the chunk, a power of two up to
       32768 (16384 with 2-bit values), of which ``sparse_keep`` entries
       vote.
@@ -460,6 +465,9 @@ def scale_by_voted_mean(
       (dense: all-reduced).
     fit_scale: the dense vote's :math:`\bar s` fitted to the workers'
       mean after the vote (see above), not their mean magnitude.
+    fp32_mean: no vote: the workers' fp32 mean, all-reduced (see above;
+      the vote's options stay at their defaults). Without ``fragments``
+      the residual is always 0: ``error_feedback=False`` keeps none.
     abstain_nonfinite: a worker whose pseudo-gradient is not all finite
       abstains (see above).
 
@@ -477,6 +485,8 @@ def scale_by_voted_mean(
   """
   _checks.check_choice("aggregation", aggregation, _exchange.AGGREGATIONS)
   _checks.check_choice("comm", comm, _exchange.COMM_CHOICES)
+  fp32_mean = _checks.flag("fp32_mean", fp32_mean,
+                           "whether the workers send their fp32 values")
   spec = _quantize.vote_spec(quantizer, vote=vote, bits=bits)
   error_feedback = _checks.flag("error_feedback", error_feedback,
                                 "whether each worker keeps its residual")
@@ -484,6 +494,11 @@ def scale_by_voted_mean(
   scale_clip = _voted.clip_factor(scale_clip)
   fit_scale = _checks.flag("fit_scale", fit_scale,
                            "whether the vote's scale is fitted to the mean")
+  if fp32_mean:
+    _voted.check_no_vote(
+        aggregation=aggregation, vote=vote, quantizer=quantizer, bits=bits,
+        comm=comm, scale_chunk=scale_chunk, sparse_chunk=sparse_chunk,
+        scale_clip=scale_clip, fit_scale=fit_scale)
   abstain_nonfinite = _checks.flag(
       "abstain_nonfinite", abstain_nonfinite,
       "whether a worker whose round ended non-finite abstains")
@@ -562,11 +577,15 @@ def scale_by_voted_mean(
           wide, sparse, axis_name=axis_name, num_workers=num_workers,
           clip=scale_clip, present=present)
     else:
-      vote = functools.partial(
-          _voted.dense_mean, spec=spec, axis_name=axis_name,
-          num_workers=num_workers, aggregation=aggregation, comm=comm,
-          scale_chunk=scale_chunk, scale_clip=scale_clip, present=present,
-          fit_scale=fit_scale)
+      if fp32_mean:
+        vote = functools.partial(_voted.exact_mean, axis_name=axis_name,
+                                 num_workers=num_workers, present=present)
+      else:
+        vote = functools.partial(
+            _voted.dense_mean, spec=spec, axis_name=axis_name,
+            num_workers=num_workers, aggregation=aggregation, comm=comm,
+            scale_chunk=scale_chunk, scale_clip=scale_clip,
+            present=present, fit_scale=fit_scale)
       means, said = (vote(wide) if fragments == 1 else _voted.fragment_vote(
           vote, wide, fragments, state.count % fragments))
     means = treedef.unflatten([u.astype(d.dtype)
@@ -598,7 +617,8 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
                 scale_chunk: int | None = None, fragments: int = 1,
                 sparse_chunk: int | None = None, sparse_keep: int = 1,
                 sparse_value_bits: int = 1, scale_clip: float | None = 2.0,
-                fit_scale: bool = False, abstain_nonfinite: bool = False
+                fit_scale: bool = False, fp32_mean: bool = False,
+                abstain_nonfinite: bool = False
                 ) -> optax.GradientTransformation:
   r"""An outer step on the workers' voted mean pseudo-gradient.
 
@@ -629,8 +649,8 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
     aggregation: the vote's, as are ``vote``, ``quantizer``, ``bits``,
       ``comm``, ``error_feedback``, ``error_decay``, ``scale_chunk``,
       ``fragments``, ``sparse_chunk``, ``sparse_keep``,
-      ``sparse_value_bits``, ``scale_clip``, ``fit_scale`` and
-      ``abstain_nonfinite``:
+      ``sparse_value_bits``, ``scale_clip``, ``fit_scale``, ``fp32_mean``
+      and ``abstain_nonfinite``:
       see :func:`scale_by_voted_mean`.
 
   Returns:
@@ -654,7 +674,8 @@ def voted_outer(learning_rate: optax.ScalarOrSchedule, *,
       scale_chunk=scale_chunk, fragments=fragments,
       sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
       sparse_value_bits=sparse_value_bits, scale_clip=scale_clip,
-      fit_scale=fit_scale, abstain_nonfinite=abstain_nonfinite)
+      fit_scale=fit_scale, fp32_mean=fp32_mean,
+      abstain_nonfinite=abstain_nonfinite)
   if lion is not None:
     if traced or momentum:
       raise ValueError(

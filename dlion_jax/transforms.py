@@ -80,24 +80,14 @@ def pmean_gradients(axis_name: str = "data", *,
     _check_bound(axis_name, "dl.transforms.pmean_gradients",
                  "dl.transforms.pmean_gradients('batch') on a mesh whose "
                  "workers' axis is named 'batch'")
-    constants = ()
-    mean = lambda g, *_: _collectives.pmean(g, axis_name)
-    if abstain_nonfinite:
-      size = lax.axis_size(axis_name)
-      ok, abstained = _collectives.abstainers(updates, axis_name, size)
-      updates = jax.tree.map(lambda g: jnp.where(ok, g, 0), updates)
-      state = AbstainingMeanState(abstained,
-                                  state.abstentions + abstained)
-      constants = (size - abstained,)
-      mean = lambda g, count: _collectives.present_mean(g, axis_name, count,
-                                                        size)
-    axes = _blocks.compiler_axes(axis_name, jax.tree.leaves(updates))
-    if not axes:
-      return mean(updates, *constants), state
-    # The traced count enters the region as a constant.
-    return _blocks.on_own_shards(
-        lambda g, constants, **_: mean(g, *constants), (updates,), axes,
-        constants), state
+    if not abstain_nonfinite:
+      return _blocks.workers_mean(updates, axis_name), state
+    size = lax.axis_size(axis_name)
+    ok, abstained = _collectives.abstainers(updates, axis_name, size)
+    updates = jax.tree.map(lambda g: jnp.where(ok, g, 0), updates)
+    state = AbstainingMeanState(abstained, state.abstentions + abstained)
+    return _blocks.workers_mean(updates, axis_name, size - abstained,
+                                size), state
 
   return optax.GradientTransformation(init_fn, update_fn)
 

@@ -37,8 +37,10 @@ def run(tmp_path, *overrides, resume=False):
     ("dlion", dl.wire_bits(8), []), ("nesterov", dl.allreduce_bits(8), []),
     ("voted", dl.wire_bits(8), []),
     ("voted", dl.sparse_vote_bits(8, sparse_chunk=32),
-     ["optimizer.outer_sparse_chunk=32"])],
-    ids=["dlion", "nesterov", "voted", "voted-sparse"])
+     ["optimizer.outer_sparse_chunk=32"]),
+    ("voted", dl.allreduce_bits(8) / 4,
+     ["optimizer.outer_fp32_mean=true", "optimizer.outer_fragments=4"])],
+    ids=["dlion", "nesterov", "voted", "voted-sparse", "fp32-fragments"])
 def test_the_outer_step_is_sent_once_a_round(tmp_path, outer, bits, more):
   out, lines = run(tmp_path, "optimizer.local_steps=8",
                    f"optimizer.outer={outer}", "model.hidden=[128,128]",
@@ -52,7 +54,9 @@ def test_the_outer_step_is_sent_once_a_round(tmp_path, outer, bits, more):
   assert summary["sent_bits_per_param"] == pytest.approx(
       bits / 8, rel=0.06 if outer == "voted" else 0.03)
   assert summary["test_accuracy"] > 0.5          # it learns: 10 classes
-  assert f"dlion alone for 8 steps then a {outer} outer step" in lines[0]
+  label = (f"{outer} (fp32 mean, no vote)" if any("fp32" in x for x in more)
+           else outer)
+  assert f"dlion alone for 8 steps then a {label} outer step" in lines[0]
   # The model is the anchor, the same on every worker.
   anchor = dl.rounds.anchor(out["opt_state"])
   for leaf, rows in zip(jax.tree.leaves(out["params"]),
@@ -206,7 +210,12 @@ def test_config_mistakes_name_the_key(tmp_path):
       (["optimizer.outer_sparse_value_bits=2"],
        ["optimizer.outer_sparse_value_bits", "needs sparse_chunk"]),
       (["optimizer.outer=nesterov", "optimizer.outer_fragments=4"],
-       ["optimizer.outer_fragments=4", "optimizer.outer=voted"])]:
+       ["optimizer.outer_fragments=4", "optimizer.outer=voted"]),
+      (["optimizer.outer_fp32_mean=true", "optimizer.quantizer=ternary_l1"],
+       ["optimizer.quantizer", "quantizer='ternary_l1'",
+        "fp32_mean=True"]),
+      (["optimizer.outer=nesterov", "optimizer.outer_fp32_mean=true"],
+       ["optimizer.outer_fp32_mean=True", "optimizer.outer=voted"])]:
     with pytest.raises(ConfigError) as e:
       load_config(quickstart, [*local, *overrides])
     assert_names(e, *named)

@@ -248,6 +248,7 @@ NUMPY = {
                         "nesterov"),
     "no-ef-3": (3, {"error_feedback": False}, "sgd"),
     "fit-chunks-5": (5, {"fit_scale": True, "scale_chunk": 4}, "sgd"),
+    "fp32-fragments-4": (4, {"fp32_mean": True, "fragments": 2}, "sgd"),
 }
 
 
@@ -511,7 +512,7 @@ def test_the_sparse_votes_and_nesterovs_bytes_are_the_stated_accounting(n):
   chunk of 128) and float32 scales gathered, (N - 1) times one worker's,
   dl.sparse_vote_bits(N) x P / 8 for leaves of whole chunks; the count's
   all-reduce. Nesterov's: the fp32 all-reduce of the pseudo-gradients and
-  the count's."""
+  the count's, and the fp32 mean's (``fp32_mean``) of its fragment's."""
   size = 256 * 128 + 128
   allreduce = 2 * (n - 1) / n * 4
   sparse = rounds.voted_outer(0.5, axis_name="data", sparse_chunk=128,
@@ -522,3 +523,31 @@ def test_the_sparse_votes_and_nesterovs_bytes_are_the_stated_accounting(n):
   diloco = rounds.nesterov_outer(0.7, abstain_nonfinite=True)
   assert sent(n, diloco, 256, 128) == pytest.approx(
       size * allreduce + allreduce)
+  # The fp32 mean in the vote's place: Nesterov's on a quarter of each
+  # leaf (its entries padded to whole rows of 4), no scales.
+  control = rounds.voted_outer(0.5, axis_name="data", fp32_mean=True,
+                               fragments=4, abstain_nonfinite=True)
+  assert sent(n, control, 255, 127) == pytest.approx(
+      (-(-255 * 127 // 4) + -(-127 // 4)) * allreduce + allreduce)
+
+
+def test_the_fp32_means_bytes_across_nodes_are_dilocos():
+  """On a hybrid mesh with replicated params each device of a node
+  averages only its own part of every leaf, as DiLoCo's mean does: the
+  fp32 mean in the vote's place sends the same bytes across the nodes."""
+  mesh = devices.hybrid_mesh(2)
+  params = {"w": jnp.zeros((256, 64)), "b": jnp.zeros(64)}
+
+  def across_nodes(outer):
+    tx = dl.local_steps(optax.sgd(0.1), outer, every=2)
+    p = devices.replicate(params, mesh)
+    step = parallel.make_train_step(
+        lambda p, b: jnp.mean((b @ p["w"] + p["b"]) ** 2), tx, mesh,
+        donate=False, params_per_worker=True)
+    compiled = step.lower(devices.stack_for_workers(p, mesh),
+                          parallel.init_worker_states(tx, p, mesh),
+                          devices.shard_batch(jnp.ones((8, 256)), mesh)
+                          ).compile()
+    return dl.hlo.collective_bytes_by_axis(compiled, mesh)["data"]
+  assert across_nodes(rounds.voted_outer(0.5, fp32_mean=True)) == (
+      across_nodes(rounds.nesterov_outer(0.5, momentum=0.0)))

@@ -58,7 +58,7 @@ class VotedMean:
                quantizer="sign", bits=None, sparse=None,
                error_feedback=True, parts=1, error_decay=1.0,
                scale_chunk=None, fragments=1, value_bits=1, scale_clip=2.0,
-               fit_scale=False):
+               fit_scale=False, fp32_mean=False):
     self.n, self.aggregation, self.vote = n, aggregation, vote
     self.parts = parts     # the sparse vote: a leaf's cut over a node
     self.quantizer, self.bits, self.sparse = quantizer, bits, sparse
@@ -66,7 +66,7 @@ class VotedMean:
     self.error_decay, self.scale_chunk = error_decay, scale_chunk
     self.fragments, self.value_bits, self.steps = fragments, value_bits, 0
     self.scale_clip, self.abstained = scale_clip, 0
-    self.fit_scale = fit_scale
+    self.fit_scale, self.fp32_mean = fit_scale, fp32_mean
 
   def _clipped(self, scales):
     """The present workers' scales (one array each), each at most
@@ -106,7 +106,20 @@ class VotedMean:
                          np.float32))
     return np.concatenate(out)
 
+  def _exact(self, ps, present):
+    """No vote: the present workers' mean (the sum in order, over N
+    where all are present as pmean divides), each said exactly."""
+    live = [ps[i] for i, ok in enumerate(present) if ok]
+    if len(live) < self.n:
+      return self._mean_of(live, len(live)), ps
+    total = np.zeros_like(ps[0])
+    for p in ps:
+      total = (total + p).astype(np.float32)
+    return total / np.float32(self.n), ps
+
   def _dense(self, ps, present):
+    if self.fp32_mean:
+      return self._exact(ps, present)
     shape = ps[0].shape
     ps = [p.ravel() for p in ps]
     level = max_level(self.quantizer, self.bits)
@@ -345,13 +358,16 @@ def test_dense_vote_matches_numpy(n, options):
     (3, {"fit_scale": True}),
     (8, {"fit_scale": True, "scale_chunk": 6, "scale_clip": None}),
     (5, {"fit_scale": True, "aggregation": "avg", "fragments": 2}),
+    (3, {"fp32_mean": True, "fragments": 3, "error_decay": 0.5}),
+    (8, {"fp32_mean": True, "fragments": 4}),
 ], ids=["decay-3", "chunk-scales-8", "fragments-3", "all-avg-8",
         "fragments-ternary_l1-3", "fit-3", "fit-chunks-8",
-        "fit-avg-fragments-5"])
+        "fit-avg-fragments-5", "fp32-fragments-3", "fp32-fragments-8"])
 def test_dense_levers_match_numpy(n, options):
   """A decayed residual, a scale a chunk, the vote in fragments (each
-  entry once every M outer steps, the others keeping theirs) and the
-  scale fitted to the workers' mean after the vote."""
+  entry once every M outer steps, the others keeping theirs), the
+  scale fitted to the workers' mean after the vote, and the fp32 mean in
+  the vote's place."""
   check(n, options)
 
 
@@ -387,6 +403,38 @@ def test_bf16_params_vote_their_float32_residuals():
   state = check(3, {}, dtype=ml_dtypes.bfloat16)
   error = state.outer_state[0].error["w"]
   assert error.dtype == np.float32 and np.abs(error).max() > 0
+
+
+def test_fp32_mean_without_fragments_is_dilocos_plain_step():
+  """With no fragments the fp32 mean leaves no residual, and the step is
+  DiLoCo's outer step without momentum (to a rounding: XLA may fuse its
+  multiply-add otherwise)."""
+  params, grads = problem_apart(3, STEPS)
+  state = check(3, {"fp32_mean": True})
+  np.testing.assert_array_equal(state.outer_state[0].error["w"], 0)
+  plain = dl.local_steps(optax.sgd(INNER_LR), rounds.nesterov_outer(
+      OUTER_LR, momentum=0.0), every=EVERY)
+  voted = dl.local_steps(optax.sgd(INNER_LR), rounds.voted_outer(
+      OUTER_LR, fp32_mean=True), every=EVERY)
+  assert_close(run_step(voted, params, grads, 3)[0],
+               run_step(plain, params, grads, 3)[0], "fp32 mean")
+
+
+@pytest.mark.parametrize("option", [
+    {"aggregation": "avg"}, {"quantizer": "ternary_l1"}, {"vote": "ternary"},
+    {"scale_chunk": 64}, {"sparse_chunk": 128}, {"fit_scale": True},
+    {"scale_clip": None}, {"comm": "allgather"}])
+def test_fp32_mean_refuses_the_votes_options(option):
+  (name, value), = option.items()
+  with pytest.raises(ValueError, match=(
+      f"{name}={value!r} does not apply with fp32_mean=True.*leave {name} "
+      "at")):
+    rounds.scale_by_voted_mean(fp32_mean=True, **option)
+
+
+def test_fp32_mean_must_be_a_bool():
+  with pytest.raises(ValueError, match="fp32_mean=1"):
+    rounds.scale_by_voted_mean(fp32_mean=1)
 
 
 def test_without_error_feedback_nothing_is_kept():

@@ -149,6 +149,9 @@ class OptimizerConfig:
   # voted: the dense vote's scale fitted to the workers' mean after the
   # vote, not their mean magnitude (the scales exchanged after the vote).
   outer_fit_scale: bool = False
+  # voted: no vote, the workers' fp32 mean all-reduced (with
+  # outer_fragments, an fp32 fragment a round): the vote's control.
+  outer_fp32_mean: bool = False
   # The outer step one round late, its exchange apart from the step's
   # gradients (dlion_jax.local_steps's late).
   outer_late: bool = False
@@ -391,7 +394,7 @@ def _validate_voted(opt: OptimizerConfig) -> None:
                 "outer_sparse_keep": 1, "outer_error_decay": 1.0,
                 "outer_scale_chunk": None, "outer_fragments": 1,
                 "outer_sparse_value_bits": 1, "outer_scale_clip": 2.0,
-                "outer_fit_scale": False}
+                "outer_fit_scale": False, "outer_fp32_mean": False}
   for key, default in voted_only.items():
     if getattr(opt, key) != default and opt.outer != "voted":
       raise ConfigError(
@@ -434,14 +437,19 @@ def _validate_voted(opt: OptimizerConfig) -> None:
 def _validate_vote_levers(opt: OptimizerConfig) -> None:
   """The voted mean's levers as the library checks them, its errors named
   by their keys."""
-  options = {name: getattr(opt, f"outer_{name}") for name in (
+  keys = {name: f"outer_{name}" for name in (
       "error_decay", "scale_chunk", "fragments", "sparse_value_bits",
       "error_feedback", "sparse_chunk", "sparse_keep", "scale_clip",
       "fit_scale")}
+  if opt.outer_fp32_mean:   # the vote's own keys then must stay unset
+    keys.update({name: name for name in (
+        "aggregation", "vote", "quantizer", "bits", "comm")})
+  keys["fp32_mean"] = "outer_fp32_mean"   # last: an error names the other
+  options = {name: getattr(opt, key) for name, key in keys.items()}
   try:
     rounds.scale_by_voted_mean(**options)
   except ValueError as e:
-    named = [f"optimizer.outer_{name}" for name in options
+    named = [f"optimizer.{keys[name]}" for name in options
              if f"{name}=" in str(e)] or ["optimizer.outer"]
     raise ConfigError(f"{named[0]}: {e}", key=named[0]) from None
 

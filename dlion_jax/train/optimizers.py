@@ -160,6 +160,7 @@ def _outer(cfg: OptimizerConfig, schedule: optax.Schedule,
         sparse_keep=cfg.outer_sparse_keep,
         sparse_value_bits=cfg.outer_sparse_value_bits,
         scale_clip=cfg.outer_scale_clip, fit_scale=cfg.outer_fit_scale,
+        fp32_mean=cfg.outer_fp32_mean,
         abstain_nonfinite=cfg.abstain_nonfinite)
   lr = _shaped(_or(peak, DLION_OUTER_LEARNING_RATE_FACTOR * cfg.learning_rate),
                cfg, schedule)
@@ -206,6 +207,8 @@ def analytic_bits_per_param(cfg: OptimizerConfig, num_workers: int, *,
           scale_chunk=cfg.outer_scale_chunk)
     if cfg.outer == "voted":
       rate /= cfg.outer_fragments
+    if cfg.outer == "voted" and cfg.outer_fp32_mean:
+      return inner + dl.allreduce_bits(num_workers) * rate
     return inner + rate * dl.wire_bits(
         num_workers, aggregation=cfg.aggregation, vote=cfg.vote,
         comm=cfg.comm, quantizer=cfg.quantizer, bits=cfg.bits)

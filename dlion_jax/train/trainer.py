@@ -460,8 +460,10 @@ def _headline(cfg: Config, num_params: int) -> str:
   layout = "" if cfg.mesh.nodes is None else (
       f" as {cfg.mesh.nodes} nodes of {cfg.workers // cfg.mesh.nodes}")
   opt = cfg.optimizer
+  outer = "voted (fp32 mean, no vote)" if (
+      opt.outer == "voted" and opt.outer_fp32_mean) else opt.outer
   optimizer = opt.name if opt.local_steps == 1 else (
-      f"{opt.name} alone for {opt.local_steps} steps then a {opt.outer} "
+      f"{opt.name} alone for {opt.local_steps} steps then a {outer} "
       "outer step")
   return (f"{cfg.name}: {cfg.model['name']} with {num_params:,} parameters, "
           f"{optimizer} on {cfg.workers} workers{layout} ({where}), "
