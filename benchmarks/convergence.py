@@ -111,6 +111,11 @@ VOTED_ROWS = {
     "EF vote, ternary_l1, 1/2 fragments, decay 0.9": {
         **_VOTED, "optimizer.quantizer": "ternary_l1",
         "optimizer.outer_fragments": 2, "optimizer.outer_error_decay": 0.9},
+    # The control: the fp32 mean (no vote) on the same quarter a round, so
+    # that what the quarter schedule costs is told from what the vote does.
+    "fp32 mean, 1/4 fragments, decay 0.9": {
+        **_VOTED, "optimizer.outer_fp32_mean": True,
+        "optimizer.outer_fragments": 4, "optimizer.outer_error_decay": 0.9},
     "EF sparse 1/128, chunk scales, decay 0.95": {
         **_VOTED, "optimizer.outer_sparse_chunk": 128,
         "optimizer.outer_scale_chunk": 4096,
@@ -303,7 +308,9 @@ _LOCAL_BRIEF = ("D-Lion MaVo", "global Lion", "global AdamW",
                 "D-Lion outer, H=32", "DiLoCo outer, H=32",
                 "Lookahead on global Lion, H=32",
                 *(f"{row}, H=32" for row in (*VOTED_ROWS, *FP32_ROWS)),
-                *_FRAGMENTS_MORE_ROUNDS)
+                *_FRAGMENTS_MORE_ROUNDS,
+                # The fp32 mean's frontier: every H, its bits and metric.
+                *(f"DiLoCo plain outer, H={h}" for h in (8, 16, 128)))
 # Tasks that more than one study runs (each study its own rows).
 _CNN = Task("fashion_mnist_cnn", "test_accuracy", True, epochs=3)
 # A 2-block GPT of width 64 on 64-byte windows, 300 steps.
@@ -780,13 +787,49 @@ def _mean_bits(runs, task, row, n) -> float | None:
   return statistics.fmean(sent) if sent else None
 
 
-def best_fp32_outer(runs, task, n) -> str | None:
-  """The fp32 outer row (:data:`FP32_LOCAL_ROWS`, at any H) with the best
-  mean at ``n``, or None where none was evaluated."""
+def best_fp32_outer(runs, task, n, h: int = 32) -> str | None:
+  """The fp32 outer row (:data:`FP32_LOCAL_ROWS`) at H = ``h`` with the best
+  mean at ``n`` (at any H where none ran at ``h``), or None where none was
+  evaluated: the yardstick of the voted rows, whose 1-bit votes fit the
+  0.075-bit budget at H = 32 (the fp32 mean at other H, with 4x or 1/4
+  the rounds and bits, is :func:`fp32_table`'s)."""
   better = 1 if TASKS[task].task.higher_is_better else -1
   means = {row: mean for row in FP32_LOCAL_ROWS
            if (mean := _mean(runs, task, row, n)) is not None}
+  means = {row: mean for row, mean in means.items()
+           if row.endswith(f", H={h}")} or means
   return max(means, key=lambda row: better * means[row]) if means else None
+
+
+def fp32_table(runs, task) -> str:
+  """Every fp32 outer row evaluated, and the fp32 mean's fragment control,
+  at the largest N: its bits and its mean (min-max) over the seeds, against
+  the yardstick (:func:`best_fp32_outer`)."""
+  conv = TASKS[task]
+  n = max(eval_workers(runs, task), default=None)
+  best = n and best_fp32_outer(runs, task, n)
+  if not best:
+    return ""
+  digits = 2 if conv.task.scale == 100 else 3
+  sign = 1 if conv.task.higher_is_better else -1
+  yardstick = _mean(runs, task, best, n)
+  body = []
+  for row in [*FP32_LOCAL_ROWS, *(r for r in LOCAL_ROWS
+                                  if r.startswith("fp32 mean"))]:
+    mean = _mean(runs, task, row, n)
+    if mean is None or all(r.get("same_as") == best
+                           for r in _evals(runs, task, row, n)):
+      continue
+    low, high = seed_range(runs, task, row, n)
+    body.append([row, f"{_mean_bits(runs, task, row, n):.3f}",
+                 f"{mean:.{digits}f} ({low:.{digits}f}-{high:.{digits}f})",
+                 "yardstick" if row == best
+                 else f"{(mean - yardstick) * sign:+.{digits}f}"])
+  return (f"The fp32 mean at every H it ran, and on fragments of the "
+          f"entries (N={n}; the yardstick: {best}):\n\n"
+          + reporting.markdown_table(
+              ["fp32 outer row", "bits/param/step", f"test {conv.task.unit}",
+               "against the yardstick"], body))
 
 
 def compare(runs, task, n, ours, theirs) -> tuple[str, float, int, int]:
@@ -810,7 +853,7 @@ def compare(runs, task, n, ours, theirs) -> tuple[str, float, int, int]:
 
 def local_steps_verdicts(runs: list[dict], task: str) -> list[str]:
   """Every local-steps row against the best fp32 outer row (the best of
-  DiLoCo's Nesterov step and the fair baselines, at any H) and against
+  DiLoCo's Nesterov step and the fair baselines, at H = 32) and against
   voting every step, with the bits each sends; a row whose runs are the
   best row's own (``same_as``) is left out."""
   conv = TASKS[task]
@@ -951,7 +994,7 @@ def plot_bits(runs: list[dict], path: str) -> None:
             t for t in TASKS if set(LOCAL_ROWS) & set(TASKS[t].rows))
         + "); nothing to plot. Leave it out, or wait for the study's "
         "seeds to run.")
-  fig = Figure(figsize=(6.5 * len(tasks) + 1, 4.4), layout="constrained")
+  fig = Figure(figsize=(6.5 * len(tasks) + 1, 6.4), layout="constrained")
   for ax, task in zip(fig.subplots(1, len(tasks), squeeze=False)[0], tasks):
     n = max(eval_workers(runs, task))
     series = {}
@@ -985,7 +1028,9 @@ def plot_bits(runs: list[dict], path: str) -> None:
     ax.set(xlabel="bits each worker sends per parameter per step",
            ylabel=f"test {TASKS[task].task.unit} (N={n})", title=task)
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    # Below the axes: inside, it hid the rows at the plot's corners.
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.13),
+              ncol=2)
   pathlib.Path(path).parent.mkdir(parents=True, exist_ok=True)
   fig.savefig(path, dpi=110)
 
@@ -1114,6 +1159,7 @@ def report(runs: list[dict], heading: str) -> str:
                  f"{conv.task.unit})\n\n" + summary_table(runs, task))
     parts.append(protocol(runs, task))
     parts += ["\n".join(f"- {line}" for line in verdicts(runs, task)),
+              fp32_table(runs, task),
               screen_table(runs, task), momentum_table(runs, task),
               matched_table(runs, task),
               grid_table(runs, task)]
