@@ -13,6 +13,7 @@ import numpy as np
 from jax import lax
 
 from dlion_jax import _blocks
+from dlion_jax import _checks
 from dlion_jax import _collectives
 from dlion_jax import _exchange
 from dlion_jax import _quantize
@@ -56,6 +57,39 @@ def residual_weight(error_decay, error_feedback: bool) -> float:
         "residual to decay. Set error_feedback=True, or leave error_decay "
         "at 1.")
   return float(error_decay)
+
+
+def message_shape(*, sparse_chunk, sparse_keep, sparse_value_bits,
+                  scale_chunk, dense_only: dict):
+  """The sparse vote's shape (:func:`dlion_jax._sparse.sparsity`), or None
+  for the dense vote, and ``scale_chunk`` checked: each vote's options
+  refused with the other (``dense_only``: name -> (value, default))."""
+  if sparse_chunk is not None:
+    shape = _sparse.sparsity(sparse_chunk, sparse_keep, sparse_value_bits,
+                             scale_chunk)
+    for name, (value, default) in dense_only.items():
+      if value != default:
+        raise ValueError(
+            f"{name}={value!r} does not apply to the sparse vote "
+            f"(sparse_chunk={sparse_chunk}), which sends positions and "
+            f"values, every worker's gathered: leave {name} at "
+            f"{default!r}, or set sparse_chunk=None for the dense vote.")
+    return shape, scale_chunk
+  for name, value, default in (("sparse_keep", sparse_keep, 1),
+                               ("sparse_value_bits", sparse_value_bits, 1)):
+    if _checks.static_int(name, value) != default:
+      raise ValueError(
+          f"{name}={value!r} needs sparse_chunk: it is an option of the "
+          "sparse vote. Give sparse_chunk (e.g. 128), or leave "
+          f"{name} at {default} for the dense vote.")
+  if scale_chunk is not None:
+    scale_chunk = _checks.positive_int("scale_chunk", scale_chunk)
+    if scale_chunk < 2:
+      raise ValueError(
+          "scale_chunk=1 would send a float32 scale for every entry, "
+          "more than the fp32 mean: give a chunk of 2 or more entries "
+          "(e.g. 1024), or None for a scale a leaf.")
+  return None, scale_chunk
 
 
 def _own_values(p: jax.Array, spec: _quantize.VoteSpec) -> jax.Array:

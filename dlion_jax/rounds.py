@@ -509,37 +509,14 @@ def scale_by_voted_mean(
         f"fragments={fragments} needs error_feedback=True: the entries "
         "that do not vote in a step keep their pseudo-gradient in the "
         "residual for their turn. Set error_feedback=True, or fragments=1.")
-  if sparse_chunk is None:
-    for name, value, default in (("sparse_keep", sparse_keep, 1),
-                                 ("sparse_value_bits", sparse_value_bits, 1)):
-      if _checks.static_int(name, value) != default:
-        raise ValueError(
-            f"{name}={value!r} needs sparse_chunk: it is an option of the "
-            "sparse vote. Give sparse_chunk (e.g. 128), or leave "
-            f"{name} at {default} for the dense vote.")
-    if scale_chunk is not None:
-      scale_chunk = _checks.positive_int("scale_chunk", scale_chunk)
-      if scale_chunk < 2:
-        raise ValueError(
-            "scale_chunk=1 would send a float32 scale for every entry, "
-            "more than the fp32 mean: give a chunk of 2 or more entries "
-            "(e.g. 1024), or None for a scale a leaf.")
-    sparse = None
-  else:
-    sparse = _sparse.sparsity(sparse_chunk, sparse_keep, sparse_value_bits,
-                              scale_chunk)
-    dense_only = {"aggregation": (aggregation, "mavo"),
+  sparse, scale_chunk = _voted.message_shape(
+      sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
+      sparse_value_bits=sparse_value_bits, scale_chunk=scale_chunk,
+      dense_only={"aggregation": (aggregation, "mavo"),
                   "fit_scale": (fit_scale, False),
                   "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
                   "bits": (bits, None), "comm": (comm, "auto"),
-                  "fragments": (fragments, 1)}
-    for name, (value, default) in dense_only.items():
-      if value != default:
-        raise ValueError(
-            f"{name}={value!r} does not apply to the sparse vote "
-            f"(sparse_chunk={sparse_chunk}), which sends positions and "
-            f"values, every worker's gathered: leave {name} at "
-            f"{default!r}, or set sparse_chunk=None for the dense vote.")
+                  "fragments": (fragments, 1)})
 
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
