@@ -791,8 +791,8 @@ def best_fp32_outer(runs, task, n, h: int = 32) -> str | None:
   """The fp32 outer row (:data:`FP32_LOCAL_ROWS`) at H = ``h`` with the best
   mean at ``n`` (at any H where none ran at ``h``), or None where none was
   evaluated: the yardstick of the voted rows, whose 1-bit votes fit the
-  0.075-bit budget at H = 32 (the fp32 mean at other H, with 4x or 1/4
-  the rounds and bits, is :func:`fp32_table`'s)."""
+  0.075-bit budget at H = 32 (the fp32 mean at other H, with more or
+  fewer rounds and bits, is :func:`fp32_table`'s)."""
   better = 1 if TASKS[task].task.higher_is_better else -1
   means = {row: mean for row in FP32_LOCAL_ROWS
            if (mean := _mean(runs, task, row, n)) is not None}

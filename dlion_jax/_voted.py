@@ -216,18 +216,15 @@ def exact_mean(leaves, *, axis_name, num_workers, present=None):
                               num_workers), leaves
 
 
-def check_no_vote(**options) -> None:
-  """``fp32_mean=True``'s checks: the vote's ``options`` at their
-  defaults (it sends no vote)."""
-  defaults = {"aggregation": "mavo", "vote": "binary", "quantizer": "sign",
-              "bits": None, "comm": "auto", "scale_chunk": None,
-              "sparse_chunk": None, "scale_clip": 2.0, "fit_scale": False}
-  for name, value in options.items():
-    if not isinstance(value, jax.core.Tracer) and value != defaults[name]:
+def check_no_vote(options: dict) -> None:
+  """``fp32_mean=True``'s checks: the vote's ``options`` (name -> (value,
+  default)) at their defaults (it sends no vote)."""
+  for name, (value, default) in options.items():
+    if not isinstance(value, jax.core.Tracer) and value != default:
       raise ValueError(
           f"{name}={value!r} does not apply with fp32_mean=True, which "
           "sends each worker's fp32 values, all-reduced, and no vote: "
-          f"leave {name} at {defaults[name]!r}, or set fp32_mean=False.")
+          f"leave {name} at {default!r}, or set fp32_mean=False.")
 
 
 def fragment_vote(vote, leaves, fragments: int, k: jax.Array):

@@ -494,11 +494,14 @@ def scale_by_voted_mean(
   scale_clip = _voted.clip_factor(scale_clip)
   fit_scale = _checks.flag("fit_scale", fit_scale,
                            "whether the vote's scale is fitted to the mean")
+  vote_only = {"aggregation": (aggregation, "mavo"),
+               "fit_scale": (fit_scale, False),
+               "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
+               "bits": (bits, None), "comm": (comm, "auto")}
   if fp32_mean:
-    _voted.check_no_vote(
-        aggregation=aggregation, vote=vote, quantizer=quantizer, bits=bits,
-        comm=comm, scale_chunk=scale_chunk, sparse_chunk=sparse_chunk,
-        scale_clip=scale_clip, fit_scale=fit_scale)
+    _voted.check_no_vote({**vote_only, "scale_chunk": (scale_chunk, None),
+                          "sparse_chunk": (sparse_chunk, None),
+                          "scale_clip": (scale_clip, 2.0)})
   abstain_nonfinite = _checks.flag(
       "abstain_nonfinite", abstain_nonfinite,
       "whether a worker whose round ended non-finite abstains")
@@ -512,11 +515,7 @@ def scale_by_voted_mean(
   sparse, scale_chunk = _voted.message_shape(
       sparse_chunk=sparse_chunk, sparse_keep=sparse_keep,
       sparse_value_bits=sparse_value_bits, scale_chunk=scale_chunk,
-      dense_only={"aggregation": (aggregation, "mavo"),
-                  "fit_scale": (fit_scale, False),
-                  "vote": (vote, "binary"), "quantizer": (quantizer, "sign"),
-                  "bits": (bits, None), "comm": (comm, "auto"),
-                  "fragments": (fragments, 1)})
+      dense_only={**vote_only, "fragments": (fragments, 1)})
 
   def init_fn(params):
     _checks.check_float_leaves(params, "params")
